@@ -1,0 +1,34 @@
+# Every target runs from .venv, created on first use with the pinned CPU torch.
+
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+TORCH_PIN := torch==2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+
+.PHONY: venv demo test lint bench
+
+venv: $(STAMP)
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch is pinned before the editable install so pip never resolves an unpinned torch.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install $(TORCH_PIN) || $(PIP) install --index-url $(TORCH_CPU_INDEX) $(TORCH_PIN)
+	$(PIP) install -e '.[test]'
+	touch $@
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(PY) tools/demo.py
+
+bench: $(STAMP)
+	$(PY) tools/bench_model.py
