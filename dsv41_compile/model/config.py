@@ -1,0 +1,303 @@
+"""`ModelConfig`: every size and constant of the single-device DeepSeek V4.1 model, with presets.
+
+Field names follow the released V4.1 text config where one exists (see
+`../shared/reference/dsv41_architecture.md` §2.1). Presets:
+
+- ``"tiny"``: small enough for CPU tests, same structure as the real model.
+- ``"flash"``: the released V4.1-Flash sizes (build it on the meta device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    vocab_size: int
+    """Rows of the embedding and of the (untied) output head."""
+    dim: int
+    """Hidden size D."""
+    n_layers: int
+    """Decoder layers."""
+    n_heads: int
+    """Query heads H; keys and values are one shared latent (MQA)."""
+    head_dim: int
+    """Width d of a query head and of the shared KV latent (keys == values)."""
+    rope_head_dim: int
+    """RoPE is applied, interleaved, to the last `rope_head_dim` dims of each head and latent."""
+    q_lora_rank: int
+    """Rank of the low-rank query path: `wq_a: D -> q_lora_rank`, `wq_b: q_lora_rank -> H*d`."""
+    o_groups: int
+    """Output groups G: consecutive heads `[g*H/G, (g+1)*H/G)` share one `wo_a` block."""
+    o_lora_rank: int
+    """Per-group output rank of `wo_a`; `wo_b` maps `G*o_lora_rank -> D`."""
+    window_size: int
+    """Sliding window W: token at position p attends to positions `(p-W, p]` of its request."""
+    n_routed_experts: int
+    """Routed experts E."""
+    n_activated_experts: int
+    """Top-k routed experts per token."""
+    moe_inter_dim: int
+    """Intermediate width of every expert (routed and the one shared expert)."""
+    routed_scaling_factor: float
+    """Multiplies the normalised top-k routing weights."""
+    swiglu_limit: float
+    """SwiGLU clamp L: up in [-L, L], gate <= L; 0 disables the clamp."""
+    hc_mult: int = 4
+    """mHC residual streams n."""
+    hc_sinkhorn_iters: int = 20
+    """Sinkhorn iterations normalising the mHC comb matrix."""
+    hc_eps: float = 1e-6
+    """mHC epsilon (added to pre and to the comb before normalisation)."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon (also used by the mHC projection's RMS)."""
+    rope_theta: float = 10000.0
+    """RoPE base of the sliding-window-only layers (no YaRN)."""
+    dtype: str = "float32"
+    """Weights and activations: "float32" or "bfloat16". mHC, router, norms and sink stay fp32."""
+
+    # --- compressed attention (see `layer_plan`) ---------------------------------------------
+    compress_ratios: tuple[int, ...] = ()
+    """Per layer: 0 = sliding window only, 1 or 2 = window + compressed entries of that many
+    tokens each. Empty means every layer is window-only."""
+    kv_source_layer_ids: tuple[int, ...] = ()
+    """Layers that own a compressor (and its cache); later layers of the same ratio share it."""
+    index_source_layer_ids: tuple[int, ...] = ()
+    """Layers that run an indexer top-k; later layers of the same ratio reuse the latest one.
+    Every kv source is also an index source."""
+    candidate_source_layer_id: int = -1
+    """Layer whose index scores pick candidate blocks that later index sources of the same
+    ratio must select inside; -1 for none."""
+    candidate_block_size: int = 8
+    """Compressed entries per candidate block."""
+    candidate_topk_blocks: int = 2048
+    """Candidate blocks kept per query (the block of its last visible entry always is)."""
+    index_n_heads: int = 32
+    """Indexer heads."""
+    index_head_dim: int = 128
+    """Indexer query/key width; RoPE on its last `rope_head_dim` dims."""
+    index_topk: int = 512
+    """Compressed entries each query attends to (at most)."""
+    compress_rope_theta: float = 160000.0
+    """RoPE base of every compressed layer (window, queries, compressed and index keys)."""
+    rope_factor: float = 16.0
+    """YaRN scaling factor of the compressed layers."""
+    original_max_position_embeddings: int = 65536
+    """YaRN original context length."""
+    beta_fast: float = 32.0
+    """YaRN correction range: rotations at the high-frequency end."""
+    beta_slow: float = 1.0
+    """YaRN correction range: rotations at the low-frequency end."""
+
+    def __post_init__(self) -> None:
+        positive = (
+            "vocab_size dim n_layers n_heads head_dim rope_head_dim q_lora_rank o_groups "
+            "o_lora_rank window_size n_routed_experts n_activated_experts moe_inter_dim hc_mult "
+            "hc_sinkhorn_iters candidate_block_size candidate_topk_blocks index_n_heads "
+            "index_head_dim index_topk"
+        )
+        for name in positive.split():
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(
+                f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        if self.rope_head_dim % 2 or self.rope_head_dim > min(self.head_dim, self.index_head_dim):
+            raise ValueError(
+                f"rope_head_dim ({self.rope_head_dim}) must be even and <= head_dim "
+                f"({self.head_dim}) and index_head_dim ({self.index_head_dim})"
+            )
+        if self.n_heads % self.o_groups:
+            raise ValueError(f"o_groups ({self.o_groups}) must divide n_heads ({self.n_heads})")
+        if self.n_activated_experts > self.n_routed_experts:
+            raise ValueError(
+                f"n_activated_experts ({self.n_activated_experts}) must be <= "
+                f"n_routed_experts ({self.n_routed_experts})"
+            )
+        if self.swiglu_limit < 0:
+            raise ValueError(f"swiglu_limit must be >= 0 (0 disables it), got {self.swiglu_limit}")
+        layer_plan(self)  # raises ValueError on an inconsistent compressed-attention schedule
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def hc_mix_dim(self) -> int:
+        """Width of the mHC projection: n pre + n post + n*n comb coefficients."""
+        return (2 + self.hc_mult) * self.hc_mult
+
+    @property
+    def ratios(self) -> tuple[int, ...]:
+        """`compress_ratios`, with the empty default spelled out as all zeros."""
+        return self.compress_ratios or (0,) * self.n_layers
+
+    def replace(self, **changes: object) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def from_name(name: str, **overrides: object) -> ModelConfig:
+        """A preset by name, optionally with some fields replaced."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; presets are: {', '.join(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+ATTENTION_MODES = ("swa", "full", "reindex", "reuse")
+
+
+@dataclass(frozen=True)
+class LayerRole:
+    """What one layer's attention does, resolved from the config's layer-id lists.
+
+    - ``swa``: window only.
+    - ``full``: owns a compressor (compressed KV + index keys) and an indexer.
+    - ``reindex``: owns an indexer query only; scores the kv source's index keys.
+    - ``reuse``: no compressor or indexer; attends over the kv source's compressed KV at the
+      latest index source's top-k.
+    """
+
+    mode: str
+    ratio: int
+    kv_source: int = -1
+    """Layer whose compressed KV and index keys this layer reads (-1: none)."""
+    topk_source: int = -1
+    """Layer whose top-k selects this layer's compressed entries (-1: none)."""
+    candidate_filtered: bool = False
+    """This layer's top-k is restricted to the candidate blocks of the candidate source."""
+    makes_candidates: bool = False
+    """This layer is the candidate source."""
+
+
+def layer_plan(cfg: ModelConfig) -> tuple[LayerRole, ...]:
+    """Each layer's role: the source a layer uses is the latest source at or before it with the
+    same compress ratio (as vllm-ascend's `build_layer_plan` and pypto-lib's `layer_config`)."""
+    ratios = cfg.ratios
+    if len(ratios) != cfg.n_layers:
+        raise ValueError(
+            f"compress_ratios has {len(ratios)} entries; it needs one per layer ({cfg.n_layers})"
+        )
+    if any(r not in (0, 1, 2) for r in ratios):
+        raise ValueError(f"compress_ratios must contain only 0, 1 or 2, got {ratios}")
+    for name in ("kv_source_layer_ids", "index_source_layer_ids"):
+        ids = getattr(cfg, name)
+        if list(ids) != sorted(set(ids)) or any(not 0 <= i < cfg.n_layers for i in ids):
+            raise ValueError(f"{name} must be sorted, unique layer ids, got {ids}")
+        if any(ratios[i] == 0 for i in ids):
+            raise ValueError(f"{name} {ids} names a window-only layer (compress ratio 0)")
+    kv_sources, index_sources = cfg.kv_source_layer_ids, cfg.index_source_layer_ids
+    if not set(kv_sources) <= set(index_sources):
+        raise ValueError(
+            f"every kv source must also be an index source: add "
+            f"{sorted(set(kv_sources) - set(index_sources))} to index_source_layer_ids"
+        )
+    candidate = cfg.candidate_source_layer_id
+    if candidate != -1 and candidate not in kv_sources:
+        raise ValueError(
+            f"candidate_source_layer_id {candidate} must be one of kv_source_layer_ids {kv_sources}"
+        )
+
+    roles = []
+    for layer, ratio in enumerate(ratios):
+        if ratio == 0:
+            roles.append(LayerRole(mode="swa", ratio=0))
+            continue
+        kv_source = max((s for s in kv_sources if s <= layer and ratios[s] == ratio), default=-1)
+        if kv_source == -1:
+            raise ValueError(
+                f"layer {layer} has compress ratio {ratio} but no kv source of that ratio at or "
+                f"before it: add a layer id to kv_source_layer_ids"
+            )
+        topk_source = max(s for s in index_sources if s <= layer and ratios[s] == ratio)
+        mode = "full" if layer == kv_source else "reindex" if layer == topk_source else "reuse"
+        filtered = (
+            mode != "reuse" and candidate != -1 and candidate < layer and ratios[candidate] == ratio
+        )
+        roles.append(
+            LayerRole(
+                mode=mode,
+                ratio=ratio,
+                kv_source=kv_source,
+                topk_source=topk_source,
+                candidate_filtered=filtered,
+                makes_candidates=layer == candidate,
+            )
+        )
+    return tuple(roles)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=512,
+        dim=64,
+        n_layers=8,
+        n_heads=4,
+        head_dim=32,
+        rope_head_dim=8,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        window_size=4,
+        n_routed_experts=8,
+        n_activated_experts=2,
+        moe_inter_dim=32,
+        routed_scaling_factor=1.5,
+        swiglu_limit=10.0,
+        # Every attention mode, with pruning that prunes at a few dozen tokens (notes §2.3):
+        # SWA 0-1, ratio-2 FULL 2 / REUSE 3, ratio-1 FULL + candidates 4 / REUSE 5 / REINDEX 6
+        # / REUSE 7.
+        compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1),
+        kv_source_layer_ids=(2, 4),
+        index_source_layer_ids=(2, 4, 6),
+        candidate_source_layer_id=4,
+        candidate_block_size=2,
+        candidate_topk_blocks=3,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+    ),
+    # DeepSeek-V4.1-Flash text config (reference notes §2.1).
+    "flash": ModelConfig(
+        vocab_size=129280,
+        dim=5120,
+        n_layers=40,
+        n_heads=64,
+        head_dim=512,
+        rope_head_dim=64,
+        q_lora_rank=1280,
+        o_groups=8,
+        o_lora_rank=1024,
+        window_size=128,
+        n_routed_experts=384,
+        n_activated_experts=6,
+        moe_inter_dim=2304,
+        routed_scaling_factor=1.5,
+        swiglu_limit=10.0,
+        rms_norm_eps=1e-20,
+        dtype="bfloat16",
+        compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20,
+        kv_source_layer_ids=(2, 8, 14, 20),
+        index_source_layer_ids=(2, 8, 14, 20, 24, 28, 32, 36),
+        candidate_source_layer_id=20,
+        candidate_block_size=8,
+        candidate_topk_blocks=2048,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=512,
+    ),
+}
+# Window-only variant of "tiny" for fast tests of everything that is not compressed attention.
+PRESETS["tiny-swa"] = PRESETS["tiny"].replace(
+    n_layers=2,
+    compress_ratios=(),
+    kv_source_layer_ids=(),
+    index_source_layer_ids=(),
+    candidate_source_layer_id=-1,
+)
