@@ -29,10 +29,11 @@ def run(model: DeepseekV41, cache, requests: list[Request]) -> torch.Tensor:
 
 
 def test_ragged_batch_equals_each_request_alone(model: DeepseekV41) -> None:
-    prompts = random_prompts([5, 1, 9, 3], model.cfg.vocab_size)
-    packed = run(model, model.new_cache(4, 16), [Request(s, p) for s, p in enumerate(prompts)])
+    # Long enough that every compressed mode of "tiny" prunes (see test_compressed_attention).
+    prompts = random_prompts([13, 1, 19, 6], model.cfg.vocab_size)
+    packed = run(model, model.new_cache(4, 32), [Request(s, p) for s, p in enumerate(prompts)])
 
-    alone = [run(model, model.new_cache(1, 16), [Request(0, p)]) for p in prompts]
+    alone = [run(model, model.new_cache(1, 32), [Request(0, p)]) for p in prompts]
     torch.testing.assert_close(packed, torch.cat(alone), **FP32_TOL)
 
 
@@ -76,24 +77,29 @@ def test_incremental_equals_one_prefill(model: DeepseekV41, step: int) -> None:
 
 
 def test_padding_rows_change_nothing_and_write_nothing(model: DeepseekV41) -> None:
-    prompts = random_prompts([4, 6], model.cfg.vocab_size, seed=3)
-    clean_cache = model.new_cache(2, 16)
+    prompts = random_prompts([11, 16], model.cfg.vocab_size, seed=3)
+    clean_cache = model.new_cache(2, 32)
     clean = run(model, clean_cache, [Request(0, prompts[0]), Request(1, prompts[1])])
 
-    padded_cache = model.new_cache(2, 16)
+    padded_cache = model.new_cache(2, 32)
     pad = [7, 8, 9]
     padded = run(
         model,
         padded_cache,
         [Request(-1, pad), Request(0, prompts[0]), Request(-1, pad[:1]), Request(1, prompts[1])],
     )
-    valid = torch.tensor([False] * 3 + [True] * 4 + [False] + [True] * 6)
+    valid = torch.tensor([False] * 3 + [True] * 11 + [False] + [True] * 16)
     torch.testing.assert_close(padded[valid], clean, **FP32_TOL)
     assert torch.count_nonzero(padded[~valid]) == 0
     assert padded_cache.lengths.tolist() == clean_cache.lengths.tolist()
     real_slots = slice(0, padded_cache.num_slots)
-    for clean_kv, padded_kv in zip(clean_cache.window_kv, padded_cache.window_kv):
-        torch.testing.assert_close(padded_kv[real_slots], clean_kv[real_slots], **FP32_TOL)
+    for field in ("window_kv", "compressed_kv", "index_k", "pair_state"):
+        clean_state, padded_state = getattr(clean_cache, field), getattr(padded_cache, field)
+        keys = range(len(clean_state)) if isinstance(clean_state, list) else clean_state.keys()
+        for key in keys:
+            torch.testing.assert_close(
+                padded_state[key][real_slots], clean_state[key][real_slots], **FP32_TOL
+            )
 
 
 @pytest.mark.parametrize(("preset", "max_rel_err"), [("tiny-swa", 0.02), ("tiny", 0.25)])
