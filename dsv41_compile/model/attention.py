@@ -125,9 +125,10 @@ class Compressor(nn.Module):
         # An odd position closes the pair opened at position p-1: that token is the previous
         # row of the batch if it belongs to the same request, otherwise it came in an earlier
         # call and waits in pair_state.
-        prev_row_T2d = torch.cat((row_T2d[:1], row_T2d[:-1]))
-        prev_slot_T = torch.cat((cache_slot_T[:1] - 1, cache_slot_T[:-1]))
-        prev_in_batch_T = prev_slot_T == cache_slot_T
+        # Shifts are rolls plus an edge mask (no [T-1] slices), so one graph serves every T.
+        row_ids_T = torch.arange(row_T2d.shape[0], device=row_T2d.device)
+        prev_in_batch_T = (torch.roll(cache_slot_T, 1) == cache_slot_T) & (row_ids_T > 0)
+        prev_row_T2d = torch.roll(row_T2d, 1, dims=0)
         opener_T2d = torch.where(prev_in_batch_T[:, None], prev_row_T2d, pair_state[cache_slot_T])
         closes_T = positions_T % 2 == 1
 
@@ -137,8 +138,10 @@ class Compressor(nn.Module):
 
         # Keep the opener of a pair left open at the end of this call (its request's last row);
         # every other row writes to the scratch slot.
-        next_slot_T = torch.cat((cache_slot_T[1:], cache_slot_T[-1:] - 1))
-        left_open_T = ~closes_T & (next_slot_T != cache_slot_T)
+        last_of_request_T = (torch.roll(cache_slot_T, -1) != cache_slot_T) | (
+            row_ids_T == row_ids_T.shape[0] - 1
+        )
+        left_open_T = ~closes_T & last_of_request_T
         scratch = pair_state.shape[0] - 1
         pair_state.index_put_((torch.where(left_open_T, cache_slot_T, scratch),), row_T2d)
         return self.norm(pooled_Td.to(x_TD.dtype)), closes_T

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.testing.batches import Request, pack
@@ -135,3 +136,32 @@ def test_inductor_fullgraph_matches_eager(model: DeepseekV41) -> None:
     with torch.inference_mode():
         got = compiled(*pack(batch), model.new_cache(2, 8))
     torch.testing.assert_close(got, eager, **FP32_TOL)
+
+
+def test_one_dynamic_graph_serves_every_token_count(model: DeepseekV41) -> None:
+    # The backend relies on this: after the first call, a serving loop with T = 3, 8, 13, 5, 2
+    # must not recompile (T = 1 is specialised by Dynamo itself). AOT tracing adds shape guards
+    # of its own (a [T-1] slice once made T=2 recompile after T=3), so trace through it.
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, dynamic=True, fullgraph=True)
+    cache, reference_cache = model.new_cache(4, 64), model.new_cache(4, 64)
+    held = [0, 0, 0, 0]
+    gen = torch.Generator().manual_seed(6)
+    compiles_after_first_call = None
+    for T in (3, 8, 13, 5, 2):
+        per_slot = [T // 4 + (s < T % 4) for s in range(4)]
+        batch = []
+        for s, n in enumerate(per_slot):
+            if n:
+                batch.append(
+                    Request(s, torch.randint(0, 512, (n,), generator=gen).tolist(), held[s])
+                )
+                held[s] += n
+        with torch.inference_mode():
+            got = compiled(*pack(batch), cache)
+            want = model(*pack(batch), reference_cache)
+        torch.testing.assert_close(got, want, **FP32_TOL)
+        if compiles_after_first_call is None:
+            compiles_after_first_call = counter.frame_count
+    assert counter.frame_count == compiles_after_first_call
