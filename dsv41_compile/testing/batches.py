@@ -27,3 +27,23 @@ def pack(requests: Sequence[Request]) -> tuple[Tensor, Tensor, Tensor]:
         slots.extend([req.slot] * len(req.ids))
     as_long = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     return as_long(ids), as_long(positions), as_long(slots)
+
+
+def incremental_schedule(
+    prompts: Sequence[Sequence[int]], prefill: Sequence[int], step: int
+) -> list[list[Request]]:
+    """Batches that feed `prompts` (request i in slot i) through a cache: first a packed
+    prefill of `prefill[i]` tokens each, then calls that append up to `step` tokens per
+    unfinished request (1: decode; k > 1: multi-token decode, as in DSpark verification)."""
+    done = list(prefill)
+    batches = [[Request(s, p[:n]) for s, (p, n) in enumerate(zip(prompts, done)) if n]]
+    while any(n < len(p) for n, p in zip(done, prompts)):
+        batches.append(
+            [
+                Request(s, p[n : n + step], start=n)
+                for s, (p, n) in enumerate(zip(prompts, done))
+                if n < len(p)
+            ]
+        )
+        done = [min(n + step, len(p)) for n, p in zip(done, prompts)]
+    return batches

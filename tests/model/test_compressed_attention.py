@@ -13,7 +13,7 @@ from dsv41_compile.model.attention import (
     sink_attention,
 )
 from dsv41_compile.model.layers import rope_inv_freq, yarn_inv_freq
-from dsv41_compile.testing.batches import Request, pack
+from dsv41_compile.testing.batches import Request, incremental_schedule, pack
 
 FP32_TOL = {"atol": 2e-5, "rtol": 2e-5}
 
@@ -74,18 +74,9 @@ def test_prefill_equals_decode_with_pruning(
 
     recorder = SelectionRecorder(monkeypatch)
     cache = model.new_cache(3, 32)
-    done = [3, 1, 6]
-    got = logits_by_token(
-        model, cache, [Request(s, p[:n]) for s, (p, n) in enumerate(zip(reqs, done))]
-    )
-    while any(n < len(p) for n, p in zip(done, reqs)):
-        batch = [
-            Request(s, p[n : n + step], start=n)
-            for s, (p, n) in enumerate(zip(reqs, done))
-            if n < len(p)
-        ]
+    got = {}
+    for batch in incremental_schedule(reqs, prefill=[3, 1, 6], step=step):
         got |= logits_by_token(model, cache, batch)
-        done = [min(n + step, len(p)) for n, p in zip(done, reqs)]
 
     assert recorder.topk_pruned > 0 and recorder.candidates_pruned > 0
     keys = sorted(full)

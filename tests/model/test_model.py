@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from dsv41_compile.model import DeepseekV41, ModelConfig
-from dsv41_compile.testing.batches import Request, pack
+from dsv41_compile.testing.batches import Request, incremental_schedule, pack
 
 FP32_TOL = {"atol": 2e-5, "rtol": 2e-5}
 
@@ -47,27 +47,20 @@ def run_by_token(model: DeepseekV41, cache, requests: list[Request]) -> dict:
 
 
 @pytest.mark.parametrize("step", [1, 3], ids=["decode", "multi_token_decode"])
-def test_incremental_equals_one_prefill(model: DeepseekV41, step: int) -> None:
-    # Requests longer than the window (4), prefilled to different lengths, then extended by
-    # `step` tokens per request per call (1: decode; 3: DSpark-style verification).
+def test_incremental_equals_one_prefill(step: int) -> None:
+    # Window-only layers; requests longer than the window (4), prefilled to different lengths.
+    # The compressed modes have the same test in test_compressed_attention.py.
+    torch.manual_seed(0)
+    model = DeepseekV41(ModelConfig.from_name("tiny-swa")).eval()
     prompts = random_prompts([11, 7, 10], model.cfg.vocab_size, seed=2)
     full = run_by_token(
         model, model.new_cache(3, 16), [Request(s, p) for s, p in enumerate(prompts)]
     )
 
     cache = model.new_cache(3, 16)
-    done = [2, 1, 5]
-    got = run_by_token(
-        model, cache, [Request(s, p[:n]) for s, (p, n) in enumerate(zip(prompts, done))]
-    )
-    while any(n < len(p) for n, p in zip(done, prompts)):
-        batch = [
-            Request(s, p[n : n + step], start=n)
-            for s, (p, n) in enumerate(zip(prompts, done))
-            if n < len(p)
-        ]
+    got = {}
+    for batch in incremental_schedule(prompts, prefill=[2, 1, 5], step=step):
         got |= run_by_token(model, cache, batch)
-        done = [min(n + step, len(p)) for n, p in zip(done, prompts)]
 
     assert got.keys() == full.keys()
     keys = sorted(full)
