@@ -1,0 +1,1 @@
+"""Sharding propagation: placements per FX node (the adapter to DTensor's rules lives here)."""

@@ -1,0 +1,109 @@
+"""The one module that touches DTensor's private sharding-propagation API.
+
+`torch.distributed.tensor` keeps its op rules behind private names (`OpSchema`, `DTensorSpec`,
+`TensorMeta`, the dispatcher's `sharding_propagator`). Every use of them in dsv41_compile goes
+through `propagate` below, so a torch upgrade that moves them breaks one file and one test
+(`tests/propagation/test_dtensor_adapter.py`), not the passes.
+
+Rules run on concrete hint shapes: placements do not depend on the token count, and DTensor's
+propagator hashes its specs, which a symbolic size cannot be (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+
+__all__ = ["PlacedTensor", "Strategy", "format_placement", "propagate"]
+
+
+@dataclass(frozen=True)
+class PlacedTensor:
+    """A tensor argument of an op, as the rule sees it: global (hint) shape, dtype, placement."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """DTensor's answer for one op: the placement each tensor input must have (equal to the
+    given one unless the rule asks for a redistribution; None for non-tensor arguments) and the
+    placement of each output."""
+
+    inputs: tuple[Placement | None, ...]
+    outputs: tuple[Placement | None, ...]
+
+    def __str__(self) -> str:
+        ins = ", ".join(format_placement(p) for p in self.inputs if p is not None)
+        outs = ", ".join(format_placement(p) for p in self.outputs)
+        return f"({ins}) -> {outs}"
+
+
+def format_placement(placement: Placement | None) -> str:
+    """Short form: `S(0)`, `R`, `P` (`P(max)` for a non-sum partial), `-` for no tensor."""
+    if placement is None:
+        return "-"
+    if isinstance(placement, Shard):
+        return f"S({placement.dim})"
+    if isinstance(placement, Replicate):
+        return "R"
+    if isinstance(placement, Partial):
+        return "P" if placement.reduce_op == "sum" else f"P({placement.reduce_op})"
+    return str(placement)
+
+
+def _spec(mesh: DeviceMesh, arg: PlacedTensor) -> DTensorSpec:
+    stride = torch.empty(arg.shape, device="meta").stride()
+    return DTensorSpec(mesh, (arg.placement,), TensorMeta(torch.Size(arg.shape), stride, arg.dtype))
+
+
+def _placements(spec: object) -> tuple[Placement | None, ...]:
+    if isinstance(spec, DTensorSpec):
+        return (spec.placements[0],)
+    if isinstance(spec, Sequence):
+        return tuple(s.placements[0] if isinstance(s, DTensorSpec) else None for s in spec)
+    return (None,)
+
+
+def propagate(
+    op: torch._ops.OpOverload,
+    args: Sequence[PlacedTensor | object],
+    mesh: DeviceMesh,
+    kwargs: dict[str, object] | None = None,
+) -> Strategy:
+    """Run DTensor's sharding rule of `op` on a one-axis `mesh`.
+
+    `args` are the op's positional arguments: `PlacedTensor` for tensors, plain values
+    otherwise. Raises `NotImplementedError` when DTensor has no rule for `op`.
+    """
+    if mesh.ndim != 1:
+        raise AssertionError(
+            f"propagate works on one mesh axis at a time, got a {mesh.ndim}-D mesh"
+        )
+    schema_args = tuple(_spec(mesh, a) if isinstance(a, PlacedTensor) else a for a in args)
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    known = (
+        propagator.op_strategy_funcs,
+        propagator.op_single_dim_strategy_funcs,
+        propagator.op_to_rules,
+    )
+    if not any(op in table for table in known):
+        raise NotImplementedError(f"DTensor has no sharding rule for {op}")
+    result = propagator.propagate_op_sharding_non_cached(OpSchema(op, schema_args, kwargs or {}))
+
+    given = tuple(a.placement if isinstance(a, PlacedTensor) else None for a in args)
+    inputs = given
+    if result.redistribute_schema is not None:
+        needed = result.redistribute_schema.args_schema
+        inputs = tuple(
+            s.placements[0] if isinstance(s, DTensorSpec) else None for s in needed[: len(args)]
+        )
+    return Strategy(inputs=inputs, outputs=_placements(result.output_spec))
