@@ -76,6 +76,9 @@ class DeepseekV41(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=cfg.torch_dtype)
         self.reset_parameters()
+        # Inference-only: the routed-experts op has no autograd formula, and AOT would otherwise
+        # trace a joint forward/backward graph whenever the caller forgets `no_grad`.
+        self.requires_grad_(False)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
