@@ -20,6 +20,7 @@ from torch import Tensor
 
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.model.cache import KVCache
+from dsv41_compile.testing.batches import Request, pack
 
 Forward = Callable[[Tensor, Tensor, Tensor, KVCache], Tensor]
 
@@ -28,10 +29,8 @@ def packed_batch(
     num_requests: int, start: int, length: int, vocab_size: int, gen: torch.Generator
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`length` tokens per request at positions `start..start+length-1`, request r in slot r."""
-    ids_T = torch.randint(0, vocab_size, (num_requests * length,), generator=gen)
-    positions_T = torch.arange(start, start + length).repeat(num_requests)
-    slots_T = torch.arange(num_requests).repeat_interleave(length)
-    return ids_T, positions_T, slots_T
+    ids = torch.randint(0, vocab_size, (num_requests, length), generator=gen).tolist()
+    return pack([Request(r, ids[r], start) for r in range(num_requests)])
 
 
 def time_prefill(

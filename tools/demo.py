@@ -19,6 +19,7 @@ from torch import Tensor
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.model.cache import KVCache
 from dsv41_compile.model.validate import validate_batch
+from dsv41_compile.testing.batches import Request, pack
 
 PROMPT_LENS = (5, 3, 7)
 DECODE_STEPS = 3
@@ -67,9 +68,10 @@ def main() -> None:
     num_requests = len(PROMPT_LENS)
     cache = model.new_cache(num_slots=num_requests, max_len=max(PROMPT_LENS) + DECODE_STEPS)
     gen = torch.Generator().manual_seed(0)
-    ids_T = torch.randint(0, cfg.vocab_size, (sum(PROMPT_LENS),), generator=gen)
-    positions_T = torch.cat([torch.arange(n) for n in PROMPT_LENS])
-    slots_T = torch.cat([torch.full((n,), r) for r, n in enumerate(PROMPT_LENS)])
+    prompts = torch.randint(0, cfg.vocab_size, (sum(PROMPT_LENS),), generator=gen).split(
+        PROMPT_LENS
+    )
+    ids_T, positions_T, slots_T = pack([Request(r, p.tolist()) for r, p in enumerate(prompts)])
     last_rows = [end - 1 for end in itertools.accumulate(PROMPT_LENS)]
     print(f"requests: prompt lengths {list(PROMPT_LENS)} in slots {list(range(num_requests))}")
 
@@ -78,9 +80,12 @@ def main() -> None:
             model, cache, "prefill", ids_T, positions_T, slots_T, last_rows, cfg.vocab_size
         )
         for step in range(DECODE_STEPS):
-            ids_T = torch.tensor(next_tokens)
-            positions_T = torch.tensor([n + step for n in PROMPT_LENS])
-            slots_T = torch.arange(num_requests)
+            ids_T, positions_T, slots_T = pack(
+                [
+                    Request(r, [tok], n + step)
+                    for r, (tok, n) in enumerate(zip(next_tokens, PROMPT_LENS))
+                ]
+            )
             next_tokens = run_step(
                 model,
                 cache,
