@@ -1,3 +1,12 @@
-"""dsv41_compile: a torch.compile backend that shards single-device DeepSeek V4.1 for TP/SP/EP."""
+"""dsv41_compile: a torch.compile backend that shards single-device DeepSeek V4.1 for TP/SP/EP.
 
+Importing the package registers the `dsv41_sp` backend:
+
+    import dsv41_compile
+    compiled = torch.compile(model, backend="dsv41_sp", options={"tp": 4})
+"""
+
+from dsv41_compile.backend import BackendOptions, dsv41_sp, mark_token_dim
+
+__all__ = ["BackendOptions", "dsv41_sp", "mark_token_dim"]
 __version__ = "0.1.0"

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = ["PlacedTensor", "Strategy", "format_placement", "propagate"]
 
@@ -35,14 +36,14 @@ class PlacedTensor:
 @dataclass(frozen=True)
 class Strategy:
     """DTensor's answer for one op: the placement each tensor input must have (equal to the
-    given one unless the rule asks for a redistribution; None for non-tensor arguments) and the
-    placement of each output."""
+    given one unless the rule asks for a redistribution), one per tensor leaf of the arguments in
+    pytree order, and the placement of each output (None for a non-tensor output)."""
 
-    inputs: tuple[Placement | None, ...]
+    inputs: tuple[Placement, ...]
     outputs: tuple[Placement | None, ...]
 
     def __str__(self) -> str:
-        ins = ", ".join(format_placement(p) for p in self.inputs if p is not None)
+        ins = ", ".join(format_placement(p) for p in self.inputs)
         outs = ", ".join(format_placement(p) for p in self.outputs)
         return f"({ins}) -> {outs}"
 
@@ -73,6 +74,10 @@ def _placements(spec: object) -> tuple[Placement | None, ...]:
     return (None,)
 
 
+def _is_spec(x: object) -> bool:
+    return isinstance(x, DTensorSpec)
+
+
 def propagate(
     op: torch._ops.OpOverload,
     args: Sequence[PlacedTensor | object],
@@ -81,14 +86,16 @@ def propagate(
 ) -> Strategy:
     """Run DTensor's sharding rule of `op` on a one-axis `mesh`.
 
-    `args` are the op's positional arguments: `PlacedTensor` for tensors, plain values
-    otherwise. Raises `NotImplementedError` when DTensor has no rule for `op`.
+    `args` are the op's positional arguments: `PlacedTensor` for tensors (also inside lists, as
+    for `cat` or `index`), plain values otherwise. Raises `NotImplementedError` when DTensor has
+    no rule for `op`.
     """
     if mesh.ndim != 1:
         raise AssertionError(
             f"propagate works on one mesh axis at a time, got a {mesh.ndim}-D mesh"
         )
-    schema_args = tuple(_spec(mesh, a) if isinstance(a, PlacedTensor) else a for a in args)
+    is_placed = lambda x: isinstance(x, PlacedTensor)  # noqa: E731
+    schema_args = tree_map(lambda a: _spec(mesh, a) if is_placed(a) else a, tuple(args))
     propagator = DTensor._op_dispatcher.sharding_propagator
     known = (
         propagator.op_strategy_funcs,
@@ -99,11 +106,8 @@ def propagate(
         raise NotImplementedError(f"DTensor has no sharding rule for {op}")
     result = propagator.propagate_op_sharding_non_cached(OpSchema(op, schema_args, kwargs or {}))
 
-    given = tuple(a.placement if isinstance(a, PlacedTensor) else None for a in args)
-    inputs = given
+    inputs = tuple(a.placement for a in tree_leaves(tuple(args)) if is_placed(a))
     if result.redistribute_schema is not None:
-        needed = result.redistribute_schema.args_schema
-        inputs = tuple(
-            s.placements[0] if isinstance(s, DTensorSpec) else None for s in needed[: len(args)]
-        )
+        needed = result.redistribute_schema.args_schema[: len(args)]
+        inputs = tuple(s.placements[0] for s in tree_leaves(tuple(needed)) if _is_spec(s))
     return Strategy(inputs=inputs, outputs=_placements(result.output_spec))

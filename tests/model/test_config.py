@@ -16,7 +16,7 @@ def test_unknown_preset_lists_presets() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"o_groups": 3}, "o_groups .3. must divide n_heads .4."),
+        ({"o_groups": 3}, "o_groups .3. must divide n_heads .8."),
         ({"n_activated_experts": 9}, "n_activated_experts .9. must be <= n_routed_experts"),
         ({"rope_head_dim": 7}, "rope_head_dim .7. must be even"),
         ({"dtype": "fp16"}, "dtype must be one of"),

@@ -27,8 +27,10 @@ def test_comb_is_doubly_stochastic_and_pre_post_ranges() -> None:
     with torch.no_grad():
         pre, post, comb = hc(x_TND)
     ones = torch.ones(64, cfg.hc_mult)
-    torch.testing.assert_close(comb.sum(-1), ones, atol=1e-5, rtol=0)
+    # Sinkhorn ends on a column normalisation: columns are exact, rows converged after the
+    # configured 20 iterations to about 1e-3 (not to fp32 rounding) on these inputs.
     torch.testing.assert_close(comb.sum(-2), ones, atol=1e-5, rtol=0)
+    torch.testing.assert_close(comb.sum(-1), ones, atol=2e-3, rtol=0)
     assert (comb > 0).all()
     assert (pre > 0).all() and (pre <= 1 + cfg.hc_eps).all()
     assert (post > 0).all() and (post < 2).all()

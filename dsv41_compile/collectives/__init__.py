@@ -1,0 +1,1 @@
+"""Collectives: the transition table and the pass that inserts what placements imply."""

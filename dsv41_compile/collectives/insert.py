@@ -1,0 +1,68 @@
+"""insert: make every value arrive with the placement its consumer needs.
+
+Requires: annotate (every node has `meta[IN]` / `meta[OUT]`).
+Ensures: for every node, each tensor input's placement equals the one in `meta[IN]`; the
+inserted nodes (collectives, pads, local slices) carry `meta[OUT]`, `meta[REASON]` and the
+consumer's module and source line; one redistribution per (value, placement), shared by every
+consumer after the first; a `tp_rank` placeholder and the token-size nodes exist.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Placement
+from torch.fx import GraphModule, Node
+
+from dsv41_compile.collectives.transitions import TokenSizes, redistribute
+from dsv41_compile.context import CompileContext
+from dsv41_compile.fx_utils import GLOBAL_VAL, IN, OUT, REGION, RULE
+from dsv41_compile.propagation.dtensor_adapter import format_placement
+
+__all__ = ["insert_collectives"]
+
+
+def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> bool:
+    graph = gm.graph
+    token_input = next(n for n in graph.nodes if n.name == ctx.token_input)
+    sizes = ctx.sizes = TokenSizes.create(graph, token_input, ctx.mesh.tp, ctx.mesh.tp_group_name)
+    done: dict[tuple[Node, str], Node] = {}
+    for node in list(graph.nodes):
+        needed: tuple[Placement, ...] | None = node.meta.get(IN)
+        if not needed:
+            continue
+        placements = iter(needed)
+
+        def fix(arg: Node, consumer: Node = node, placements=placements) -> Node:
+            if not isinstance(arg, Node) or not isinstance(arg.meta.get(GLOBAL_VAL), torch.Tensor):
+                return arg
+            dst = next(placements)
+            src = arg.meta[OUT]
+            if src == dst:
+                return arg
+            key = (arg, format_placement(dst))
+            if key not in done:
+                why = _why(arg, consumer, dst)
+                with graph.inserting_before(consumer):
+                    out, _kind = redistribute(
+                        graph, arg, src, dst, sizes, consumer=consumer, why=why
+                    )
+                out.meta[OUT] = dst
+                out.meta[GLOBAL_VAL] = arg.meta[GLOBAL_VAL]  # same global value, new placement
+                done[key] = out
+            return done[key]
+
+        node.args = torch.fx.node.map_arg(node.args, fix)
+        node.kwargs = torch.fx.node.map_arg(node.kwargs, fix)
+    gm.graph.lint()
+    gm.recompile()
+    return True
+
+
+def _why(value: Node, consumer: Node, dst: Placement) -> str:
+    region = consumer.meta.get(REGION) or "the graph output"
+    rule = consumer.meta.get(RULE, "")
+    if rule.startswith("replicated") or rule.startswith("graph outputs"):
+        rule = ""
+    return f"{consumer.name} in {region} needs {value.name} as {format_placement(dst)}" + (
+        f" ({rule})" if rule else ""
+    )

@@ -1,0 +1,137 @@
+"""The transition table: every placement change on the tp axis and the graph nodes that do it.
+No collective is chosen anywhere else.
+
+    src   -> dst    what                                                    communication
+    S(0)  -> R      all_gather_into_tensor + wait, drop the tail padding    AllGather(tp)
+    P     -> S(0)   pad the token dim to tp*Tl, reduce_scatter_tensor(sum)  ReduceScatter(tp)
+    R     -> S(d)   pad, view as [tp, n/tp] on dim d, take row tp_rank      none
+    P     -> R      all-reduce: not part of the sp layout                   (error)
+    S(a)  -> S(b)   all-to-all: not part of the sp layout                   (error)
+    R     -> P      never needed                                            (error)
+
+Token shards are contiguous chunks of Tl = ceil(T/tp) rows of the token dim, with padding only
+at the global tail (torch.chunk / DTensor `Shard` order). Padding rows are zeros (False for
+masks): the model's `valid` mask is False there, so they are routed nowhere and dropped at exit.
+The graph is the same on every rank: the rank enters as the `tp_rank` input, never as a constant.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.fx import Graph, Node
+
+from dsv41_compile.fx_utils import OUT, REASON, REGION, describe
+from dsv41_compile.propagation.dtensor_adapter import format_placement
+
+__all__ = ["TokenSizes", "redistribute"]
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+@dataclass
+class TokenSizes:
+    """Graph nodes for the token count T (the length of `input_ids`), the shard length
+    Tl = ceil(T/tp), the padding Tpad - T, and the `tp_rank` input; created once after the
+    placeholders."""
+
+    T: Node
+    Tl: Node
+    pad: Node
+    tp_rank: Node
+    tp: int
+    group_name: str
+
+    @staticmethod
+    def create(graph: Graph, token_input: Node, tp: int, group_name: str) -> TokenSizes:
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        with graph.inserting_after(placeholders[-1]):
+            tp_rank = graph.placeholder("tp_rank")
+        with graph.inserting_after(tp_rank):
+            T = graph.call_function(aten.sym_size.int, (token_input, 0))
+        with graph.inserting_after(T):
+            up = graph.call_function(operator.add, (T, tp - 1))
+        with graph.inserting_after(up):
+            Tl = graph.call_function(operator.floordiv, (up, tp))
+        with graph.inserting_after(Tl):
+            Tpad = graph.call_function(operator.mul, (Tl, tp))
+        with graph.inserting_after(Tpad):
+            pad = graph.call_function(operator.sub, (Tpad, T))
+        for n, why in ((T, "T"), (Tl, "Tl = ceil(T/tp)"), (Tpad, "tp*Tl"), (pad, "tp*Tl - T")):
+            n.meta[REASON] = why
+        tp_rank.meta[REASON] = "this rank's index in its TP group"
+        for n in (tp_rank, T, up, Tl, Tpad, pad):
+            n.meta[OUT] = None
+        return TokenSizes(T, Tl, pad, tp_rank, tp, group_name)
+
+
+def _pad_tokens(graph: Graph, value: Node, ndim: int, sizes: TokenSizes) -> Node:
+    # constant_pad_nd pads from the last dim backwards: the last pair is dim 0's (before, after).
+    return graph.call_function(
+        aten.constant_pad_nd.default, (value, [0, 0] * (ndim - 1) + [0, sizes.pad], 0)
+    )
+
+
+def redistribute(
+    graph: Graph,
+    value: Node,
+    src: Placement,
+    dst: Placement,
+    sizes: TokenSizes,
+    *,
+    consumer: Node,
+    why: str,
+) -> tuple[Node, str | None]:
+    """Nodes turning `value` (placed `src`) into `dst` for `consumer`, inserted at the graph's
+    current insert point; they carry the consumer's module and source line. Returns the new
+    value and the collective kind it issued (None for a local op)."""
+    val = value.meta["val"]
+    ndim = val.dim()
+    tp, group = sizes.tp, sizes.group_name
+    kind: str | None = None
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        if src.dim != 0:
+            raise NotImplementedError(
+                f"{describe(value)} is {format_placement(src)} and a consumer needs it replicated; "
+                f"only token shards (S(0)) are gathered in the sp layout ({why})"
+            )
+        gathered = graph.call_function(c10d.all_gather_into_tensor.default, (value, tp, group))
+        waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
+        out = graph.call_function(aten.slice.Tensor, (waited, 0, 0, sizes.T))
+        nodes, kind = [gathered, waited, out], "all_gather"
+    elif isinstance(src, Partial) and dst == Shard(0):
+        if src.reduce_op != "sum":
+            raise NotImplementedError(f"{describe(value)}: only sum partials are reduce-scattered")
+        padded = _pad_tokens(graph, value, ndim, sizes)
+        scattered = graph.call_function(
+            c10d.reduce_scatter_tensor.default, (padded, "sum", tp, group)
+        )
+        out = graph.call_function(c10d.wait_tensor.default, (scattered,))
+        nodes, kind = [padded, scattered, out], "reduce_scatter"
+    elif isinstance(src, Replicate) and isinstance(dst, Shard):
+        d = dst.dim
+        nodes = []
+        if d == 0:
+            value = _pad_tokens(graph, value, ndim, sizes)
+            nodes.append(value)
+        split = graph.call_function(aten.unflatten.int, (value, d, [tp, -1]))
+        out = graph.call_function(aten.index.Tensor, (split, [None] * d + [sizes.tp_rank]))
+        nodes += [split, out]
+    elif src == dst:
+        return value, None
+    else:
+        raise NotImplementedError(
+            f"{describe(value)}: no {format_placement(src)} -> {format_placement(dst)} transition "
+            f"in the sp layout ({why}); an all-reduce or all-to-all here means the plan or a rule "
+            f"put a value on the wrong side of a layer boundary"
+        )
+    for n in nodes:
+        n.meta[REASON] = f"{format_placement(src)} -> {format_placement(dst)}: {why}"
+        for key in ("stack_trace", "nn_module_stack", REGION):
+            if key in consumer.meta:
+                n.meta[key] = consumer.meta[key]
+    return out, kind

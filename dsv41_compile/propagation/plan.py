@@ -1,0 +1,68 @@
+"""The sharding plan: what the user-level layout pins, before propagation fills in the rest.
+
+Two declarative tables keyed by module FQN pattern (`*` matches one path segment):
+
+- `params`: the placement of each parameter on the tp axis (default: replicated).
+- `anchors`: the placement every activation must have when it *enters* a module (torchtitan's
+  `PrepareModuleInput`): the residual streams are token-sharded at every layer boundary, the
+  attention input is replicated (one AllGather), the MoE half works on local tokens, the head
+  on the gathered hidden. The innermost anchored module of a node decides.
+
+Everything else is propagated by the op rules.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+__all__ = ["ShardingPlan", "deepseek_v41_plan"]
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    params: tuple[tuple[str, Placement], ...]
+    """(parameter FQN pattern, placement); first match wins; unmatched parameters replicate."""
+    anchors: tuple[tuple[str, Placement], ...]
+    """(module FQN pattern, placement of the activations entering it)."""
+
+    def param_placement(self, fqn: str) -> Placement:
+        for pattern, placement in self.params:
+            if _compile(pattern).match(fqn):
+                return placement
+        return Replicate()
+
+    def anchor(self, module_paths: list[str]) -> tuple[str, Placement] | None:
+        """The innermost anchored module among `module_paths` (outermost first) and its
+        placement, or None."""
+        for path in reversed(module_paths):
+            for pattern, placement in self.anchors:
+                if _compile(pattern).match(path):
+                    return path, placement
+        return None
+
+
+def deepseek_v41_plan(*, embedding: str = "replicated") -> ShardingPlan:
+    """DESIGN §2: heads and output groups sharded over tp, latents / compressor / indexer
+    replicated, row-parallel `wo_b` (a partial sum), everything per-token sharded by token."""
+    params: list[tuple[str, Placement]] = [
+        ("layers.*.attn.wq_b.weight", Shard(0)),  # [H*d, q_lora]: heads
+        ("layers.*.attn.attn_sink", Shard(0)),  # [H]
+        ("layers.*.attn.wo_a.weight", Shard(0)),  # [G*o_lora, H/G*d]: output groups
+        ("layers.*.attn.wo_b.weight", Shard(1)),  # [D, G*o_lora]: row-parallel
+    ]
+    if embedding == "vocab_sharded":
+        params.append(("embed.weight", Shard(0)))
+    anchors: tuple[tuple[str, Placement], ...] = (
+        ("layers.*", Shard(0)),
+        ("layers.*.attn", Replicate()),
+        ("layers.*.ffn", Shard(0)),
+        ("head", Replicate()),
+    )
+    return ShardingPlan(params=tuple(params), anchors=anchors)

@@ -1,0 +1,93 @@
+"""Per-rank comparison of the dsv41_sp-compiled model against the single-device model, for the
+multi-rank tests and the demo.
+
+Every rank builds the same model (same seed), serves its DP group's batches with the compiled
+model and, on the same inputs, with the plain model; it returns both logits of every step and,
+optionally, the values entering chosen modules on both sides (`testing.capture`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch._dynamo
+
+from dsv41_compile.backend import mark_token_dim
+from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.testing.batches import Request, pack
+from dsv41_compile.testing.capture import capture_compiled, capture_reference
+
+__all__ = ["CaseSpec", "compare_on_rank", "model_config"]
+
+Step = tuple[tuple[Request, ...], ...]
+"""One step: the requests of each DP group (index = dp rank)."""
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    steps: tuple[Step, ...]
+    preset: str = "tiny-swa"
+    overrides: tuple[tuple[str, Any], ...] = ()
+    options: tuple[tuple[str, Any], ...] = (("tp", 4),)
+    capture: tuple[str, ...] = ()
+    num_slots: int = 4
+    max_len: int = 32
+    dynamic: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def model_config(spec: CaseSpec) -> ModelConfig:
+    return ModelConfig.from_name(spec.preset, **dict(spec.overrides))
+
+
+def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any]:
+    """Run every step of `spec` on this rank, compiled and single-device. Returns
+    `{"steps": [{"T", "sp", "ref"}], "captures": {module: (sp values, ref values)},
+    "frames": graphs compiled, "cache_diff": max |sp cache - ref cache|}`."""
+    import dsv41_compile  # noqa: F401  (registers the backend in the spawned process)
+
+    options = dict(spec.options)
+    tp = options.get("tp", 1)
+    dp_rank = rank // tp
+    torch.manual_seed(0)
+    model = DeepseekV41(model_config(spec))
+    reference = copy.deepcopy(model)  # its own module objects: hooks never reach the compiled one
+    sp_cache = model.new_cache(spec.num_slots, spec.max_len)
+    ref_cache = reference.new_cache(spec.num_slots, spec.max_len)
+    torch._dynamo.reset()
+    frames = 0
+
+    def counting(gm: Any, example_inputs: Any) -> Any:
+        nonlocal frames
+        frames += 1
+        return dsv41_compile.dsv41_sp(gm, example_inputs, options=options)
+
+    compiled = torch.compile(model, backend=counting, fullgraph=True)
+    steps = []
+    with (
+        capture_compiled(spec.capture) as sp_store,
+        capture_reference(reference, spec.capture) as ref_store,
+    ):
+        for step in spec.steps:
+            ids, positions, slots = pack(step[dp_rank])
+            if spec.dynamic:
+                mark_token_dim(ids, positions, slots)
+            sp = compiled(ids, positions, slots, sp_cache)
+            ref = reference(ids, positions, slots, ref_cache)
+            steps.append({"T": int(ids.numel()), "sp": sp, "ref": ref})
+    captures = {m: (sp_store[m], ref_store[m]) for m in spec.capture}
+    cache_diff = max(
+        float((a.double() - b.double()).abs().max())
+        for a, b in zip(_cache_tensors(sp_cache), _cache_tensors(ref_cache))
+    )
+    return {"steps": steps, "captures": captures, "frames": frames, "cache_diff": cache_diff}
+
+
+def _cache_tensors(cache: Any) -> list[torch.Tensor]:
+    out = [cache.lengths, *cache.window_kv]
+    for table in (cache.compressed_kv, cache.index_k, cache.pair_state):
+        out += [table[k] for k in sorted(table)]
+    return out

@@ -1,0 +1,83 @@
+"""Run a function on W real processes joined by a gloo process group (CPU), collect results.
+
+    results = run_ranks(fn, 8, spec)   # fn(rank, world_size, spec) in each process
+
+`fn` must be importable by module name (the children are spawned). The first failing rank's
+traceback is re-raised in the caller.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_ranks"]
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    queue: Any,
+) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
+        )
+        result = fn(rank, world_size, *args)
+        # Serialised, not shared: the child exits before the parent reads shared tensors.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
+    except BaseException:  # report every failure to the parent, then exit
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 1800.0
+) -> list[Any]:
+    """`[fn(r, world_size, *args) for r in ranks]`, each in its own process on gloo."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_child, args=(r, world_size, store, fn, args, queue))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        try:
+            for _ in procs:
+                rank, ok, payload = queue.get(timeout=timeout)
+                if ok:
+                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                else:
+                    failures[rank] = payload
+                if failures:
+                    break
+        finally:
+            for p in procs:
+                p.join(timeout=5 if failures else timeout)
+                if p.is_alive():
+                    p.kill()
+    if failures:
+        rank = min(failures)
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
+    return [results[r] for r in range(world_size)]
