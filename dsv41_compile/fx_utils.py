@@ -51,7 +51,7 @@ def module_paths(node: Node) -> list[str]:
 def source_line(node: Node) -> str:
     """The innermost model source line of `node` ("file:line: code"), or "" when unknown."""
     trace = node.meta.get("stack_trace") or ""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.*)', trace)
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]+\n\s*(.*)', trace)
     if not frames:
         return ""
     file, line, code = frames[-1]

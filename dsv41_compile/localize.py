@@ -80,7 +80,9 @@ def _local_expand_sizes(node: Node, dim: int, ctx: CompileContext) -> list[objec
     sizes = list(node.args[1])
     source = node.args[0].meta[GLOBAL_VAL]
     offset = len(sizes) - source.dim()
-    if dim >= offset and source.shape[dim - offset] != 1:
+    if sizes[dim] == -1:
+        return sizes
+    if dim >= offset and not statically_known_true(source.shape[dim - offset] == 1):
         sizes[dim] = -1  # expand keeps a non-broadcast dim: the input's local size
         return sizes
     size = sizes[dim]

@@ -24,6 +24,8 @@ class Mesh:
     device_type: str
     tp_mesh: DeviceMesh
     """The one-axis mesh of this rank's TP group (`mesh_dim_names == ("tp",)`)."""
+    tp_group_name: str
+    """The TP group's process-group name, as the functional collectives take it."""
 
     @property
     def dp(self) -> int:
@@ -36,10 +38,6 @@ class Mesh:
     @property
     def dp_rank(self) -> int:
         return self.rank // self.tp
-
-    @property
-    def tp_group_name(self) -> str:
-        return self.tp_mesh.get_group().group_name
 
 
 _MESHES: dict[tuple[int, int, int, str], DeviceMesh] = {}
@@ -64,7 +62,8 @@ def build_mesh(*, tp: int, ep: int, device_type: str) -> Mesh:
     if key not in _MESHES:
         grid = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
         _MESHES[key] = grid["tp"]
-    return Mesh(world, rank, tp, ep, device_type, _MESHES[key])
+    tp_mesh = _MESHES[key]
+    return Mesh(world, rank, tp, ep, device_type, tp_mesh, tp_mesh.get_group().group_name)
 
 
 def clear_mesh_cache() -> None:

@@ -124,22 +124,22 @@ def _fmt_size(size: object, symbol: object) -> str:
     return str(size)
 
 
-def _bytes(val: torch.Tensor, symbol: object) -> tuple[str, int]:
+_T = sympy.Symbol("T", positive=True, integer=True)
+EXAMPLE_TOKEN_COUNTS = (1, 8, 2048)
+
+
+def _bytes(val: torch.Tensor, symbol: object) -> sympy.Expr:
     numel = sympy.Integer(1)
-    hint = 1
     for s in val.shape:
         numel *= s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(s)
-        hint *= optimization_hint(s)
     formula = numel * val.element_size()
-    if symbol is not None:
-        formula = formula.xreplace({symbol: sympy.Symbol("T", positive=True, integer=True)})
-    return str(formula), hint * val.element_size()
+    return formula.xreplace({symbol: _T}) if symbol is not None else formula
 
 
 def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
     """One record per collective: kind, axis, group size, dtype, local shapes, bytes this rank
     sends and receives (ring all-gather / reduce-scatter: (tp-1) chunks of the shard each way)
-    as a formula in T and at the compile-time example T, layer, reason."""
+    as a formula in T and at a few token counts, layer, reason."""
     symbol, _t_hint, _ = _token_hints(ctx)
     tp = ctx.mesh.tp
     records = []
@@ -149,7 +149,8 @@ def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
             continue
         inp, out = node.args[0].meta["val"], node.meta["val"]
         shard = inp if kind == "all_gather" else out
-        formula, at_hint = _bytes(shard, symbol)
+        moved = (tp - 1) * _bytes(shard, symbol)
+        at = {f"T={t}": int(moved.xreplace({_T: t})) for t in EXAMPLE_TOKEN_COUNTS}
         match = _LAYER.match(node.meta.get(REGION, ""))
         records.append(
             {
@@ -160,10 +161,10 @@ def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
                 "dtype": str(inp.dtype).removeprefix("torch."),
                 "input_shape": [_fmt_size(s, symbol) for s in inp.shape],
                 "output_shape": [_fmt_size(s, symbol) for s in out.shape],
-                "bytes_sent": f"{tp - 1}*({formula})",
-                "bytes_received": f"{tp - 1}*({formula})",
-                "bytes_sent_at_example": (tp - 1) * at_hint,
-                "bytes_received_at_example": (tp - 1) * at_hint,
+                "bytes_sent": str(moved),
+                "bytes_received": str(moved),
+                "bytes_sent_at": at,
+                "bytes_received_at": at,
                 "layer": int(match.group(1)) if match else None,
                 "region": node.meta.get(REGION, ""),
                 "reason": node.meta.get(REASON, ""),

@@ -2,7 +2,7 @@
 No collective is chosen anywhere else.
 
     src   -> dst    what                                                    communication
-    S(0)  -> R      all_gather_into_tensor + wait, drop the tail padding    AllGather(tp)
+    S(0)  -> R      all_gather_into_tensor + wait, split off the tail padding AllGather(tp)
     P     -> S(0)   pad the token dim to tp*Tl, reduce_scatter_tensor(sum)  ReduceScatter(tp)
     R     -> S(d)   pad, view as [tp, n/tp] on dim d, take row tp_rank      none
     P     -> R      all-reduce: not part of the sp layout                   (error)
@@ -101,8 +101,11 @@ def redistribute(
             )
         gathered = graph.call_function(c10d.all_gather_into_tensor.default, (value, tp, group))
         waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
-        out = graph.call_function(aten.slice.Tensor, (waited, 0, 0, sizes.T))
-        nodes, kind = [gathered, waited, out], "all_gather"
+        # split (not slice) into [T, pad]: the sizes add up to the gathered size exactly, which
+        # compilers can see even when T is an unbacked symbol.
+        parts = graph.call_function(aten.split_with_sizes.default, (waited, [sizes.T, sizes.pad]))
+        out = graph.call_function(operator.getitem, (parts, 0))
+        nodes, kind = [gathered, waited, parts, out], "all_gather"
     elif isinstance(src, Partial) and dst == Shard(0):
         if src.reduce_op != "sum":
             raise NotImplementedError(f"{describe(value)}: only sum partials are reduce-scattered")

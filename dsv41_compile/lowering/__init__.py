@@ -56,8 +56,6 @@ class ShardedProgram:
         if self.tp_rank_tensor is None:
             self.tp_rank_tensor = torch.tensor(self.tp_rank, dtype=torch.int64)
         args.append(self.tp_rank_tensor)
-        if getattr(self.compiled, "_boxed_call", False):
-            return self.compiled(args)
         return self.compiled(*args)
 
 

@@ -123,8 +123,9 @@ def _annotate_call(
             raise ValueError(
                 f"the plan places {ctx.param_fqns[producer.name]} as {format_placement(have)}, "
                 f"but {describe(node)} needs it as {format_placement(needed)} "
-                f"(rule {strategy}); the parameter would be re-gathered on every call. Change "
-                f"the plan or the model so this op sees the planned shard"
+                f"(rule {strategy}); the parameter would be re-gathered on every call. If the "
+                f"op splits heads or output groups, choose a tp that divides n_heads and "
+                f"o_groups; otherwise change the plan or the model so this op sees the shard"
             )
     node.meta[IN] = strategy.inputs
     val = node.meta.get("val")

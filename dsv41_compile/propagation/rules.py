@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
@@ -75,6 +75,17 @@ def _view(node: Node, given: Sequence[Placement]) -> Strategy | None:
     return None
 
 
+@rule(torch.ops.aten.embedding.default)
+def _embedding(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    # Vocab-sharded rows: each rank looks up the ids in its own row range and leaves zeros for
+    # the rest (localize writes the masking), so the output is a partial sum. DTensor's own rule
+    # encodes the masking in a MaskPartial placement of the ids; ours keeps the ids replicated.
+    weight, ids = given
+    if weight == Shard(0) and ids == Replicate():
+        return Strategy(inputs=(Shard(0), Replicate()), outputs=(Partial(),))
+    return None
+
+
 def strategy_for(node: Node, given: Sequence[Placement], mesh: DeviceMesh) -> tuple[Strategy, str]:
     """The strategy of `node` given its tensor inputs' placements, and which rule gave it."""
     if node.target in _RULES:
@@ -101,7 +112,8 @@ def strategy_for(node: Node, given: Sequence[Placement], mesh: DeviceMesh) -> tu
     except RuntimeError as error:  # DTensor refuses this input sharding outright
         raise NotImplementedError(
             f"DTensor's rule for {describe(node)} rejects input placements "
-            f"({', '.join(format_placement(p) for p in given)}): {error}"
+            f"({', '.join(format_placement(p) for p in given)}): {error}. If this op splits "
+            f"attention heads or output groups, choose a tp that divides n_heads and o_groups"
         ) from None
     except NotImplementedError:
         raise NotImplementedError(

@@ -19,7 +19,25 @@ from dsv41_compile import passes
 from dsv41_compile.context import CompileContext
 from dsv41_compile.fx_utils import REASON, module_paths, tensor_inputs
 
-__all__ = ["capture_compiled", "capture_reference"]
+__all__ = ["capture_compiled", "capture_programs", "capture_reference"]
+
+
+@contextmanager
+def capture_programs() -> Iterator[list[tuple[GraphModule, CompileContext]]]:
+    """Within the context, every graph dsv41_sp compiles is appended, rewritten and validated,
+    with its compile context, to the yielded list."""
+    programs: list[tuple[GraphModule, CompileContext]] = []
+
+    def keep(gm: GraphModule, *, ctx: CompileContext) -> bool:
+        programs.append((gm, ctx))
+        return False
+
+    original = passes.PIPELINE
+    passes.PIPELINE = (*original, ("keep", keep))
+    try:
+        yield programs
+    finally:
+        passes.PIPELINE = original
 
 
 @contextmanager
