@@ -1,101 +1,98 @@
-"""Run the single-device DeepSeek V4.1 on a ragged prefill batch, then greedy decode steps.
+"""The dsv41_sp-compiled DeepSeek V4.1 on 8 CPU ranks (gloo; tp=4, dp=2) against the
+single-device model, step by step through the KV cache, with the communication table of one
+rank's compiled graph.
 
-Three requests with prompt lengths 5, 3 and 7 are packed into one prefill batch; each following
-step decodes one token per request (the argmax of its last logits row). Every batch is checked
-with `validate_batch` before the forward. Until the `dsv41_sp` backend exists this is the
-single-device reference path.
+Each DP group serves its own ragged batches: a prefill of requests of 3, 2 and 3 tokens, a
+decode step, a multi-token decode step and a longer prefill next to decodes. Every rank runs the
+compiled model and, on the same inputs, the plain single-device model, and reports the largest
+logit difference.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import itertools
+import json
+import tempfile
 import time
+from pathlib import Path
 
-import torch
-from torch import Tensor
+from dsv41_compile.testing.batches import Request as R
+from dsv41_compile.testing.cases import CaseSpec, compare_on_rank
+from dsv41_compile.testing.multirank import run_ranks
 
-from dsv41_compile.model import DeepseekV41, ModelConfig
-from dsv41_compile.model.cache import KVCache
-from dsv41_compile.model.validate import validate_batch
-from dsv41_compile.testing.batches import Request, pack
-
-PROMPT_LENS = (5, 3, 7)
-DECODE_STEPS = 3
-
-
-def run_step(
-    model: DeepseekV41,
-    cache: KVCache,
-    kind: str,
-    ids_T: Tensor,
-    positions_T: Tensor,
-    slots_T: Tensor,
-    last_rows: list[int],
-    vocab_size: int,
-) -> list[int]:
-    """Validate and run one batch, print one report line, return each request's greedy token."""
-    validate_batch(ids_T, positions_T, slots_T, cache, vocab_size=vocab_size)
-    start = time.perf_counter()
-    logits_TV = model(ids_T, positions_T, slots_T, cache)
-    ms = (time.perf_counter() - start) * 1e3
-    next_tokens = logits_TV[last_rows].argmax(dim=-1).tolist()
-    print(
-        f"{kind:<8} T={ids_T.shape[0]:<3} input_ids/positions/slots {str(list(ids_T.shape)):<5} "
-        f"-> logits {str(list(logits_TV.shape)):<10} {logits_TV.dtype}  {ms:8.1f} ms  "
-        f"next tokens {next_tokens}"
-    )
-    return next_tokens
+WORLD, TP = 8, 4
+STEPS = (
+    (
+        (R(0, [1, 2, 3], 0), R(1, [4, 5], 0), R(2, [6, 7, 8], 0)),
+        (R(0, [9, 10, 11], 0), R(1, [12, 13], 0), R(2, [14, 15, 16], 0)),
+    ),
+    ((R(0, [17], 3), R(1, [18], 2), R(2, [19], 3)), (R(1, [20], 2),)),
+    (
+        (R(0, [21, 22], 4), R(1, [23, 24], 3), R(2, [25], 4)),
+        (R(0, [26, 27, 28], 3), R(1, [29, 30, 31], 3)),
+    ),
+    (
+        (R(3, list(range(40, 53)), 0), R(0, [32], 6)),
+        (R(3, list(range(60, 80)), 0), R(2, [33], 3)),
+    ),
+)
+KINDS = ("prefill", "decode", "multi-token decode", "prefill + decode")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny", help="ModelConfig preset (default: tiny)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
+    parser.add_argument(
+        "--embedding", choices=("replicated", "vocab_sharded"), default="replicated"
+    )
     args = parser.parse_args()
 
-    cfg = dataclasses.replace(ModelConfig.from_name(args.preset), dtype=args.dtype)
-    torch.manual_seed(0)
-    model = DeepseekV41(cfg).eval()
-    n_params = sum(p.numel() for p in model.parameters())
-    print(
-        f"config: preset={args.preset} dtype={cfg.dtype} vocab={cfg.vocab_size} dim={cfg.dim} "
-        f"layers={cfg.n_layers} experts={cfg.n_routed_experts} (top-{cfg.n_activated_experts}) "
-        f"params={n_params / 1e6:.2f}M"
-    )
-
-    num_requests = len(PROMPT_LENS)
-    cache = model.new_cache(num_slots=num_requests, max_len=max(PROMPT_LENS) + DECODE_STEPS)
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, cfg.vocab_size, (sum(PROMPT_LENS),), generator=gen).split(
-        PROMPT_LENS
-    )
-    ids_T, positions_T, slots_T = pack([Request(r, p.tolist()) for r, p in enumerate(prompts)])
-    last_rows = [end - 1 for end in itertools.accumulate(PROMPT_LENS)]
-    print(f"requests: prompt lengths {list(PROMPT_LENS)} in slots {list(range(num_requests))}")
-
-    with torch.inference_mode():
-        next_tokens = run_step(
-            model, cache, "prefill", ids_T, positions_T, slots_T, last_rows, cfg.vocab_size
+    with tempfile.TemporaryDirectory() as dump_dir:
+        options = {"tp": TP, "lowering": args.lowering, "embedding": args.embedding}
+        spec = CaseSpec(
+            steps=STEPS,
+            preset=args.preset,
+            overrides=(("dtype", args.dtype),),
+            options=(*options.items(), ("dump_dir", dump_dir)),
         )
-        for step in range(DECODE_STEPS):
-            ids_T, positions_T, slots_T = pack(
-                [
-                    Request(r, [tok], n + step)
-                    for r, (tok, n) in enumerate(zip(next_tokens, PROMPT_LENS))
-                ]
+        print(
+            f"dsv41_sp: {args.preset} ({args.dtype}) on {WORLD} CPU ranks, tp={TP} dp={WORLD // TP}, "
+            f"lowering={args.lowering}, embedding={args.embedding}; compiling on every rank..."
+        )
+        start = time.perf_counter()
+        results = run_ranks(compare_on_rank, WORLD, spec)
+        print(
+            f"done in {time.perf_counter() - start:.0f} s (8 processes on this machine's cores)\n"
+        )
+        comm = json.loads((Path(dump_dir) / "rank0" / "comm.json").read_text())
+
+    print(f"{'step':<20} {'DP group':>8} {'T':>4} {'max |compiled - single-device|':>32}")
+    for i, kind in enumerate(KINDS):
+        for dp in range(WORLD // TP):
+            group = results[dp * TP : (dp + 1) * TP]
+            T = group[0]["steps"][i]["T"]
+            err = max(
+                float((r["steps"][i]["sp"] - r["steps"][i]["ref"]).abs().max()) for r in group
             )
-            next_tokens = run_step(
-                model,
-                cache,
-                "decode",
-                ids_T,
-                positions_T,
-                slots_T,
-                list(range(num_requests)),
-                cfg.vocab_size,
-            )
+            print(f"{kind if dp == 0 else '':<20} {dp:>8} {T:>4} {err:>32.2e}")
+    print(
+        f"\ngraphs compiled per rank: {sorted({r['frames'] for r in results})} (one serves every T)"
+    )
+
+    print(
+        "\ncommunication of rank 0 (from its rewritten graph; ring algorithms, T = DP group tokens)"
+    )
+    header = (
+        f"{'layer':>5} {'kind':<15} {'dtype':<8} {'local input':<18} {'bytes sent (formula)':<24}"
+    )
+    print(header + "".join(f"{k:>9}" for k in comm["collectives"][0]["bytes_sent_at"]))
+    for c in comm["collectives"]:
+        layer = "-" if c["layer"] is None else c["layer"]
+        shape = "[" + ", ".join(c["input_shape"]) + "]"
+        row = f"{layer!s:>5} {c['kind']:<15} {c['dtype']:<8} {shape:<18} {c['bytes_sent']:<24}"
+        print(row + "".join(f"{v:>9}" for v in c["bytes_sent_at"].values()))
 
 
 if __name__ == "__main__":

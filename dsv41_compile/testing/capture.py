@@ -69,7 +69,7 @@ def capture_compiled(modules: Sequence[str]) -> Iterator[dict[str, list[Tensor]]
 def _origin(node: Node) -> Node:
     # Inserted nodes (collectives, pads, slices) stand for the value they redistribute.
     while REASON in node.meta and node.op == "call_function":
-        node = tensor_inputs(node)[0]
+        node = next(a for a in node.args if isinstance(a, Node))
     return node
 
 

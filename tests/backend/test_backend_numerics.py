@@ -1,0 +1,167 @@
+"""Tier 3: the compiled model on 8 real gloo processes (tp=4, dp=2) against the single-device
+model on each DP group's batches, step by step through the cache.
+
+Tolerances. fp32: |sp - ref| <= 1e-5 + 1e-5 |ref| -- the sharded program sums the attention
+output projection over ranks (ReduceScatter) in another order than one GEMM does; everything
+else is the same arithmetic, so the gap stays at a few fp32 ulps of the logits (measured
+~2e-6). bf16: the rounding boundaries are the single-device ones (test_backend_graph checks that
+no inserted node changes a dtype and the reduce-scatter input is fp32), so the gap is the same
+re-association, amplified where a sum lands on the other side of a bf16 rounding step.
+The bf16 run covers the prefill, decode and multi-token decode steps; the fourth step (a longer
+prefill whose indexer top-k prunes compressed entries) runs in fp32 only: in bf16 that ulp-level
+noise flips near-tied top-k choices (measured: 6% of the logits of that step off by up to 1.8),
+a discrete difference no tolerance describes honestly.
+
+Eager and inductor lowering, and both embedding modes, are covered by the two fp32 runs
+(tiny / eager / replicated embedding; tiny-swa / inductor / vocab-sharded embedding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41_compile.model import ModelConfig
+from dsv41_compile.testing.batches import Request as R
+from dsv41_compile.testing.cases import CaseSpec, compare_on_rank
+from dsv41_compile.testing.multirank import run_ranks
+
+pytestmark = pytest.mark.slow
+
+WORLD, TP = 8, 4
+# Per step: (DP group 0 requests, DP group 1 requests).
+STEPS = (
+    # The requirement's example: requests of 3, 2, 3 tokens in both groups, other tokens.
+    (
+        (R(0, [1, 2, 3], 0), R(1, [4, 5], 0), R(2, [6, 7, 8], 0)),
+        (R(0, [9, 10, 11], 0), R(1, [12, 13], 0), R(2, [14, 15, 16], 0)),
+    ),
+    # Decode: T = 3 < tp (an empty shard) in group 0, T = 1 in group 1 (different T per group).
+    ((R(0, [17], 3), R(1, [18], 2), R(2, [19], 3)), (R(1, [20], 2),)),
+    # Multi-token decode (DSpark verification): T = 5 and 6, neither divisible by tp.
+    (
+        (R(0, [21, 22], 4), R(1, [23, 24], 3), R(2, [25], 4)),
+        (R(0, [26, 27, 28], 3), R(1, [29, 30, 31], 3)),
+    ),
+    # A longer prefill next to decodes: compressed entries beyond the indexer's top-k.
+    (
+        (R(3, list(range(40, 53)), 0), R(0, [32], 6)),
+        (R(3, list(range(60, 80)), 0), R(2, [33], 3)),
+    ),
+)
+
+
+def capture_points(cfg: ModelConfig) -> tuple[str, ...]:
+    """Per layer: the attention input (replicated), the residual streams after the attention
+    half (entering hc_ffn) and after the MoE half (entering the next hc_attn; the last layer's
+    collapsed streams enter the final norm)."""
+    points = []
+    for i in range(cfg.n_layers):
+        points += [f"layers.{i}.attn", f"layers.{i}.hc_ffn"]
+        points.append(f"layers.{i + 1}.hc_attn" if i + 1 < cfg.n_layers else "norm")
+    return tuple(points)
+
+
+def spec(preset: str, *, capture: bool = False, **options) -> CaseSpec:
+    cfg = ModelConfig.from_name(preset)
+    return CaseSpec(
+        steps=STEPS,
+        preset=preset,
+        options=(("tp", TP), *options.items()),
+        capture=capture_points(cfg) if capture else (),
+        max_len=32,
+    )
+
+
+RUNS = {
+    # every attention mode of the tiny preset, eager lowering, intermediates captured
+    "tiny-eager": spec("tiny", capture=True, lowering="eager"),
+    "tiny-swa-inductor-vocab": spec("tiny-swa", lowering="inductor", embedding="vocab_sharded"),
+    # bf16 over the first three steps: see the module docstring for the longer prefill.
+    "tiny-bf16-eager": CaseSpec(
+        steps=STEPS[:3],
+        preset="tiny",
+        overrides=(("dtype", "bfloat16"),),
+        options=(("tp", TP), ("lowering", "eager")),
+        max_len=32,
+    ),  # fmt: skip
+}
+TOLERANCE = {"float32": {"atol": 1e-5, "rtol": 1e-5}, "bfloat16": {"atol": 6e-2, "rtol": 2e-2}}
+
+
+_RESULTS: dict[str, list | RuntimeError] = {}
+
+
+def results_of(name: str) -> list:
+    """One 8-process run per configuration, shared by the tests of this module."""
+    if name not in _RESULTS:
+        try:
+            _RESULTS[name] = run_ranks(compare_on_rank, WORLD, RUNS[name])
+        except RuntimeError as error:  # fail every dependent test without re-running
+            _RESULTS[name] = error
+    if isinstance(_RESULTS[name], RuntimeError):
+        raise _RESULTS[name]
+    return _RESULTS[name]
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def run(request):
+    return request.param, RUNS[request.param], results_of(request.param)
+
+
+def test_logits_match_single_device_on_every_rank_and_step(run):
+    name, case, results = run
+    dtype = dict(case.overrides).get("dtype", "float32")
+    for rank, result in enumerate(results):
+        expected_T = [sum(len(r.ids) for r in step[rank // TP]) for step in case.steps]
+        assert [s["T"] for s in result["steps"]] == expected_T
+        for i, step in enumerate(result["steps"]):
+            assert step["sp"].shape == step["ref"].shape == (step["T"], 512)
+            torch.testing.assert_close(
+                step["sp"],
+                step["ref"],
+                **TOLERANCE[dtype],
+                msg=lambda m, at=f"{name} rank {rank} step {i}": f"{at}: {m}",
+            )
+        assert result["cache_diff"] <= (1e-5 if dtype == "float32" else 0.1), name
+
+
+def test_tp_ranks_of_a_group_return_the_same_logits(run):
+    _, _, results = run
+    for rank, result in enumerate(results):
+        leader = results[rank // TP * TP]
+        for mine, theirs in zip(result["steps"], leader["steps"]):
+            assert torch.equal(mine["sp"], theirs["sp"])
+
+
+def test_one_compile_serves_every_token_count(run):
+    _, _, results = run
+    assert [r["frames"] for r in results] == [1] * WORLD  # T = 8, 3, 1, 5, 6, 14, 21
+
+
+def test_intermediates_match_for_every_layer():
+    """The all-gathered attention input equals the single-device attention input (same rows,
+    same order), and the residual streams reassembled from the TP group's token shards equal the
+    single-device streams, after the attention half and after the MoE half of every layer."""
+    case = RUNS["tiny-eager"]
+    results = results_of("tiny-eager")
+    cfg = ModelConfig.from_name(case.preset)
+    for dp in range(WORLD // TP):
+        group = results[dp * TP : (dp + 1) * TP]
+        for point in case.capture:
+            sp_by_rank = [r["captures"][point][0] for r in group]
+            ref = group[0]["captures"][point][1]
+            assert len(ref) == len(case.steps) and all(len(v) == len(ref) for v in sp_by_rank)
+            for step, ref_value in enumerate(ref):
+                T = ref_value.shape[0]
+                if point.endswith(".attn"):  # replicated: every rank holds all T rows
+                    values = [v[step] for v in sp_by_rank]
+                else:  # token-sharded: rank k holds rows [k*Tl, (k+1)*Tl) (+ tail padding)
+                    values = [torch.cat([v[step] for v in sp_by_rank])[:T]]
+                for value in values:
+                    assert value.shape == ref_value.shape, (point, step)
+                    torch.testing.assert_close(
+                        value, ref_value, atol=1e-5, rtol=1e-5,
+                        msg=lambda m, at=f"dp {dp} {point} step {step}": f"{at}: {m}",
+                    )  # fmt: skip
+    assert len(case.capture) == 3 * cfg.n_layers

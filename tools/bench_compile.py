@@ -1,0 +1,76 @@
+"""Compile time of the dsv41_sp pipeline against layer count (one process, fake process group).
+
+For window-only `tiny-swa` models of 1, 2, 4 and 8 layers and the 8-layer `tiny` (every
+attention mode), times the first call of the compiled model (Dynamo + AOT + our passes + the
+eager lowering) and the share spent in our passes, side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch._dynamo
+
+import dsv41_compile
+import dsv41_compile.backend as backend
+from dsv41_compile import passes
+from dsv41_compile.mesh import clear_mesh_cache
+from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.testing.batches import Request, pack
+from dsv41_compile.testing.torch_shims import fake_process_group
+
+
+def compile_once(cfg: ModelConfig, tp: int, lowering: str) -> tuple[float, float, int]:
+    torch.manual_seed(0)
+    model = DeepseekV41(cfg)
+    torch._dynamo.reset()
+    clear_mesh_cache()
+    pass_time, nodes = 0.0, 0
+
+    def timed(gm, ctx):
+        nonlocal pass_time, nodes
+        start = time.perf_counter()
+        result = passes.run_pipeline(gm, ctx)
+        pass_time += time.perf_counter() - start
+        nodes = len(gm.graph.nodes)
+        return result
+
+    backend.run_pipeline = timed  # the name the backend calls
+    try:
+        ids, positions, slots = pack([Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0)])
+        dsv41_compile.mark_token_dim(ids, positions, slots)
+        options = {"tp": tp, "lowering": lowering}
+        compiled = torch.compile(model, backend="dsv41_sp", options=options, fullgraph=True)
+        start = time.perf_counter()
+        compiled(ids, positions, slots, model.new_cache(2, 16))
+        return time.perf_counter() - start, pass_time, nodes
+    finally:
+        backend.run_pipeline = passes.run_pipeline
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=4)
+    parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
+    args = parser.parse_args()
+    rows = [("tiny-swa", n) for n in (1, 2, 4, 8)] + [("tiny", 8)]
+    print(
+        f"{'preset':<10} {'layers':>6} {'nodes':>6} {'compile s':>10} {'s/layer':>8} {'passes s':>9}"
+    )
+    with fake_process_group(world_size=2 * args.tp):
+        for preset, layers in rows:
+            cfg = ModelConfig.from_name(preset)
+            if preset == "tiny-swa":
+                cfg = cfg.replace(n_layers=layers)
+            total, in_passes, nodes = compile_once(cfg, args.tp, args.lowering)
+            print(
+                f"{preset:<10} {layers:>6} {nodes:>6} {total:>10.1f} {total / layers:>8.2f} "
+                f"{in_passes:>9.1f}"
+            )
+    clear_mesh_cache()
+
+
+if __name__ == "__main__":
+    main()
