@@ -85,13 +85,13 @@ def main() -> None:
         "\ncommunication of rank 0 (from its rewritten graph; ring algorithms, T = DP group tokens)"
     )
     header = (
-        f"{'layer':>5} {'kind':<15} {'dtype':<8} {'local input':<18} {'bytes sent (formula)':<24}"
+        f"{'layer':>5} {'kind':<15} {'dtype':<8} {'local input':<24} {'bytes sent (formula)':<24}"
     )
     print(header + "".join(f"{k:>9}" for k in comm["collectives"][0]["bytes_sent_at"]))
     for c in comm["collectives"]:
         layer = "-" if c["layer"] is None else c["layer"]
         shape = "[" + ", ".join(c["input_shape"]) + "]"
-        row = f"{layer!s:>5} {c['kind']:<15} {c['dtype']:<8} {shape:<18} {c['bytes_sent']:<24}"
+        row = f"{layer!s:>5} {c['kind']:<15} {c['dtype']:<8} {shape:<24} {c['bytes_sent']:<24}"
         print(row + "".join(f"{v:>9}" for v in c["bytes_sent_at"].values()))
 
 

@@ -4,9 +4,11 @@ model on each DP group's batches, step by step through the cache.
 Tolerances. fp32: |sp - ref| <= 1e-5 + 1e-5 |ref| -- the sharded program sums the attention
 output projection over ranks (ReduceScatter) in another order than one GEMM does; everything
 else is the same arithmetic, so the gap stays at a few fp32 ulps of the logits (measured
-~2e-6). bf16: the rounding boundaries are the single-device ones (test_backend_graph checks that
-no inserted node changes a dtype and the reduce-scatter input is fp32), so the gap is the same
-re-association, amplified where a sum lands on the other side of a bf16 rounding step.
+~2e-6); intermediates use the same bound scaled by the tensor's largest magnitude (the
+residual streams grow with depth). bf16: the rounding boundaries are the single-device ones
+(test_backend_graph checks that no inserted node changes a dtype and that the reduce-scatter
+input is fp32), so the gap is the same re-association, amplified where a sum lands on the other
+side of a bf16 rounding step; |sp - ref| <= 6e-2 + 2e-2 |ref|.
 The bf16 run covers the prefill, decode and multi-token decode steps; the fourth step (a longer
 prefill whose indexer top-k prunes compressed entries) runs in fp32 only: in bf16 that ulp-level
 noise flips near-tied top-k choices (measured: 6% of the logits of that step off by up to 1.8),
@@ -158,10 +160,12 @@ def test_intermediates_match_for_every_layer():
                     values = [v[step] for v in sp_by_rank]
                 else:  # token-sharded: rank k holds rows [k*Tl, (k+1)*Tl) (+ tail padding)
                     values = [torch.cat([v[step] for v in sp_by_rank])[:T]]
+                # fp32 rounding relative to the tensor's scale: the streams grow with depth
+                scale = max(1.0, float(ref_value.abs().max()))
                 for value in values:
                     assert value.shape == ref_value.shape, (point, step)
                     torch.testing.assert_close(
-                        value, ref_value, atol=1e-5, rtol=1e-5,
+                        value, ref_value, atol=1e-5 * scale, rtol=1e-5,
                         msg=lambda m, at=f"dp {dp} {point} step {step}": f"{at}: {m}",
                     )  # fmt: skip
     assert len(case.capture) == 3 * cfg.n_layers
