@@ -16,27 +16,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsv41_compile.testing.batches import Request as R
-from dsv41_compile.testing.cases import CaseSpec, compare_on_rank
+from dsv41_compile.testing.cases import (
+    SERVING_STEP_NAMES as KINDS,
+)
+from dsv41_compile.testing.cases import (
+    SERVING_STEPS as STEPS,
+)
+from dsv41_compile.testing.cases import (
+    CaseSpec,
+    compare_on_rank,
+)
 from dsv41_compile.testing.multirank import run_ranks
 
 WORLD, TP = 8, 4
-STEPS = (
-    (
-        (R(0, [1, 2, 3], 0), R(1, [4, 5], 0), R(2, [6, 7, 8], 0)),
-        (R(0, [9, 10, 11], 0), R(1, [12, 13], 0), R(2, [14, 15, 16], 0)),
-    ),
-    ((R(0, [17], 3), R(1, [18], 2), R(2, [19], 3)), (R(1, [20], 2),)),
-    (
-        (R(0, [21, 22], 4), R(1, [23, 24], 3), R(2, [25], 4)),
-        (R(0, [26, 27, 28], 3), R(1, [29, 30, 31], 3)),
-    ),
-    (
-        (R(3, list(range(40, 53)), 0), R(0, [32], 6)),
-        (R(3, list(range(60, 80)), 0), R(2, [33], 3)),
-    ),
-)
-KINDS = ("prefill", "decode", "multi-token decode", "prefill + decode")
 
 
 def main() -> None:

@@ -32,12 +32,8 @@ def capture_programs() -> Iterator[list[tuple[GraphModule, CompileContext]]]:
         programs.append((gm, ctx))
         return False
 
-    original = passes.PIPELINE
-    passes.PIPELINE = (*original, ("keep", keep))
-    try:
+    with _appended_pass("keep", keep):
         yield programs
-    finally:
-        passes.PIPELINE = original
 
 
 @contextmanager
@@ -58,10 +54,16 @@ def capture_compiled(modules: Sequence[str]) -> Iterator[dict[str, list[Tensor]]
         gm.recompile()
         return True
 
-    original = passes.PIPELINE
-    passes.PIPELINE = (*original, ("capture", capture))
-    try:
+    with _appended_pass("capture", capture):
         yield store
+
+
+@contextmanager
+def _appended_pass(name: str, pass_: passes.Pass) -> Iterator[None]:
+    original = passes.PIPELINE
+    passes.PIPELINE = (*original, (name, pass_))
+    try:
+        yield
     finally:
         passes.PIPELINE = original
 

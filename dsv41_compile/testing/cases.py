@@ -20,10 +20,32 @@ from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.capture import capture_compiled, capture_reference
 
-__all__ = ["CaseSpec", "compare_on_rank", "model_config"]
+__all__ = ["SERVING_STEPS", "SERVING_STEP_NAMES", "CaseSpec", "compare_on_rank", "model_config"]
 
 Step = tuple[tuple[Request, ...], ...]
 """One step: the requests of each DP group (index = dp rank)."""
+
+# Two DP groups through the cache: (group 0 requests, group 1 requests) per step.
+SERVING_STEPS: tuple[Step, ...] = (
+    # The requirement's example: requests of 3, 2, 3 tokens in both groups, other tokens.
+    (
+        (Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0), Request(2, [6, 7, 8], 0)),
+        (Request(0, [9, 10, 11], 0), Request(1, [12, 13], 0), Request(2, [14, 15, 16], 0)),
+    ),
+    # Decode: T = 3 < tp (an empty shard) in group 0, T = 1 in group 1 (different T per group).
+    ((Request(0, [17], 3), Request(1, [18], 2), Request(2, [19], 3)), (Request(1, [20], 2),)),
+    # Multi-token decode (DSpark verification): T = 5 and 6, neither divisible by tp = 4.
+    (
+        (Request(0, [21, 22], 4), Request(1, [23, 24], 3), Request(2, [25], 4)),
+        (Request(0, [26, 27, 28], 3), Request(1, [29, 30, 31], 3)),
+    ),
+    # A longer prefill next to decodes: compressed entries beyond the indexer's top-k.
+    (
+        (Request(3, list(range(40, 53)), 0), Request(0, [32], 6)),
+        (Request(3, list(range(60, 80)), 0), Request(2, [33], 3)),
+    ),
+)
+SERVING_STEP_NAMES = ("prefill", "decode", "multi-token decode", "prefill + decode")
 
 
 @dataclass(frozen=True)

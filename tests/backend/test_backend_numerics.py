@@ -24,33 +24,14 @@ import pytest
 import torch
 
 from dsv41_compile.model import ModelConfig
-from dsv41_compile.testing.batches import Request as R
-from dsv41_compile.testing.cases import CaseSpec, compare_on_rank
+from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank
 from dsv41_compile.testing.multirank import run_ranks
 
 pytestmark = pytest.mark.slow
 
 WORLD, TP = 8, 4
-# Per step: (DP group 0 requests, DP group 1 requests).
-STEPS = (
-    # The requirement's example: requests of 3, 2, 3 tokens in both groups, other tokens.
-    (
-        (R(0, [1, 2, 3], 0), R(1, [4, 5], 0), R(2, [6, 7, 8], 0)),
-        (R(0, [9, 10, 11], 0), R(1, [12, 13], 0), R(2, [14, 15, 16], 0)),
-    ),
-    # Decode: T = 3 < tp (an empty shard) in group 0, T = 1 in group 1 (different T per group).
-    ((R(0, [17], 3), R(1, [18], 2), R(2, [19], 3)), (R(1, [20], 2),)),
-    # Multi-token decode (DSpark verification): T = 5 and 6, neither divisible by tp.
-    (
-        (R(0, [21, 22], 4), R(1, [23, 24], 3), R(2, [25], 4)),
-        (R(0, [26, 27, 28], 3), R(1, [29, 30, 31], 3)),
-    ),
-    # A longer prefill next to decodes: compressed entries beyond the indexer's top-k.
-    (
-        (R(3, list(range(40, 53)), 0), R(0, [32], 6)),
-        (R(3, list(range(60, 80)), 0), R(2, [33], 3)),
-    ),
-)
+# prefill (3, 2, 3 tokens per group), decode, multi-token decode, longer prefill
+STEPS = SERVING_STEPS
 
 
 def capture_points(cfg: ModelConfig) -> tuple[str, ...]:
