@@ -16,6 +16,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.fx import GraphModule, Node
 
@@ -36,10 +37,8 @@ from dsv41_compile.propagation.rules import strategy_for
 __all__ = ["annotate"]
 
 
-def _output_placement(node: Node, index: int | None = None) -> Placement:
+def _output_placement(node: Node) -> Placement:
     out = node.meta[OUT]
-    if index is not None:
-        return out[index]
     if isinstance(out, tuple):
         raise AssertionError(f"{describe(node)} has several outputs; use getitem")
     return out
@@ -95,7 +94,7 @@ def _annotate_placeholder(node: Node, ctx: CompileContext) -> None:
 
 
 def _annotate_call(
-    node: Node, ctx: CompileContext, mesh: object, anchored: tuple[str, Placement] | None
+    node: Node, ctx: CompileContext, mesh: DeviceMesh, anchored: tuple[str, Placement] | None
 ) -> None:
     inputs = tensor_inputs(node)
     given: list[Placement] = []
