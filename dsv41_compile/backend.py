@@ -117,7 +117,8 @@ def _fqn(source: str) -> str | None:
 
 
 def _input_name(source: str) -> str:
-    return source.removeprefix("L['self']").replace("L['", "").replace("']", "", 1)
+    """`L['cache'].window_kv[0]` -> `cache.window_kv[0]`."""
+    return re.sub(r"^L\['([^']+)'\]", r"\1", source)
 
 
 def _check_whole_model(gm: GraphModule) -> None:

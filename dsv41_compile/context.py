@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Shard
 
 from dsv41_compile.mesh import Mesh
 from dsv41_compile.propagation.plan import ShardingPlan
@@ -33,5 +33,5 @@ class CompileContext:
     """One record per inserted collective (DESIGN §5), filled by insert and validate."""
     sizes: Any = None
     """The token-size nodes (`collectives.transitions.TokenSizes`), created by insert."""
-    param_shards: dict[int, tuple[str, int, Placement]] = field(default_factory=dict)
-    """Placeholder index -> (FQN, sharded dim, placement) for parameters held as local shards."""
+    param_shards: dict[int, tuple[str, Shard]] = field(default_factory=dict)
+    """Placeholder index -> (FQN, placement) for parameters held as local shards."""

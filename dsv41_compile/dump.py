@@ -15,7 +15,7 @@ __all__ = ["dump", "graph_labels"]
 
 def graph_labels(ctx: CompileContext) -> tuple[dict[str, str], dict[str, str]]:
     """Placeholder labels (parameter FQNs, input names) and group-name -> axis-name map."""
-    labels = {name: fqn for name, fqn in ctx.param_fqns.items()}
+    labels = dict(ctx.param_fqns)
     labels.update(ctx.input_sources)
     return labels, {ctx.mesh.tp_group_name: "tp"}
 
@@ -27,7 +27,7 @@ def dump(gm: GraphModule, ctx: CompileContext, dump_dir: str) -> Path:
     labels, groups = graph_labels(ctx)
     inputs = [
         f"#   {labels.get(n.name, n.name)}"
-        + (f"  (local shard {ctx.param_shards[i][2]})" if i in ctx.param_shards else "")
+        + (f"  (local shard {ctx.param_shards[i][1]})" if i in ctx.param_shards else "")
         for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
     ]
     header = (

@@ -37,7 +37,7 @@ def localize(gm: GraphModule, *, ctx: CompileContext) -> bool:
     for index, node in enumerate(placeholders):
         placement = node.meta.get(OUT)
         if node.name in ctx.param_fqns and isinstance(placement, Shard):
-            ctx.param_shards[index] = (ctx.param_fqns[node.name], placement.dim, placement)
+            ctx.param_shards[index] = (ctx.param_fqns[node.name], placement)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
@@ -132,12 +132,13 @@ def _localize_vocab_sharded_embedding(gm: GraphModule, node: Node, ctx: CompileC
         masked = g.call_function(aten.mul.Tensor, (node, keep))
     node.replace_all_uses_with(masked, delete_user_cb=lambda user: user is not masked)
     node.args = (weight, safe, *node.args[2:])
-    for n in (offset, local, mine, safe, keep, *mine.args):
-        n.meta[OUT] = Replicate()
-        n.meta[REASON] = "vocab-sharded embedding: look up this rank's rows only"
-    masked.meta[OUT] = Partial()
-    masked.meta[REASON] = "vocab-sharded embedding: zeros for other ranks' rows (a partial sum)"
     for n in (offset, local, mine, safe, keep, masked, *mine.args):
+        n.meta[OUT] = Partial() if n is masked else Replicate()
+        n.meta[REASON] = (
+            "vocab-sharded embedding: zeros for other ranks' rows (a partial sum)"
+            if n is masked
+            else "vocab-sharded embedding: look up this rank's rows only"
+        )
         for key in ("stack_trace", "nn_module_stack"):
             if key in node.meta:
                 n.meta[key] = node.meta[key]

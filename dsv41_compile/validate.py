@@ -53,9 +53,9 @@ def local_inputs(gm: GraphModule, ctx: CompileContext) -> list[Any]:
             continue
         val = node.meta.get(GLOBAL_VAL, node.meta.get("val"))
         if index in ctx.param_shards:
-            _, dim, _ = ctx.param_shards[index]
+            _, placement = ctx.param_shards[index]
             shape = list(val.shape)
-            shape[dim] //= ctx.mesh.tp
+            shape[placement.dim] //= ctx.mesh.tp
             with ctx.fake_mode:
                 val = torch.empty(shape, dtype=val.dtype, device=val.device)
         inputs.append(val)

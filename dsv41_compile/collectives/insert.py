@@ -25,7 +25,7 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> bool:
     graph = gm.graph
     token_input = next(n for n in graph.nodes if n.name == ctx.token_input)
     sizes = ctx.sizes = TokenSizes.create(graph, token_input, ctx.mesh.tp, ctx.mesh.tp_group_name)
-    done: dict[tuple[Node, str], Node] = {}
+    done: dict[tuple[Node, Placement], Node] = {}
     for node in list(graph.nodes):
         needed: tuple[Placement, ...] | None = node.meta.get(IN)
         if not needed:
@@ -39,13 +39,11 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> bool:
             src = arg.meta[OUT]
             if src == dst:
                 return arg
-            key = (arg, format_placement(dst))
+            key = (arg, dst)
             if key not in done:
                 why = _why(arg, consumer, dst)
                 with graph.inserting_before(consumer):
-                    out, _kind = redistribute(
-                        graph, arg, src, dst, sizes, consumer=consumer, why=why
-                    )
+                    out = redistribute(graph, arg, src, dst, sizes, consumer=consumer, why=why)
                 out.meta[OUT] = dst
                 out.meta[GLOBAL_VAL] = arg.meta[GLOBAL_VAL]  # same global value, new placement
                 done[key] = out

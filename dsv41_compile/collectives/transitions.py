@@ -85,14 +85,15 @@ def redistribute(
     *,
     consumer: Node,
     why: str,
-) -> tuple[Node, str | None]:
+) -> Node:
     """Nodes turning `value` (placed `src`) into `dst` for `consumer`, inserted at the graph's
     current insert point; they carry the consumer's module and source line. Returns the new
-    value and the collective kind it issued (None for a local op)."""
+    value."""
     val = value.meta["val"]
     ndim = val.dim()
     tp, group = sizes.tp, sizes.group_name
-    kind: str | None = None
+    if src == dst:
+        return value
     if isinstance(src, Shard) and isinstance(dst, Replicate):
         if src.dim != 0:
             raise NotImplementedError(
@@ -105,7 +106,7 @@ def redistribute(
         # compilers can see even when T is an unbacked symbol.
         parts = graph.call_function(aten.split_with_sizes.default, (waited, [sizes.T, sizes.pad]))
         out = graph.call_function(operator.getitem, (parts, 0))
-        nodes, kind = [gathered, waited, parts, out], "all_gather"
+        nodes = [gathered, waited, parts, out]
     elif isinstance(src, Partial) and dst == Shard(0):
         if src.reduce_op != "sum":
             raise NotImplementedError(f"{describe(value)}: only sum partials are reduce-scattered")
@@ -114,7 +115,7 @@ def redistribute(
             c10d.reduce_scatter_tensor.default, (padded, "sum", tp, group)
         )
         out = graph.call_function(c10d.wait_tensor.default, (scattered,))
-        nodes, kind = [padded, scattered, out], "reduce_scatter"
+        nodes = [padded, scattered, out]
     elif isinstance(src, Replicate) and isinstance(dst, Shard):
         d = dst.dim
         nodes = []
@@ -124,8 +125,6 @@ def redistribute(
         split = graph.call_function(aten.unflatten.int, (value, d, [tp, -1]))
         out = graph.call_function(aten.index.Tensor, (split, [None] * d + [sizes.tp_rank]))
         nodes += [split, out]
-    elif src == dst:
-        return value, None
     else:
         raise NotImplementedError(
             f"{describe(value)}: no {format_placement(src)} -> {format_placement(dst)} transition "
@@ -137,4 +136,4 @@ def redistribute(
         for key in ("stack_trace", "nn_module_stack", REGION):
             if key in consumer.meta:
                 n.meta[key] = consumer.meta[key]
-    return out, kind
+    return out

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Shard
 from torch.fx import GraphModule
 
 from dsv41_compile.context import CompileContext
@@ -29,7 +29,7 @@ class ShardedProgram:
     def __init__(
         self,
         compiled: Callable[..., Any],
-        param_shards: dict[int, tuple[str, int, Placement]],
+        param_shards: dict[int, tuple[str, Shard]],
         tp: int,
         tp_rank: int,
     ) -> None:
@@ -44,8 +44,8 @@ class ShardedProgram:
         cached = self._shards.get(index)
         if cached is not None and cached[0] is full and cached[1] == full._version:
             return cached[2]
-        _, dim, _ = self.param_shards[index]
-        shard = full.chunk(self.tp, dim)[self.tp_rank].contiguous()
+        _, placement = self.param_shards[index]
+        shard = full.chunk(self.tp, placement.dim)[self.tp_rank].contiguous()
         self._shards[index] = (full, full._version, shard)
         return shard
 

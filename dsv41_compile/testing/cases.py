@@ -9,7 +9,7 @@ optionally, the values entering chosen modules on both sides (`testing.capture`)
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,8 +57,6 @@ class CaseSpec:
     capture: tuple[str, ...] = ()
     num_slots: int = 4
     max_len: int = 32
-    dynamic: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def model_config(spec: CaseSpec) -> ModelConfig:
@@ -95,8 +93,7 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     ):
         for step in spec.steps:
             ids, positions, slots = pack(step[dp_rank])
-            if spec.dynamic:
-                mark_token_dim(ids, positions, slots)
+            mark_token_dim(ids, positions, slots)
             sp = compiled(ids, positions, slots, sp_cache)
             ref = reference(ids, positions, slots, ref_cache)
             steps.append({"T": int(ids.numel()), "sp": sp, "ref": ref})

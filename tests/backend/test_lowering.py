@@ -15,7 +15,7 @@ def test_parameters_are_sliced_once_and_resliced_after_an_update():
         seen.append((weight, int(tp_rank)))
         return (x @ weight.t(),)
 
-    program = ShardedProgram(graph, {0: ("w", 0, Shard(0))}, tp=4, tp_rank=2)
+    program = ShardedProgram(graph, {0: ("w", Shard(0))}, tp=4, tp_rank=2)
     weight = torch.arange(32.0).view(8, 4)
     x = torch.ones(3, 4)
     (out,) = program([weight, x])
