@@ -33,6 +33,7 @@ __all__ = ["BackendOptions", "dsv41_sp", "mark_token_dim"]
 _LAYOUTS = ("sp",)
 _LOWERINGS = ("auto", "eager", "inductor")
 _EMBEDDINGS = ("replicated", "vocab_sharded")
+_EP_DISPATCH = ("exact", "padded")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +42,14 @@ class BackendOptions:
     """Tensor-parallel (and sequence-parallel) group size; the world splits into world/tp DP
     groups of consecutive ranks."""
     ep: int = 1
-    """Expert-parallel group size. Only 1 for now: every rank holds every routed expert."""
+    """Expert-parallel group size: the world size (rank r holds routed experts
+    [r*E/ep, (r+1)*E/ep) and the routed-experts op becomes an all-to-all dispatch / combine
+    over the world), or 1 (every rank holds every routed expert)."""
+    ep_dispatch: str = "exact"
+    """How the EP all-to-all is sized: "exact" (exchange per-destination counts, then send
+    exactly the valid assignments; data-dependent sizes) or "padded" (every rank sends a
+    worst-case buffer of ceil(T/tp) * min(top-k, E/ep) rows to every rank; no host sync, the
+    form graph-mode compilers run)."""
     layout: str = "sp"
     """"sp": token-sharded residuals, AllGather in / ReduceScatter out of attention."""
     lowering: str = "auto"
@@ -55,15 +63,13 @@ class BackendOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"tp must be a positive int, got {self.tp!r}")
-        if self.ep != 1:
-            raise ValueError(
-                f"ep={self.ep}: expert parallelism is not implemented yet; use ep=1 (every rank "
-                f"holds all routed experts and runs them on its own token shard)"
-            )
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep must be a positive int, got {self.ep!r}")
         for name, allowed in (
             ("layout", _LAYOUTS),
             ("lowering", _LOWERINGS),
             ("embedding", _EMBEDDINGS),
+            ("ep_dispatch", _EP_DISPATCH),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(
@@ -181,7 +187,7 @@ def dsv41_sp(
         ctx = CompileContext(
             mesh=mesh,
             options=opts,
-            plan=deepseek_v41_plan(embedding=opts.embedding),
+            plan=deepseek_v41_plan(embedding=opts.embedding, ep=opts.ep),
             param_fqns=param_fqns,
             input_sources=input_sources,
             token_input=token[0],
@@ -189,11 +195,14 @@ def dsv41_sp(
         )
         _check_token_count(aten_gm, ctx)
         run_pipeline(aten_gm, ctx)
+        on_ep_stats = None
         if opts.dump_dir is not None:
-            from dsv41_compile.dump import dump
+            from dsv41_compile.dump import EpStepLog, dump
 
-            dump(aten_gm, ctx, opts.dump_dir)
-        return lower(aten_gm, ctx)
+            out = dump(aten_gm, ctx, opts.dump_dir)
+            if ctx.ep_layers:
+                on_ep_stats = EpStepLog(out / "comm.json", ctx)
+        return lower(aten_gm, ctx, on_ep_stats)
 
     return aot_module_simplified(
         gm, example_inputs, fw_compiler=compile_rank, inference_compiler=compile_rank

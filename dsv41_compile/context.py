@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Placement
 
 from dsv41_compile.mesh import Mesh
 from dsv41_compile.propagation.plan import ShardingPlan
@@ -14,7 +14,23 @@ from dsv41_compile.propagation.plan import ShardingPlan
 if TYPE_CHECKING:
     from dsv41_compile.backend import BackendOptions
 
-__all__ = ["CompileContext"]
+__all__ = ["CompileContext", "ParamShard"]
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """A parameter the graph receives as a local shard: chunk `index` of `parts` on `dim`."""
+
+    fqn: str
+    placement: Placement
+    dim: int
+    parts: int
+    index: int
+
+    def local_shape(self, shape: list[int]) -> list[int]:
+        shape = list(shape)
+        shape[self.dim] //= self.parts
+        return shape
 
 
 @dataclass
@@ -33,5 +49,8 @@ class CompileContext:
     """One record per inserted collective (DESIGN §5), filled by insert and validate."""
     sizes: Any = None
     """The token-size nodes (`collectives.transitions.TokenSizes`), created by insert."""
-    param_shards: dict[int, tuple[str, Shard]] = field(default_factory=dict)
-    """Placeholder index -> (FQN, placement) for parameters held as local shards."""
+    param_shards: dict[int, ParamShard] = field(default_factory=dict)
+    """Placeholder index -> shard, for parameters held as local shards."""
+    ep_layers: list[Any] = field(default_factory=list)
+    """One `collectives.expert_parallel.EpLayer` per rewritten routed-experts node, in graph
+    order (the order of the graph's extra EP-statistics outputs)."""

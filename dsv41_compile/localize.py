@@ -2,7 +2,7 @@
 
 Requires: annotate and insert (placements on every node, collectives in place).
 Ensures: sharded parameters are recorded in `ctx.param_shards` (the runtime hands the graph the
-local shard, sliced once); every size argument that names a sharded dim is the local size (a
+local shard, sliced once: a tp shard by `tp_rank`, an expert shard by the world rank); every size argument that names a sharded dim is the local size (a
 `-1` where the op can infer it, the token-shard length `Tl`, or `size // tp`); a vocab-sharded
 embedding looks up only its own rows and leaves zeros elsewhere (its partial sum). Ops that
 would create a sharded tensor from a global size are refused.
@@ -17,8 +17,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from dsv41_compile.context import CompileContext
+from dsv41_compile.context import CompileContext, ParamShard
 from dsv41_compile.fx_utils import GLOBAL_VAL, OUT, REASON, describe
+from dsv41_compile.propagation.plan import ExpertShard
 
 __all__ = ["localize"]
 
@@ -32,12 +33,16 @@ _FACTORIES = {
 
 
 def localize(gm: GraphModule, *, ctx: CompileContext) -> bool:
-    tp = ctx.mesh.tp
+    mesh = ctx.mesh
+    tp = mesh.tp
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for index, node in enumerate(placeholders):
         placement = node.meta.get(OUT)
-        if node.name in ctx.param_fqns and isinstance(placement, Shard):
-            ctx.param_shards[index] = (ctx.param_fqns[node.name], placement)
+        fqn = ctx.param_fqns.get(node.name)
+        if fqn is not None and isinstance(placement, Shard):
+            ctx.param_shards[index] = ParamShard(fqn, placement, placement.dim, tp, mesh.tp_rank)
+        elif fqn is not None and isinstance(placement, ExpertShard):
+            ctx.param_shards[index] = ParamShard(fqn, placement, placement.dim, mesh.ep, mesh.rank)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue

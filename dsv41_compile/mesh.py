@@ -1,6 +1,8 @@
-"""The mesh of one compiled program: world = dp x tp, TP groups of consecutive ranks.
+"""The mesh of one compiled program: world = dp x tp, TP groups of consecutive ranks; the EP
+group, when ep > 1, is the whole world.
 
-Rank r is `tp_rank = r % tp` of TP group `dp_rank = r // tp` (DESIGN §2). The groups are
+Rank r is `tp_rank = r % tp` of TP group `dp_rank = r // tp` (DESIGN §2) and holds the routed
+experts `[r*E/ep, (r+1)*E/ep)`. The groups are
 created once per (world, tp) and reused by every recompilation, so that all ranks create the same
 groups in the same order whatever their compile history.
 """
@@ -26,6 +28,8 @@ class Mesh:
     """The one-axis mesh of this rank's TP group (`mesh_dim_names == ("tp",)`)."""
     tp_group_name: str
     """The TP group's process-group name, as the functional collectives take it."""
+    ep_group_name: str
+    """The EP group's (the world's) process-group name."""
 
     @property
     def dp(self) -> int:
@@ -58,12 +62,27 @@ def build_mesh(*, tp: int, ep: int, device_type: str) -> Mesh:
             f"world/tp data-parallel groups of tp ranks; choose tp in "
             f"{[d for d in range(1, world + 1) if world % d == 0]}"
         )
+    if ep not in (1, world):
+        raise ValueError(
+            f"ep={ep}: the expert-parallel group is the whole world, so ep must be the world "
+            f"size {world} (experts sharded over every rank) or 1 (every rank holds every "
+            f"routed expert)"
+        )
     key = (id(dist.group.WORLD), world, tp, device_type)
     if key not in _MESHES:
         grid = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
         _MESHES[key] = grid["tp"]
     tp_mesh = _MESHES[key]
-    return Mesh(world, rank, tp, ep, device_type, tp_mesh, tp_mesh.get_group().group_name)
+    return Mesh(
+        world,
+        rank,
+        tp,
+        ep,
+        device_type,
+        tp_mesh,
+        tp_mesh.get_group().group_name,
+        dist.group.WORLD.group_name,
+    )
 
 
 def clear_mesh_cache() -> None:

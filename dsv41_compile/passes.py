@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from torch.fx import GraphModule
 
+from dsv41_compile.collectives.expert_parallel import expert_parallel
 from dsv41_compile.collectives.insert import insert_collectives
 from dsv41_compile.context import CompileContext
 from dsv41_compile.localize import localize
@@ -21,6 +22,7 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("annotate", annotate),
     ("insert", insert_collectives),
     ("localize", localize),
+    ("expert_parallel", expert_parallel),
     ("validate", validate),
 )
 

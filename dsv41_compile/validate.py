@@ -2,12 +2,13 @@
 
 Requires: localize. Ensures: every node's value (`meta["val"]`) is the local one, computed by
 fake-tensor propagation from local inputs; each annotated node's local shape is its global
-shape with sharded dims divided over tp; the graph lints; the layout invariants hold; and
+shape with sharded dims divided over tp (expert dims over ep); the graph lints; the layout invariants hold; and
 `ctx.comm` holds one record per collective (DESIGN §5).
 
 Layout invariants of `layout="sp"` (DESIGN §2): per decoder layer exactly one AllGather(tp),
 whose input is the 2-D `[Tl, D]` attention input (not the `[Tl, n, D]` residual), and exactly one
-ReduceScatter(tp), whose input is fp32; no collective in the MoE half; no all-reduce anywhere.
+ReduceScatter(tp), whose input is fp32; no TP collective in the MoE half; EP all-to-alls only in
+the MoE half (with ep > 1: 4 per MoE layer with exact dispatch, 3 padded); no all-reduce.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from dsv41_compile.collectives.expert_parallel import EP_TOKENS
 from dsv41_compile.context import CompileContext
 from dsv41_compile.fx_utils import GLOBAL_VAL, OUT, REASON, REGION, describe, hint_shape
+from dsv41_compile.propagation.plan import ExpertShard
 
 __all__ = ["COLLECTIVES", "collective_kind", "comm_records", "local_inputs", "validate"]
 
@@ -51,11 +54,12 @@ def local_inputs(gm: GraphModule, ctx: CompileContext) -> list[Any]:
             with ctx.fake_mode:
                 inputs.append(torch.zeros((), dtype=torch.int64))
             continue
+        if node.name == EP_TOKENS:
+            inputs.append(node.meta["val"])
+            continue
         val = node.meta.get(GLOBAL_VAL, node.meta.get("val"))
         if index in ctx.param_shards:
-            _, placement = ctx.param_shards[index]
-            shape = list(val.shape)
-            shape[placement.dim] //= ctx.mesh.tp
+            shape = ctx.param_shards[index].local_shape(list(val.shape))
             with ctx.fake_mode:
                 val = torch.empty(shape, dtype=val.dtype, device=val.device)
         inputs.append(val)
@@ -96,7 +100,9 @@ def _check_local_shapes(gm: GraphModule, ctx: CompileContext) -> None:
         if not isinstance(global_val, torch.Tensor) or not isinstance(val, torch.Tensor):
             continue
         expected = list(hint_shape(global_val))
-        if isinstance(placement, Shard):
+        if isinstance(placement, ExpertShard):
+            expected[placement.dim] //= ctx.mesh.ep
+        elif isinstance(placement, Shard):
             size = global_val.shape[placement.dim]
             if isinstance(size, torch.SymInt) and symbol is not None:
                 padded = sympy.sympify(size.node.expr).xreplace({symbol: sympy.Integer(tpad_hint)})
@@ -125,6 +131,7 @@ def _fmt_size(size: object, symbol: object) -> str:
 
 
 _T = sympy.Symbol("T", positive=True, integer=True)
+_TL_MAX = sympy.Symbol("Tl_max", positive=True, integer=True)
 EXAMPLE_TOKEN_COUNTS = (1, 8, 2048)
 
 
@@ -136,35 +143,74 @@ def _bytes(val: torch.Tensor, symbol: object) -> sympy.Expr:
     return formula.xreplace({symbol: _T}) if symbol is not None else formula
 
 
+def _axis(node: Node, ctx: CompileContext) -> str:
+    group = node.args[-1]
+    if group == ctx.mesh.tp_group_name:
+        return "tp"
+    if group == ctx.mesh.ep_group_name:
+        return "ep"
+    raise AssertionError(f"{describe(node)} runs on an unknown process group {group!r}")
+
+
+def _sym_expr(size: object) -> sympy.Expr:
+    val = size.meta["val"] if isinstance(size, Node) else size
+    return sympy.sympify(val.node.expr) if isinstance(val, torch.SymInt) else sympy.Integer(val)
+
+
+def _a2a_bytes(
+    splits: list[object], val: torch.Tensor, rank: int, names: dict[object, sympy.Symbol]
+) -> sympy.Expr | None:
+    """Bytes of the chunks for the other ranks (the chunk at `rank` stays), or None when the
+    split sizes are data-dependent."""
+    exprs = [_sym_expr(s) for s in splits]
+    row = val.element_size() * math.prod(int(d) for d in val.shape[1:])
+    moved = ((sum(exprs, sympy.Integer(0)) - exprs[rank]) * row).xreplace(names)
+    return moved if moved.free_symbols <= {_T, _TL_MAX} else None
+
+
 def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
     """One record per collective: kind, axis, group size, dtype, local shapes, bytes this rank
-    sends and receives (ring all-gather / reduce-scatter: (tp-1) chunks of the shard each way)
-    as a formula in T and at a few token counts, layer, reason."""
+    sends and receives as a formula in T and at a few token counts, layer, reason. Algorithms:
+    ring all-gather / reduce-scatter ((tp-1) chunks of the shard each way), pairwise
+    all-to-all (every chunk but the rank's own). A padded EP all-to-all's formula is in Tl_max
+    (the largest token shard over the EP group; its values at T assume every DP group serves T
+    tokens); an exact one's sizes are data-dependent ("data-dependent": `comm.json`'s
+    `ep_steps` has each call's bytes)."""
     symbol, _t_hint, _ = _token_hints(ctx)
-    tp = ctx.mesh.tp
+    tp, rank = ctx.mesh.tp, ctx.mesh.rank
+    names = {symbol: _T} if symbol is not None else {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name == EP_TOKENS:
+            names[node.meta["val"].node.expr] = _TL_MAX
     records = []
     for node in gm.graph.nodes:
         kind = collective_kind(node)
         if kind is None:
             continue
+        axis = _axis(node, ctx)
         inp, out = node.args[0].meta["val"], node.meta["val"]
-        shard = inp if kind == "all_gather" else out
-        moved = (tp - 1) * _bytes(shard, symbol)
-        at = {f"T={t}": int(moved.xreplace({_T: t})) for t in EXAMPLE_TOKEN_COUNTS}
+        if kind == "all_to_all":
+            sent = _a2a_bytes(node.args[2], inp, rank, names)
+            received = _a2a_bytes(node.args[1], out, rank, names)
+            group_size = ctx.mesh.ep if axis == "ep" else tp
+        else:
+            shard = inp if kind == "all_gather" else out
+            sent = received = (tp - 1) * _bytes(shard, symbol)
+            group_size = tp
         match = _LAYER.match(node.meta.get(REGION, ""))
         records.append(
             {
                 "node": node.name,
                 "kind": kind,
-                "axis": "tp",
-                "group_size": tp,
+                "axis": axis,
+                "group_size": group_size,
                 "dtype": str(inp.dtype).removeprefix("torch."),
                 "input_shape": [_fmt_size(s, symbol) for s in inp.shape],
                 "output_shape": [_fmt_size(s, symbol) for s in out.shape],
-                "bytes_sent": str(moved),
-                "bytes_received": str(moved),
-                "bytes_sent_at": at,
-                "bytes_received_at": at,
+                "bytes_sent": _fmt_bytes(sent),
+                "bytes_received": _fmt_bytes(received),
+                "bytes_sent_at": _bytes_at(sent, tp),
+                "bytes_received_at": _bytes_at(received, tp),
                 "layer": int(match.group(1)) if match else None,
                 "region": node.meta.get(REGION, ""),
                 "reason": node.meta.get(REASON, ""),
@@ -173,9 +219,23 @@ def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
     return records
 
 
+def _fmt_bytes(expr: sympy.Expr | None) -> str:
+    return "data-dependent" if expr is None else str(expr)
+
+
+def _bytes_at(expr: sympy.Expr | None, tp: int) -> dict[str, int] | None:
+    """`expr` at a few T, every DP group serving T tokens (so Tl_max = ceil(T/tp))."""
+    if expr is None:
+        return None
+    return {
+        f"T={t}": int(expr.xreplace({_T: t, _TL_MAX: -(-t // tp)})) for t in EXAMPLE_TOKEN_COUNTS
+    }
+
+
 def _check_sp_layout(gm: GraphModule, ctx: CompileContext) -> None:
     layers = sorted({int(m.group(1)) for f in ctx.param_fqns.values() if (m := _LAYER.match(f))})
     per_layer: dict[int, list[Node]] = {i: [] for i in layers}
+    ep_per_region: dict[str, int] = {}
     for node in gm.graph.nodes:
         kind = collective_kind(node)
         if kind is None:
@@ -185,8 +245,13 @@ def _check_sp_layout(gm: GraphModule, ctx: CompileContext) -> None:
             raise AssertionError(
                 f"sp layout: all-reduce {describe(node)} ({node.meta.get(REASON)})"
             )
+        if _axis(node, ctx) == "ep":
+            if kind != "all_to_all" or ".ffn" not in region:
+                raise AssertionError(f"sp layout: EP collective outside a MoE: {describe(node)}")
+            ep_per_region[region] = ep_per_region.get(region, 0) + 1
+            continue
         if ".ffn" in region:
-            raise AssertionError(f"sp layout: collective in the MoE half: {describe(node)}")
+            raise AssertionError(f"sp layout: TP collective in the MoE half: {describe(node)}")
         match = _LAYER.match(region)
         if match:
             per_layer[int(match.group(1))].append(node)
@@ -200,3 +265,11 @@ def _check_sp_layout(gm: GraphModule, ctx: CompileContext) -> None:
                 raise AssertionError(f"sp layout: layer {layer} gathers a {inp.dim()}-D value")
             if collective_kind(n) == "reduce_scatter" and inp.dtype != torch.float32:
                 raise AssertionError(f"sp layout: layer {layer} reduce-scatters {inp.dtype}")
+    # EP: counts (exact only), token rows, routes, outputs -- per MoE layer.
+    expected = {"exact": 4, "padded": 3}[ctx.options.ep_dispatch]
+    for info in ctx.ep_layers:
+        if ep_per_region.get(info.region) != expected:
+            raise AssertionError(
+                f"sp layout: {info.region} has {ep_per_region.get(info.region, 0)} EP "
+                f"all-to-alls, expected {expected} ({ctx.options.ep_dispatch} dispatch)"
+            )

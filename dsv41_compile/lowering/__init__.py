@@ -10,10 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Shard
+import torch.distributed as dist
 from torch.fx import GraphModule
 
-from dsv41_compile.context import CompileContext
+from dsv41_compile.collectives.expert_parallel import EP_TOKENS
+from dsv41_compile.context import CompileContext, ParamShard
+from dsv41_compile.mesh import Mesh
 from dsv41_compile.validate import local_inputs
 
 __all__ = ["ShardedProgram", "lower"]
@@ -22,44 +24,76 @@ __all__ = ["ShardedProgram", "lower"]
 class ShardedProgram:
     """The compiled per-rank graph as AOT calls it: full parameters in, local shards to the
     graph. Each sharded parameter is sliced once and reused until it is replaced or modified in
-    place (its version counter moves)."""
+    place (its version counter moves). Appends the inputs the rewrite added: `tp_rank`, and for
+    padded EP dispatch `ep_tokens` (the largest token-shard length over the EP group, agreed
+    with one all-reduce(max) of an integer, outside the graph). The graph's trailing
+    EP-statistics outputs (one per MoE layer, `ctx.ep_layers`) are kept in `ep_stats`, not
+    returned; `on_ep_stats`, when set, receives them with the call's `ep_tokens` (or Tl)."""
 
     _boxed_call = True
 
     def __init__(
         self,
         compiled: Callable[..., Any],
-        param_shards: dict[int, tuple[str, Shard]],
-        tp: int,
-        tp_rank: int,
+        param_shards: dict[int, ParamShard],
+        mesh: Mesh,
+        *,
+        token_index: int,
+        n_ep_stats: int = 0,
+        ep_tokens_input: bool = False,
+        on_ep_stats: Callable[[list[torch.Tensor], int], None] | None = None,
     ) -> None:
         self.compiled = compiled
         self.param_shards = param_shards
-        self.tp, self.tp_rank = tp, tp_rank
+        self.tp, self.tp_rank, self.device_type = mesh.tp, mesh.tp_rank, mesh.device_type
         self.tp_rank_tensor: torch.Tensor | None = None  # made at the first call, not under
         # the compile-time fake mode
         self._shards: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.token_index, self.n_ep_stats = token_index, n_ep_stats
+        self.ep_tokens_input, self.on_ep_stats = ep_tokens_input, on_ep_stats
+        self.ep_stats: list[torch.Tensor] = []
 
     def local_shard(self, index: int, full: torch.Tensor) -> torch.Tensor:
         cached = self._shards.get(index)
         if cached is not None and cached[0] is full and cached[1] == full._version:
             return cached[2]
-        _, placement = self.param_shards[index]
-        shard = full.chunk(self.tp, placement.dim)[self.tp_rank].contiguous()
-        self._shards[index] = (full, full._version, shard)
-        return shard
+        shard = self.param_shards[index]
+        local = full.chunk(shard.parts, shard.dim)[shard.index].contiguous()
+        self._shards[index] = (full, full._version, local)
+        return local
+
+    def agree_ep_tokens(self, tokens: int) -> int:
+        """The largest ceil(T/tp) over the EP group (the world)."""
+        local = torch.tensor([-(-tokens // self.tp)], dtype=torch.int64, device=self.device_type)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        return int(local.item())
 
     def __call__(self, args: list[Any]) -> Any:
         args = list(args)
+        tokens = args[self.token_index].shape[0]
         for index in self.param_shards:
             args[index] = self.local_shard(index, args[index])
         if self.tp_rank_tensor is None:
             self.tp_rank_tensor = torch.tensor(self.tp_rank, dtype=torch.int64)
         args.append(self.tp_rank_tensor)
-        return self.compiled(*args)
+        ep_tokens = -(-tokens // self.tp)
+        if self.ep_tokens_input:
+            ep_tokens = self.agree_ep_tokens(tokens)
+            args.append(ep_tokens)
+        outputs = self.compiled(*args)
+        if not self.n_ep_stats:
+            return outputs
+        self.ep_stats = list(outputs[-self.n_ep_stats :])
+        if self.on_ep_stats is not None:
+            self.on_ep_stats(self.ep_stats, ep_tokens)
+        return type(outputs)(outputs[: -self.n_ep_stats])
 
 
-def lower(gm: GraphModule, ctx: CompileContext) -> ShardedProgram:
+def lower(
+    gm: GraphModule,
+    ctx: CompileContext,
+    on_ep_stats: Callable[[list[torch.Tensor], int], None] | None = None,
+) -> ShardedProgram:
     lowering = ctx.options.resolved_lowering(ctx.mesh.device_type)
     if lowering == "eager":
         compiled: Callable[..., Any] = gm.forward
@@ -69,4 +103,13 @@ def lower(gm: GraphModule, ctx: CompileContext) -> ShardedProgram:
         compiled = compile_fx(gm, local_inputs(gm, ctx))
     else:
         raise AssertionError(f"unknown lowering {lowering!r} got past option checks")
-    return ShardedProgram(compiled, dict(ctx.param_shards), ctx.mesh.tp, ctx.mesh.tp_rank)
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return ShardedProgram(
+        compiled,
+        dict(ctx.param_shards),
+        ctx.mesh,
+        token_index=placeholders.index(ctx.token_input),
+        n_ep_stats=len(ctx.ep_layers),
+        ep_tokens_input=EP_TOKENS in placeholders,
+        on_ep_stats=on_ep_stats,
+    )

@@ -32,6 +32,7 @@ from dsv41_compile.fx_utils import (
     tensor_inputs,
 )
 from dsv41_compile.propagation.dtensor_adapter import format_placement
+from dsv41_compile.propagation.plan import ExpertShard
 from dsv41_compile.propagation.rules import strategy_for
 
 __all__ = ["annotate"]
@@ -88,6 +89,14 @@ def _annotate_placeholder(node: Node, ctx: CompileContext) -> None:
                 f"the plan shards {fqn} (shape {list(val.shape)}) on dim {placement.dim} over "
                 f"tp={tp}, which does not divide {size}; choose a tp that divides n_heads and "
                 f"o_groups"
+            )
+    elif isinstance(placement, ExpertShard):
+        size, ep = val.shape[placement.dim], ctx.mesh.ep
+        if not isinstance(size, int) or size % ep:
+            raise ValueError(
+                f"ep={ep} does not divide the {size} routed experts of {fqn}: every rank must "
+                f"hold the same number of experts; use a model whose n_routed_experts is a "
+                f"multiple of ep, or ep=1"
             )
     node.meta[OUT] = placement
     node.meta[RULE] = f"plan: {fqn}"

@@ -49,7 +49,8 @@ class Strategy:
 
 
 def format_placement(placement: Placement | None) -> str:
-    """Short form: `S(0)`, `R`, `P` (`P(max)` for a non-sum partial), `-` for no tensor."""
+    """Short form: `S(0)`, `R`, `P` (`P(max)` for a non-sum partial), `-` for no tensor; other
+    placements (our `E(0)`) by their repr."""
     if placement is None:
         return "-"
     if isinstance(placement, Shard):

@@ -18,7 +18,19 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-__all__ = ["ShardingPlan", "deepseek_v41_plan"]
+__all__ = ["ExpertShard", "ShardingPlan", "deepseek_v41_plan"]
+
+
+@dataclass(frozen=True)
+class ExpertShard(Placement):
+    """Sharded on the expert dim over the ep axis (the whole world, not the tp axis): rank r
+    holds experts `[r*E/ep, (r+1)*E/ep)`. Only the routed-experts op consumes such a value; the
+    expert_parallel pass turns that op into dispatch -> local experts -> combine."""
+
+    dim: int = 0
+
+    def __repr__(self) -> str:
+        return f"E({self.dim})"
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
@@ -48,9 +60,10 @@ class ShardingPlan:
         return None
 
 
-def deepseek_v41_plan(*, embedding: str = "replicated") -> ShardingPlan:
+def deepseek_v41_plan(*, embedding: str = "replicated", ep: int = 1) -> ShardingPlan:
     """DESIGN §2: heads and output groups sharded over tp, latents / compressor / indexer
-    replicated, row-parallel `wo_b` (a partial sum), everything per-token sharded by token."""
+    replicated, row-parallel `wo_b` (a partial sum), everything per-token sharded by token;
+    with ep > 1 the routed experts' weights are sharded on the expert dim over the world."""
     params: list[tuple[str, Placement]] = [
         ("layers.*.attn.wq_b.weight", Shard(0)),  # [H*d, q_lora]: heads
         ("layers.*.attn.attn_sink", Shard(0)),  # [H]
@@ -59,6 +72,8 @@ def deepseek_v41_plan(*, embedding: str = "replicated") -> ShardingPlan:
     ]
     if embedding == "vocab_sharded":
         params.append(("embed.weight", Shard(0)))
+    if ep > 1:
+        params += [(f"layers.*.ffn.experts.{w}", ExpertShard(0)) for w in ("w1", "w2", "w3")]
     anchors: tuple[tuple[str, Placement], ...] = (
         ("layers.*", Shard(0)),
         ("layers.*.attn", Replicate()),

@@ -27,6 +27,7 @@ from dsv41_compile.propagation.dtensor_adapter import (
     format_placement,
     propagate,
 )
+from dsv41_compile.propagation.plan import ExpertShard
 
 __all__ = ["RuleFn", "rule", "strategy_for"]
 
@@ -52,8 +53,13 @@ def _outputs(node: Node, placement: Placement) -> tuple[Placement | None, ...]:
 
 @rule(torch.ops.dsv41.routed_experts.default)
 def _routed_experts(node: Node, given: Sequence[Placement]) -> Strategy:
-    # (x [T, D], topk_idx [T, K], topk_weight [T, K], w1, w2, w3) -> [T, D]. Token-wise: the
-    # token tensors share one placement, the expert weights are whole on every rank (ep=1).
+    # (x [T, D], topk_idx [T, K], topk_weight [T, K], w1, w2, w3) -> [T, D]. Token-wise.
+    # Expert-sharded weights (ep > 1): every rank routes its own token shard -- the tokens are
+    # token-sharded in and out whatever the attention layout, and the expert_parallel pass
+    # lowers the op to dispatch / local experts / combine. Whole weights (ep = 1): the token
+    # tensors share one placement and every rank runs every expert on its rows.
+    if any(isinstance(p, ExpertShard) for p in given[3:]):
+        return Strategy(inputs=(Shard(0),) * 3 + (ExpertShard(0),) * 3, outputs=(Shard(0),))
     token = Shard(0) if any(p == Shard(0) for p in given[:3]) else Replicate()
     return Strategy(inputs=(token,) * 3 + (Replicate(),) * 3, outputs=(token,))
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_module
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +49,23 @@ def _child(
             dist.destroy_process_group()
 
 
+def _more_failures(queue: Any, procs: list[Any], results: dict[int, Any]) -> dict[int, str]:
+    """The reports (and silent deaths) of the other ranks within a few seconds of a failure."""
+    more: dict[int, str] = {}
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        try:
+            rank, ok, payload = queue.get(timeout=0.5)
+        except queue_module.Empty:
+            continue
+        if not ok:
+            more[rank] = payload
+    for r, p in enumerate(procs):
+        if r not in results and r not in more and p.exitcode not in (None, 0):
+            more[r] = f"process exited with code {p.exitcode} (no report)"
+    return more
+
+
 def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 1800.0
 ) -> list[Any]:
@@ -64,20 +83,36 @@ def run_ranks(
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
         try:
-            for _ in procs:
-                rank, ok, payload = queue.get(timeout=timeout)
+            deadline = time.monotonic() + timeout
+            while len(results) < world_size and not failures:
+                try:
+                    rank, ok, payload = queue.get(timeout=1.0)
+                except queue_module.Empty:
+                    # A child that died without reporting (a signal, an abort in the backend).
+                    for r, p in enumerate(procs):
+                        if r not in results and p.exitcode not in (None, 0):
+                            failures[r] = f"process exited with code {p.exitcode} (no report)"
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"ranks {sorted(set(range(world_size)) - set(results))} "
+                            f"did not finish in {timeout} s"
+                        ) from None
+                    continue
                 if ok:
                     results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
                 else:
                     failures[rank] = payload
-                if failures:
-                    break
+                    failures.update(_more_failures(queue, procs, results))
         finally:
             for p in procs:
                 p.join(timeout=5 if failures else timeout)
                 if p.is_alive():
                     p.kill()
     if failures:
-        rank = min(failures)
-        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
+        # A rank's error often makes its peers fail in a collective; report them all, real
+        # errors (tracebacks without "Connection reset") first.
+        order = sorted(failures, key=lambda r: ("Connection reset" in failures[r], r))
+        raise RuntimeError(
+            "\n".join(f"rank {r} of {world_size} failed:\n{failures[r]}" for r in order)
+        )
     return [results[r] for r in range(world_size)]

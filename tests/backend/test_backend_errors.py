@@ -71,6 +71,17 @@ def test_tp_not_dividing_heads():
         compile_and_run({"tp": 8}, cfg=cfg)
 
 
+def test_ep_must_be_the_world_or_one():
+    with pytest.raises(Exception, match=r"ep=4: .* must be the world size 8 .* or 1"):
+        compile_and_run({"tp": 4, "ep": 4})
+
+
+def test_ep_not_dividing_the_routed_experts():
+    cfg = ModelConfig.from_name("tiny-swa", n_routed_experts=12)
+    with pytest.raises(Exception, match=r"ep=8 does not divide the 12 routed experts"):
+        compile_and_run({"tp": 4, "ep": 8}, cfg=cfg)
+
+
 def test_no_process_group():
     with pytest.raises(
         Exception, match="needs a process group: call torch.distributed.init_process_group"
@@ -111,7 +122,8 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
     ("options", "match"),
     [
         ({"tp": 4, "pipeline": 2}, r"unknown dsv41_sp option\(s\) \['pipeline'\]"),
-        ({"tp": 4, "ep": 8}, "ep=8: expert parallelism is not implemented yet; use ep=1"),
+        ({"tp": 4, "ep": 0}, "ep must be a positive int, got 0"),
+        ({"tp": 4, "ep": 8, "ep_dispatch": "capped"}, "ep_dispatch='capped' is not supported"),
         ({"tp": 4, "lowering": "torchair"}, "lowering='torchair' is not supported"),
         ({"tp": 4, "embedding": "tied"}, "embedding='tied' is not supported"),
     ],

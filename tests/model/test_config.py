@@ -17,7 +17,7 @@ def test_unknown_preset_lists_presets() -> None:
     ("change", "message"),
     [
         ({"o_groups": 3}, "o_groups .3. must divide n_heads .8."),
-        ({"n_activated_experts": 9}, "n_activated_experts .9. must be <= n_routed_experts"),
+        ({"n_activated_experts": 17}, "n_activated_experts .17. must be <= n_routed_experts"),
         ({"rope_head_dim": 7}, "rope_head_dim .7. must be even"),
         ({"dtype": "fp16"}, "dtype must be one of"),
         ({"dim": 0}, "dim must be positive"),
