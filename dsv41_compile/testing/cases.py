@@ -9,7 +9,11 @@ optionally, the values entering chosen modules on both sides (`testing.capture`)
 from __future__ import annotations
 
 import copy
+import json
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,9 +43,10 @@ SERVING_STEPS: tuple[Step, ...] = (
         (Request(0, [21, 22], 4), Request(1, [23, 24], 3), Request(2, [25], 4)),
         (Request(0, [26, 27, 28], 3), Request(1, [29, 30, 31], 3)),
     ),
-    # A longer prefill next to decodes: compressed entries beyond the indexer's top-k.
+    # A longer prefill next to decodes: compressed entries beyond the indexer's top-k; two
+    # padding rows (slot -1) in group 0.
     (
-        (Request(3, list(range(40, 53)), 0), Request(0, [32], 6)),
+        (Request(3, list(range(40, 53)), 0), Request(-1, [0, 0], 0), Request(0, [32], 6)),
         (Request(3, list(range(60, 80)), 0), Request(2, [33], 3)),
     ),
 )
@@ -57,6 +62,9 @@ class CaseSpec:
     capture: tuple[str, ...] = ()
     num_slots: int = 4
     max_len: int = 32
+    dump: bool = False
+    """Compile with a temporary `dump_dir` and return this rank's `comm.json` (with the EP
+    traffic of every call in `ep_steps`)."""
 
 
 def model_config(spec: CaseSpec) -> ModelConfig:
@@ -66,11 +74,15 @@ def model_config(spec: CaseSpec) -> ModelConfig:
 def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any]:
     """Run every step of `spec` on this rank, compiled and single-device. Returns
     `{"steps": [{"T", "sp", "ref"}], "captures": {module: (sp values, ref values)},
-    "frames": graphs compiled, "cache_diff": max |sp cache - ref cache|}`."""
+    "frames": graphs compiled, "cache_diff": max |sp cache - ref cache|, "comm": comm.json or
+    None}`."""
     import dsv41_compile  # noqa: F401  (registers the backend in the spawned process)
 
     options = dict(spec.options)
     tp = options.get("tp", 1)
+    dump_dir = tempfile.mkdtemp(prefix="dsv41_dump_") if spec.dump else None
+    if dump_dir is not None:
+        options["dump_dir"] = dump_dir
     dp_rank = rank // tp
     torch.manual_seed(0)
     model = DeepseekV41(model_config(spec))
@@ -102,7 +114,17 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
         float((a.double() - b.double()).abs().max())
         for a, b in zip(_cache_tensors(sp_cache), _cache_tensors(ref_cache))
     )
-    return {"steps": steps, "captures": captures, "frames": frames, "cache_diff": cache_diff}
+    comm = None
+    if dump_dir is not None:
+        comm = json.loads((Path(dump_dir) / f"rank{rank}" / "comm.json").read_text())
+        shutil.rmtree(dump_dir)
+    return {
+        "steps": steps,
+        "captures": captures,
+        "frames": frames,
+        "cache_diff": cache_diff,
+        "comm": comm,
+    }
 
 
 def _cache_tensors(cache: Any) -> list[torch.Tensor]:

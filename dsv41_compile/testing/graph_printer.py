@@ -24,12 +24,17 @@ _OPS = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.floord
 
 
 def _symbols(gm: GraphModule) -> dict[object, sympy.Symbol]:
+    """T for the token count; Tl_max for the padded EP lowering's `ep_tokens` input."""
+    names = {}
     for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.SymInt):
+            continue
         if node.target is torch.ops.aten.sym_size.int and node.meta.get(REASON) == "T":
-            val = node.meta.get("val")
-            if isinstance(val, torch.SymInt):
-                return {val.node.expr: sympy.Symbol("T", positive=True, integer=True)}
-    return {}
+            names[val.node.expr] = sympy.Symbol("T", positive=True, integer=True)
+        elif node.op == "placeholder" and node.name == "ep_tokens":
+            names[val.node.expr] = sympy.Symbol("Tl_max", positive=True, integer=True)
+    return names
 
 
 def _size(s: object, names: dict[object, sympy.Symbol]) -> str:

@@ -26,15 +26,18 @@ from dsv41_compile.validate import collective_kind
 REQUESTS = [Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0), Request(2, [6, 7, 8], 0)]
 
 
-def compile_on_fake_rank(rank: int, options: dict, cfg: ModelConfig | None = None, **kw):
-    """Compile tiny-swa on rank `rank` of a fake 8-rank world; returns (gm, ctx, logits)."""
+def compile_on_fake_rank(
+    rank: int, options: dict, cfg: ModelConfig | None = None, requests=None, **kw
+):
+    """Compile tiny-swa on rank `rank` of a fake 8-rank world and run it once on `requests`
+    (default: 3, 2 and 3 tokens); returns (gm, ctx, logits)."""
     cfg = cfg or ModelConfig.from_name("tiny-swa")
     torch.manual_seed(0)
     model = DeepseekV41(cfg)
     torch._dynamo.reset()
     with fake_process_group(world_size=8, rank=rank), capture_programs() as programs:
         clear_mesh_cache()
-        ids, positions, slots = pack(REQUESTS)
+        ids, positions, slots = pack(REQUESTS if requests is None else requests)
         dsv41_compile.mark_token_dim(ids, positions, slots)
         compiled = torch.compile(
             model, backend="dsv41_sp", options={"lowering": "eager", **options}, fullgraph=True

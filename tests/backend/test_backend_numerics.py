@@ -15,8 +15,13 @@ near-tied top-k choices (measured on tiny: 6% of that step's logits off by up to
 three steps were within the bf16 bound) -- and a whole 8-layer bf16 run would cost another four
 minutes of the suite. The compressed paths are covered in fp32.
 
-Eager and inductor lowering, and both embedding modes, are covered by the two fp32 runs
-(tiny / eager / replicated embedding; tiny-swa / inductor / vocab-sharded embedding).
+Runs: expert parallelism over the world (ep=8) with both dispatch lowerings on tiny (every
+attention mode, eager; the exact run also captures per-layer intermediates), exact dispatch
+under inductor with the vocab-sharded embedding on tiny-swa, and bf16 with replicated experts
+(ep=1). The EP runs also check the requirement's assignment counts and the traffic each rank
+records in comm.json. The EP exchange adds no tolerance: a token's expert outputs are the
+single-device kernel's values (each computed in the activation dtype and sent in it), added in
+fp32 at the source.
 """
 
 from __future__ import annotations
@@ -25,12 +30,12 @@ import pytest
 import torch
 
 from dsv41_compile.model import ModelConfig
-from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank
+from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank, model_config
 from dsv41_compile.testing.multirank import run_ranks
 
 pytestmark = pytest.mark.slow
 
-WORLD, TP = 8, 4
+WORLD, TP, EP = 8, 4, 8
 # prefill (3, 2, 3 tokens per group), decode, multi-token decode, longer prefill
 STEPS = SERVING_STEPS
 
@@ -38,38 +43,39 @@ STEPS = SERVING_STEPS
 def capture_points(cfg: ModelConfig) -> tuple[str, ...]:
     """Per layer: the attention input (replicated), the residual streams after the attention
     half (entering hc_ffn) and after the MoE half (entering the next hc_attn; the last layer's
-    collapsed streams enter the final norm)."""
+    collapsed streams enter the final norm). Plus the shared expert's input of layer 0 (its
+    local rows: the requirement's "2 rows per rank")."""
     points = []
     for i in range(cfg.n_layers):
         points += [f"layers.{i}.attn", f"layers.{i}.hc_ffn"]
         points.append(f"layers.{i + 1}.hc_attn" if i + 1 < cfg.n_layers else "norm")
-    return tuple(points)
+    return (*points, "layers.0.ffn.shared_expert")
 
 
-def spec(preset: str, *, capture: bool = False, **options) -> CaseSpec:
+def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> CaseSpec:
     cfg = ModelConfig.from_name(preset)
     return CaseSpec(
         steps=STEPS,
         preset=preset,
+        overrides=overrides,
         options=(("tp", TP), *options.items()),
         capture=capture_points(cfg) if capture else (),
         max_len=32,
+        dump=options.get("ep", 1) > 1,
     )
 
 
 RUNS = {
     # every attention mode of the tiny preset, eager lowering, intermediates captured
-    "tiny-eager": spec("tiny", capture=True, lowering="eager"),
-    "tiny-swa-inductor-vocab": spec("tiny-swa", lowering="inductor", embedding="vocab_sharded"),
-    # bf16 on the window-only preset: see the module docstring.
-    "tiny-swa-bf16-eager": CaseSpec(
-        steps=STEPS,
-        preset="tiny-swa",
-        overrides=(("dtype", "bfloat16"),),
-        options=(("tp", TP), ("lowering", "eager")),
-        max_len=32,
-    ),  # fmt: skip
+    "tiny-ep-exact-eager": spec("tiny", capture=True, ep=EP, lowering="eager"),
+    "tiny-ep-padded-eager": spec("tiny", ep=EP, ep_dispatch="padded", lowering="eager"),
+    "tiny-swa-ep-exact-inductor-vocab": spec(
+        "tiny-swa", ep=EP, lowering="inductor", embedding="vocab_sharded"
+    ),
+    # bf16 on the window-only preset (see the module docstring); experts replicated (ep=1)
+    "tiny-swa-bf16-eager": spec("tiny-swa", overrides=(("dtype", "bfloat16"),), lowering="eager"),
 }
+EP_RUNS = sorted(name for name, case in RUNS.items() if dict(case.options).get("ep", 1) > 1)
 TOLERANCE = {"float32": {"atol": 1e-5, "rtol": 1e-5}, "bfloat16": {"atol": 6e-2, "rtol": 2e-2}}
 
 
@@ -120,15 +126,15 @@ def test_tp_ranks_of_a_group_return_the_same_logits(run):
 
 def test_one_compile_serves_every_token_count(run):
     _, _, results = run
-    assert [r["frames"] for r in results] == [1] * WORLD  # T = 8, 3, 1, 5, 6, 14, 21
+    assert [r["frames"] for r in results] == [1] * WORLD  # T = 8, 3, 1, 5, 6, 16, 21
 
 
 def test_intermediates_match_for_every_layer():
     """The all-gathered attention input equals the single-device attention input (same rows,
     same order), and the residual streams reassembled from the TP group's token shards equal the
     single-device streams, after the attention half and after the MoE half of every layer."""
-    case = RUNS["tiny-eager"]
-    results = results_of("tiny-eager")
+    case = RUNS["tiny-ep-exact-eager"]
+    results = results_of("tiny-ep-exact-eager")
     cfg = ModelConfig.from_name(case.preset)
     for dp in range(WORLD // TP):
         group = results[dp * TP : (dp + 1) * TP]
@@ -150,4 +156,62 @@ def test_intermediates_match_for_every_layer():
                         value, ref_value, atol=1e-5 * scale, rtol=1e-5,
                         msg=lambda m, at=f"dp {dp} {point} step {step}": f"{at}: {m}",
                     )  # fmt: skip
-    assert len(case.capture) == 3 * cfg.n_layers
+    assert len(case.capture) == 3 * cfg.n_layers + 1
+
+
+def valid_tokens(step) -> int:
+    return sum(len(r.ids) for group in step for r in group if r.slot >= 0)
+
+
+@pytest.mark.parametrize("name", EP_RUNS)
+def test_requirement_example_dispatches_each_valid_assignment_once(name):
+    """Two DP groups of 3 + 2 + 3 tokens: 16 unique tokens, top-6 -> exactly 96 routed
+    assignments leave their source ranks in total (not 8 ranks x 8 tokens x 6 = 384), and the
+    shared expert runs on 2 rows per rank, 16 in all."""
+    results = results_of(name)
+    cfg = model_config(RUNS[name])
+    K = cfg.n_activated_experts
+    assert valid_tokens(STEPS[0]) == 16 and K == 6
+    first = [r["comm"]["ep_steps"][0]["layers"] for r in results]
+    for layer in range(cfg.n_layers):
+        assert sum(rank[layer]["assignments_sent"] for rank in first) == 96
+        assert sum(rank[layer]["assignments_received"] for rank in first) == 96
+    if RUNS[name].capture:
+        rows = [r["captures"]["layers.0.ffn.shared_expert"][0][0].shape[0] for r in results]
+        assert rows == [2] * WORLD
+
+
+@pytest.mark.parametrize("name", EP_RUNS)
+def test_ep_traffic_adds_up_on_every_step(name):
+    """From each rank's comm.json: what rank r sent to rank d is what d received from r; the
+    valid assignments are K per valid token -- padding rows (SP tail padding, slot -1) route
+    nothing; the bytes follow from the counts (exact) or the padded capacity (padded)."""
+    case, results = RUNS[name], results_of(name)
+    cfg = model_config(case)
+    K, D, per_rank = cfg.n_activated_experts, cfg.dim, cfg.n_routed_experts // EP
+    row = D * 4 + 8  # fp32 token row + (local expert, weight)
+    padded = dict(case.options).get("ep_dispatch") == "padded"
+    for i, step in enumerate(STEPS):
+        calls = [r["comm"]["ep_steps"][i] for r in results]
+        group_tokens = [sum(len(r.ids) for r in group) for group in step]
+        assert [c["ep_tokens"] for c in calls] == [
+            -(-max(group_tokens) // TP) if padded else -(-group_tokens[r // TP] // TP)
+            for r in range(WORLD)
+        ]
+        for layer in range(cfg.n_layers):
+            records = [c["layers"][layer] for c in calls]
+            sent = [rec["assignments_sent_per_rank"] for rec in records]
+            received = [rec["assignments_received_per_rank"] for rec in records]
+            assert sent == [list(col) for col in zip(*received)], (name, i, layer)
+            assert sum(rec["assignments_sent"] for rec in records) == K * valid_tokens(step)
+            for r, rec in enumerate(records):
+                to_peers = rec["assignments_sent"] - sent[r][r]
+                assert rec["valid_dispatch_bytes_sent"] == to_peers * row
+                if padded:
+                    rows = (EP - 1) * calls[r]["ep_tokens"] * min(K, per_rank)
+                    assert rec["dispatch_bytes_sent"] == rows * row
+                    assert rec["combine_bytes_sent"] == rows * D * 4
+                else:
+                    back = rec["assignments_received"] - received[r][r]
+                    assert rec["dispatch_bytes_sent"] == to_peers * row + (EP - 1) * 8
+                    assert rec["combine_bytes_sent"] == back * D * 4
