@@ -146,7 +146,9 @@ class TestMoeSnapshot(expecttest.TestCase):
         rows and routes), this rank's two experts, combine, fp32 sum at the source, shared
         expert on the local rows. No TP collective, no all-reduce."""
         gm, ctx, _ = compile_on_fake_rank(5, ep_options("exact"))
-        self.assertExpectedInline(layer_text(gm, ctx, 0, ".ffn"), """\
+        self.assertExpectedInline(
+            layer_text(gm, ctx, 0, ".ffn"),
+            """\
 t_6 = t(layers.0.ffn.gate.weight)  # R f32[64, 16]
 mm_6 = mm(mul_1034, t_6)  # S(0) f32[((T+3)//4), 16]
 softplus = softplus(mm_6)  # S(0) f32[((T+3)//4), 16]
@@ -274,4 +276,5 @@ silu = silu(clamp_2)  # S(0) f32[((T+3)//4), 32]
 mul_1074 = mul(silu, clamp_1)  # S(0) f32[((T+3)//4), 32]
 t_9 = t(layers.0.ffn.shared_expert.w2.weight)  # R f32[32, 64]
 mm_9 = mm(mul_1074, t_9)  # S(0) f32[((T+3)//4), 64]
-add_1955 = add(ep_routed_out, mm_9)  # S(0) f32[((T+3)//4), 64]""")
+add_1955 = add(ep_routed_out, mm_9)  # S(0) f32[((T+3)//4), 64]""",
+        )
