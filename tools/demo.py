@@ -1,6 +1,6 @@
-"""The dsv41_sp-compiled DeepSeek V4.1 on 8 CPU ranks (gloo; tp=4, dp=2) against the
+"""The dsv41_sp-compiled DeepSeek V4.1 on 8 CPU ranks (gloo; tp=4, dp=2, ep=8) against the
 single-device model, step by step through the KV cache, with the communication table of one
-rank's compiled graph.
+rank's compiled graph and the expert-parallel traffic of every step.
 
 Each DP group serves its own ragged batches: a prefill of requests of 3, 2 and 3 tokens, a
 decode step, a multi-token decode step and a longer prefill next to decodes. Every rank runs the
@@ -11,10 +11,7 @@ logit difference.
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 import time
-from pathlib import Path
 
 from dsv41_compile.testing.cases import (
     SERVING_STEP_NAMES as KINDS,
@@ -28,7 +25,7 @@ from dsv41_compile.testing.cases import (
 )
 from dsv41_compile.testing.multirank import run_ranks
 
-WORLD, TP = 8, 4
+WORLD, TP, EP = 8, 4, 8
 
 
 def main() -> None:
@@ -39,26 +36,33 @@ def main() -> None:
     parser.add_argument(
         "--embedding", choices=("replicated", "vocab_sharded"), default="replicated"
     )
+    parser.add_argument("--ep", type=int, choices=(1, EP), default=EP)
+    parser.add_argument("--ep-dispatch", choices=("exact", "padded"), default="exact")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as dump_dir:
-        options = {"tp": TP, "lowering": args.lowering, "embedding": args.embedding}
-        spec = CaseSpec(
-            steps=STEPS,
-            preset=args.preset,
-            overrides=(("dtype", args.dtype),),
-            options=(*options.items(), ("dump_dir", dump_dir)),
-        )
-        print(
-            f"dsv41_sp: {args.preset} ({args.dtype}) on {WORLD} CPU ranks, tp={TP} dp={WORLD // TP}, "
-            f"lowering={args.lowering}, embedding={args.embedding}; compiling on every rank..."
-        )
-        start = time.perf_counter()
-        results = run_ranks(compare_on_rank, WORLD, spec)
-        print(
-            f"done in {time.perf_counter() - start:.0f} s (8 processes on this machine's cores)\n"
-        )
-        comm = json.loads((Path(dump_dir) / "rank0" / "comm.json").read_text())
+    options = {
+        "tp": TP,
+        "ep": args.ep,
+        "ep_dispatch": args.ep_dispatch,
+        "lowering": args.lowering,
+        "embedding": args.embedding,
+    }
+    spec = CaseSpec(
+        steps=STEPS,
+        preset=args.preset,
+        overrides=(("dtype", args.dtype),),
+        options=tuple(options.items()),
+        dump=True,
+    )
+    print(
+        f"dsv41_sp: {args.preset} ({args.dtype}) on {WORLD} CPU ranks, tp={TP} dp={WORLD // TP} "
+        f"ep={args.ep} ({args.ep_dispatch} dispatch), lowering={args.lowering}, "
+        f"embedding={args.embedding}; compiling on every rank..."
+    )
+    start = time.perf_counter()
+    results = run_ranks(compare_on_rank, WORLD, spec)
+    print(f"done in {time.perf_counter() - start:.0f} s (8 processes on this machine's cores)\n")
+    comm = results[0]["comm"]
 
     print(f"{'step':<20} {'DP group':>8} {'T':>4} {'max |compiled - single-device|':>32}")
     for i, kind in enumerate(KINDS):
@@ -74,17 +78,34 @@ def main() -> None:
     )
 
     print(
-        "\ncommunication of rank 0 (from its rewritten graph; ring algorithms, T = DP group tokens)"
+        "\ncommunication of rank 0 (from its rewritten graph; ring all-gather / reduce-scatter, "
+        "pairwise all-to-all; T = DP group tokens)"
     )
-    header = (
-        f"{'layer':>5} {'kind':<15} {'dtype':<8} {'local input':<24} {'bytes sent (formula)':<24}"
-    )
-    print(header + "".join(f"{k:>9}" for k in comm["collectives"][0]["bytes_sent_at"]))
+    at = list(comm["collectives"][0]["bytes_sent_at"])
+    header = f"{'layer':>5} {'kind':<11} {'axis':<4} {'dtype':<8} {'local input':<24} "
+    print(header + f"{'bytes sent (formula)':<26}" + "".join(f"{k:>9}" for k in at))
     for c in comm["collectives"]:
         layer = "-" if c["layer"] is None else c["layer"]
         shape = "[" + ", ".join(c["input_shape"]) + "]"
-        row = f"{layer!s:>5} {c['kind']:<15} {c['dtype']:<8} {shape:<24} {c['bytes_sent']:<24}"
-        print(row + "".join(f"{v:>9}" for v in c["bytes_sent_at"].values()))
+        shape = shape if len(shape) <= 24 else shape[:21] + "..."
+        row = f"{layer!s:>5} {c['kind']:<11} {c['axis']:<4} {c['dtype']:<8} {shape:<24} "
+        values = c["bytes_sent_at"] or dict.fromkeys(at, "-")
+        print(row + f"{c['bytes_sent']:<26}" + "".join(f"{v:>9}" for v in values.values()))
+
+    if comm["ep_layers"]:
+        print(
+            "\nexpert-parallel traffic of layer 0, measured (comm.json ep_steps): valid routed "
+            "assignments dispatched by all 8 ranks, and the dispatch + combine bytes they sent"
+        )
+        print(f"{'step':<20} {'assignments':>11} {'bytes sent':>11} {'overhead':>9}")
+        for i, kind in enumerate(KINDS):
+            layers = [r["comm"]["ep_steps"][i]["layers"][0] for r in results]
+            sent = sum(x["dispatch_bytes_sent"] + x["combine_bytes_sent"] for x in layers)
+            useful = sum(
+                x["valid_dispatch_bytes_sent"] + x["valid_combine_bytes_sent"] for x in layers
+            )
+            assignments = sum(x["assignments_sent"] for x in layers)
+            print(f"{kind:<20} {assignments:>11} {sent:>11} {sent - useful:>9}")
 
 
 if __name__ == "__main__":

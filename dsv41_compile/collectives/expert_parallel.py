@@ -86,6 +86,7 @@ class EpLayer:
             rows_out = rows_back = (self.ep - 1) * ep_tokens * self.rows_per_token
             count_bytes = 0
         valid_out = sum(sent[r] for r in peers)
+        valid_back = sum(received[r] for r in peers)
         return {
             "layer": self.layer,
             "assignments_sent": sum(sent),
@@ -97,6 +98,7 @@ class EpLayer:
             + count_bytes,
             "combine_bytes_sent": rows_back * self.token_row_bytes,
             "valid_dispatch_bytes_sent": valid_out * (self.token_row_bytes + ROUTE_ROW_BYTES),
+            "valid_combine_bytes_sent": valid_back * self.token_row_bytes,
         }
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.fx import GraphModule
 
-from dsv41_compile.collectives.expert_parallel import EP_TOKENS
+from dsv41_compile.collectives.expert_parallel import EP_TOKENS, EpLayer
 from dsv41_compile.context import CompileContext, ParamShard
 from dsv41_compile.mesh import Mesh
 from dsv41_compile.validate import local_inputs
@@ -27,8 +27,8 @@ class ShardedProgram:
     place (its version counter moves). Appends the inputs the rewrite added: `tp_rank`, and for
     padded EP dispatch `ep_tokens` (the largest token-shard length over the EP group, agreed
     with one all-reduce(max) of an integer, outside the graph). The graph's trailing
-    EP-statistics outputs (one per MoE layer, `ctx.ep_layers`) are kept in `ep_stats`, not
-    returned; `on_ep_stats`, when set, receives them with the call's `ep_tokens` (or Tl)."""
+    EP-statistics outputs (one per MoE layer, described by `ep_layers`) are kept in `ep_stats`,
+    not returned; `on_ep_stats`, when set, receives them with the call's `ep_tokens` (or Tl)."""
 
     _boxed_call = True
 
@@ -39,7 +39,7 @@ class ShardedProgram:
         mesh: Mesh,
         *,
         token_index: int,
-        n_ep_stats: int = 0,
+        ep_layers: list[EpLayer] | None = None,
         ep_tokens_input: bool = False,
         on_ep_stats: Callable[[list[torch.Tensor], int], None] | None = None,
     ) -> None:
@@ -49,9 +49,12 @@ class ShardedProgram:
         self.tp_rank_tensor: torch.Tensor | None = None  # made at the first call, not under
         # the compile-time fake mode
         self._shards: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
-        self.token_index, self.n_ep_stats = token_index, n_ep_stats
+        self.token_index = token_index
+        self.ep_layers = list(ep_layers or [])
+        self.n_ep_stats = len(self.ep_layers)
         self.ep_tokens_input, self.on_ep_stats = ep_tokens_input, on_ep_stats
         self.ep_stats: list[torch.Tensor] = []
+        self.ep_tokens = 0  # of the last call
 
     def local_shard(self, index: int, full: torch.Tensor) -> torch.Tensor:
         cached = self._shards.get(index)
@@ -80,6 +83,7 @@ class ShardedProgram:
         if self.ep_tokens_input:
             ep_tokens = self.agree_ep_tokens(tokens)
             args.append(ep_tokens)
+        self.ep_tokens = ep_tokens
         outputs = self.compiled(*args)
         if not self.n_ep_stats:
             return outputs
@@ -109,7 +113,7 @@ def lower(
         dict(ctx.param_shards),
         ctx.mesh,
         token_index=placeholders.index(ctx.token_input),
-        n_ep_stats=len(ctx.ep_layers),
+        ep_layers=ctx.ep_layers,
         ep_tokens_input=EP_TOKENS in placeholders,
         on_ep_stats=on_ep_stats,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
@@ -19,7 +20,7 @@ from dsv41_compile import passes
 from dsv41_compile.context import CompileContext
 from dsv41_compile.fx_utils import REASON, module_paths, tensor_inputs
 
-__all__ = ["capture_compiled", "capture_programs", "capture_reference"]
+__all__ = ["capture_compiled", "capture_lowered", "capture_programs", "capture_reference"]
 
 
 @contextmanager
@@ -34,6 +35,27 @@ def capture_programs() -> Iterator[list[tuple[GraphModule, CompileContext]]]:
 
     with _appended_pass("keep", keep):
         yield programs
+
+
+@contextmanager
+def capture_lowered() -> Iterator[list[tuple[Any, CompileContext]]]:
+    """Within the context, every program dsv41_sp lowers is appended, with its compile context,
+    to the yielded list: `(ShardedProgram, ctx)`; e.g. to read `program.ep_stats` after a call."""
+    from dsv41_compile import backend
+
+    lowered: list[tuple[Any, CompileContext]] = []
+    original = backend.lower
+
+    def lower(gm: GraphModule, ctx: CompileContext, *args: Any) -> Any:
+        program = original(gm, ctx, *args)
+        lowered.append((program, ctx))
+        return program
+
+    backend.lower = lower
+    try:
+        yield lowered
+    finally:
+        backend.lower = original
 
 
 @contextmanager

@@ -206,12 +206,13 @@ def test_ep_traffic_adds_up_on_every_step(name):
             assert sum(rec["assignments_sent"] for rec in records) == K * valid_tokens(step)
             for r, rec in enumerate(records):
                 to_peers = rec["assignments_sent"] - sent[r][r]
+                back = rec["assignments_received"] - received[r][r]
                 assert rec["valid_dispatch_bytes_sent"] == to_peers * row
+                assert rec["valid_combine_bytes_sent"] == back * D * 4
                 if padded:
                     rows = (EP - 1) * calls[r]["ep_tokens"] * min(K, per_rank)
                     assert rec["dispatch_bytes_sent"] == rows * row
                     assert rec["combine_bytes_sent"] == rows * D * 4
                 else:
-                    back = rec["assignments_received"] - received[r][r]
                     assert rec["dispatch_bytes_sent"] == to_peers * row + (EP - 1) * 8
                     assert rec["combine_bytes_sent"] == back * D * 4

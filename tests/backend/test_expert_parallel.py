@@ -138,6 +138,7 @@ def test_step_record_bytes_by_hand():
     assert padded["dispatch_bytes_sent"] == 3 * 6 * 136
     assert padded["combine_bytes_sent"] == 3 * 6 * 128
     assert padded["valid_dispatch_bytes_sent"] == 3 * 136
+    assert padded["valid_combine_bytes_sent"] == 4 * 128
 
 
 class TestMoeSnapshot(expecttest.TestCase):
