@@ -15,7 +15,6 @@ from torch.fx import GraphModule
 
 from dsv41_compile.collectives.expert_parallel import EP_TOKENS, EpLayer
 from dsv41_compile.context import CompileContext, ParamShard
-from dsv41_compile.mesh import Mesh
 from dsv41_compile.validate import local_inputs
 
 __all__ = ["ShardedProgram", "lower"]
@@ -36,16 +35,18 @@ class ShardedProgram:
         self,
         compiled: Callable[..., Any],
         param_shards: dict[int, ParamShard],
-        mesh: Mesh,
         *,
+        tp: int,
+        tp_rank: int,
         token_index: int,
+        device_type: str = "cpu",
         ep_layers: list[EpLayer] | None = None,
         ep_tokens_input: bool = False,
         on_ep_stats: Callable[[list[torch.Tensor], int], None] | None = None,
     ) -> None:
         self.compiled = compiled
         self.param_shards = param_shards
-        self.tp, self.tp_rank, self.device_type = mesh.tp, mesh.tp_rank, mesh.device_type
+        self.tp, self.tp_rank, self.device_type = tp, tp_rank, device_type
         self.tp_rank_tensor: torch.Tensor | None = None  # made at the first call, not under
         # the compile-time fake mode
         self._shards: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
@@ -111,8 +112,10 @@ def lower(
     return ShardedProgram(
         compiled,
         dict(ctx.param_shards),
-        ctx.mesh,
+        tp=ctx.mesh.tp,
+        tp_rank=ctx.mesh.tp_rank,
         token_index=placeholders.index(ctx.token_input),
+        device_type=ctx.mesh.device_type,
         ep_layers=ctx.ep_layers,
         ep_tokens_input=EP_TOKENS in placeholders,
         on_ep_stats=on_ep_stats,

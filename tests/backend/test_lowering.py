@@ -1,11 +1,15 @@
-"""The runtime wrapper hands the graph local parameter shards, sliced once."""
+"""The runtime wrapper hands the graph local parameter shards, sliced once, and strips the EP
+statistics outputs."""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import Shard
 
+from dsv41_compile.collectives.expert_parallel import EpLayer
+from dsv41_compile.context import ParamShard
 from dsv41_compile.lowering import ShardedProgram
+from dsv41_compile.propagation.plan import ExpertShard
 
 
 def test_parameters_are_sliced_once_and_resliced_after_an_update():
@@ -15,7 +19,8 @@ def test_parameters_are_sliced_once_and_resliced_after_an_update():
         seen.append((weight, int(tp_rank)))
         return (x @ weight.t(),)
 
-    program = ShardedProgram(graph, {0: ("w", Shard(0))}, tp=4, tp_rank=2)
+    shards = {0: ParamShard("w", Shard(0), dim=0, parts=4, index=2)}
+    program = ShardedProgram(graph, shards, tp=4, tp_rank=2, token_index=1)
     weight = torch.arange(32.0).view(8, 4)
     x = torch.ones(3, 4)
     (out,) = program([weight, x])
@@ -29,3 +34,25 @@ def test_parameters_are_sliced_once_and_resliced_after_an_update():
     (out,) = program([weight, x])
     assert seen[2][0] is not seen[1][0]
     torch.testing.assert_close(out, x @ weight[4:6].t())
+
+
+def test_expert_shards_by_world_rank_and_statistics_are_not_returned():
+    def graph(experts, ids, tp_rank):
+        return (experts.sum(0), torch.tensor([[1, 2], [3, 4]]))
+
+    layer = EpLayer(
+        layer=0, region="layers.0.ffn", dispatch="exact", ep=2, rank=1, experts_per_rank=3,
+        top_k=2, token_row_bytes=16,
+    )  # fmt: skip
+    seen = []
+    shards = {0: ParamShard("experts.w1", ExpertShard(0), dim=0, parts=2, index=1)}
+    program = ShardedProgram(
+        graph, shards, tp=4, tp_rank=3, token_index=1, ep_layers=[layer],
+        on_ep_stats=lambda stats, tokens: seen.append((stats, tokens)),
+    )  # fmt: skip
+    experts = torch.arange(6.0)[:, None].expand(6, 2)
+    outputs = program([experts, torch.zeros(5, dtype=torch.int64)])
+    assert len(outputs) == 1
+    torch.testing.assert_close(outputs[0], torch.tensor([12.0, 12.0]))  # experts 3, 4, 5
+    ((stats,), tokens) = seen[0]
+    assert stats.tolist() == [[1, 2], [3, 4]] and tokens == 2  # ceil(5 / 4)
