@@ -20,7 +20,7 @@ from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.propagation.dtensor_adapter import format_placement
 from dsv41_compile.propagation.plan import deepseek_v41_plan
 from dsv41_compile.testing.batches import Request, pack
-from dsv41_compile.testing.capture import capture_programs
+from dsv41_compile.testing.capture import capture_programs, stop_after_pipeline
 from dsv41_compile.testing.graph_printer import format_graph
 from dsv41_compile.testing.torch_shims import fake_process_group
 from dsv41_compile.validate import collective_kind
@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--ep", type=int, default=None, help="1 or the world size (default)")
+    parser.add_argument("--ep-dispatch", choices=("exact", "padded"), default="exact")
     parser.add_argument("--layer", type=int, default=1, help="decoder layer to print in full")
     parser.add_argument(
         "--embedding", choices=("replicated", "vocab_sharded"), default="replicated"
@@ -38,8 +40,13 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = ModelConfig.from_name(args.preset)
-    plan = deepseek_v41_plan(embedding=args.embedding)
-    print(f"plan for {args.preset}, tp={args.tp} (unlisted parameters are replicated):")
+    world = args.tp * args.dp
+    ep = world if args.ep is None else args.ep
+    plan = deepseek_v41_plan(embedding=args.embedding, ep=ep)
+    print(
+        f"plan for {args.preset}, tp={args.tp}, ep={ep} (unlisted parameters are replicated; "
+        f"E(0): experts sharded over the world):"
+    )
     for pattern, placement in plan.params:
         print(f"  parameter {pattern:<32} {format_placement(placement)}")
     for pattern, placement in plan.anchors:
@@ -49,23 +56,34 @@ def main() -> None:
     model = DeepseekV41(cfg)
     ids, positions, slots = pack([Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0)])
     dsv41_compile.mark_token_dim(ids, positions, slots)
-    options = {"tp": args.tp, "lowering": "eager", "embedding": args.embedding}
-    with fake_process_group(world_size=args.tp * args.dp), capture_programs() as programs:
+    options = {
+        "tp": args.tp,
+        "ep": ep,
+        "ep_dispatch": args.ep_dispatch,
+        "lowering": "eager",
+        "embedding": args.embedding,
+    }
+    with fake_process_group(world_size=world), capture_programs() as programs:
         clear_mesh_cache()
         compiled = torch.compile(model, backend="dsv41_sp", options=options, fullgraph=True)
-        compiled(ids, positions, slots, model.new_cache(2, 16))
+        with stop_after_pipeline():  # compile only: the fake group's collectives move no data
+            try:
+                compiled(ids, positions, slots, model.new_cache(2, 16))
+            except Exception:
+                if not programs:
+                    raise
         (gm, ctx), *_ = programs
         labels, groups = graph_labels(ctx)
     clear_mesh_cache()
 
     counts = Counter(
-        (n.meta[REGION].split(".attn")[0] or "(entry)", collective_kind(n))
+        (n.meta[REGION] or "(entry)", collective_kind(n))
         for n in gm.graph.nodes
         if collective_kind(n)
     )
     print(f"\ncollectives per region ({len(gm.graph.nodes)} nodes in the per-rank graph):")
     for (region, kind), n in sorted(counts.items()):
-        print(f"  {region:<12} {kind:<15} x{n}")
+        print(f"  {region:<16} {kind:<15} x{n}")
     mode = model.plan[args.layer].mode
     print(f"\nlayer {args.layer} ({mode}) of the rewritten graph; T = the DP group's tokens:\n")
     print(format_graph(gm, labels=labels, groups=groups, region=f"layers.{args.layer}"))

@@ -20,7 +20,31 @@ from dsv41_compile import passes
 from dsv41_compile.context import CompileContext
 from dsv41_compile.fx_utils import REASON, module_paths, tensor_inputs
 
-__all__ = ["capture_compiled", "capture_lowered", "capture_programs", "capture_reference"]
+__all__ = [
+    "PipelineDone",
+    "capture_compiled",
+    "capture_lowered",
+    "capture_programs",
+    "capture_reference",
+    "stop_after_pipeline",
+]
+
+
+class PipelineDone(Exception):
+    """Raised by `stop_after_pipeline` once a graph is rewritten and validated."""
+
+
+@contextmanager
+def stop_after_pipeline() -> Iterator[None]:
+    """Within the context, dsv41_sp stops after the pipeline (nothing is lowered or run): the
+    compiled model's first call raises (Dynamo wraps `PipelineDone`). For tools that only look
+    at the rewritten graph, e.g. on a fake process group, whose collectives move no data."""
+
+    def stop(gm: GraphModule, *, ctx: CompileContext) -> bool:
+        raise PipelineDone
+
+    with _appended_pass("stop", stop):
+        yield
 
 
 @contextmanager
