@@ -266,22 +266,8 @@ def _exact(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, Proxy]:
     local = aten.remainder.Scalar(aten.narrow.default(sorted_key, 0, 0, n_send), per_rank)
     weight = aten.index_select.default(aten.view.default(op.topk_weight, [-1]), 0, assignment)
     route = aten.stack.default([aten._to_copy.default(local, dtype=torch.float32), weight], 1)
-    rows = emit.named(
-        emit.a2a(aten.index_select.default(op.x, 0, token), recv_splits, send_splits),
-        "ep_rows",
-        "EP dispatch: each assignment's token row to the rank of its expert",
-    )
-    routes = emit.named(
-        emit.a2a(route, recv_splits, send_splits),
-        "ep_routes",
-        "EP dispatch: each assignment's local expert index and routing weight",
-    )
-    y = _local_experts(emit, op, rows, routes)
-    y_back = emit.named(
-        emit.a2a(_cast(y, torch.float32, op.dtype), send_splits, recv_splits),
-        "ep_combined",
-        "EP combine: weighted expert outputs back to their source rank",
-    )
+    x_send = aten.index_select.default(op.x, 0, token)
+    y_back = _exchange(emit, op, x_send, route, send_splits, recv_splits, _EXACT_WHY)
     zeros = aten.zeros_like.default(op.x, dtype=torch.float32)
     out = aten.index_add.default(zeros, 0, token, _cast(y_back, op.dtype, torch.float32))
     return emit.named(out, "ep_routed_out"), _stats(emit, sent, received)
@@ -329,22 +315,9 @@ def _padded(emit: _Emitter, op: _Routed, info: EpLayer, ep_tokens: Proxy) -> tup
     )
     route_buf = aten.index_put.default(empty, [slot], route)
     splits = [capacity] * ep
-    rows = emit.named(
-        emit.a2a(aten.split_with_sizes.default(x_buf, [n_rows, 1])[0], splits, splits),
-        "ep_rows",
-        "EP dispatch (padded): C = Tl_max*min(K, E/ep) token rows to every rank",
-    )
-    routes = emit.named(
-        emit.a2a(aten.split_with_sizes.default(route_buf, [n_rows, 1])[0], splits, splits),
-        "ep_routes",
-        "EP dispatch (padded): local expert index (-1: empty row) and routing weight",
-    )
-    y = _local_experts(emit, op, rows, routes)
-    y_back = emit.named(
-        emit.a2a(_cast(y, torch.float32, op.dtype), splits, splits),
-        "ep_combined",
-        "EP combine (padded): expert outputs back to their source rank",
-    )
+    x_send = aten.split_with_sizes.default(x_buf, [n_rows, 1])[0]
+    route_send = aten.split_with_sizes.default(route_buf, [n_rows, 1])[0]
+    y_back, routes = _exchange(emit, op, x_send, route_send, splits, splits, _PADDED_WHY, True)
     y_back = aten.cat.default([y_back, aten.new_zeros.default(y_back, [1, op.dim])])
     contributions = _cast(aten.index_select.default(y_back, 0, slot), op.dtype, torch.float32)
     zeros = aten.zeros_like.default(op.x, dtype=torch.float32)
@@ -352,6 +325,49 @@ def _padded(emit: _Emitter, op: _Routed, info: EpLayer, ep_tokens: Proxy) -> tup
     filled = aten.ge.Scalar(aten.select.int(routes, 1, 0), 0)
     received = aten.sum.dim_IntList(aten.view.default(filled, [ep, -1]), [1])
     return emit.named(out, "ep_routed_out"), _stats(emit, sent, received)
+
+
+_EXACT_WHY = (
+    "EP dispatch: each assignment's token row to the rank of its expert",
+    "EP dispatch: each assignment's local expert index and routing weight",
+    "EP combine: weighted expert outputs back to their source rank",
+)
+_PADDED_WHY = (
+    "EP dispatch (padded): C = Tl_max*min(K, E/ep) token rows to every rank",
+    "EP dispatch (padded): local expert index (-1: empty row) and routing weight",
+    "EP combine (padded): expert outputs back to their source rank",
+)
+
+
+def _exchange(
+    emit: _Emitter,
+    op: _Routed,
+    x_send: Proxy,
+    route_send: Proxy,
+    send_splits: list[Any],
+    recv_splits: list[Any],
+    why: tuple[str, str, str],
+    with_routes: bool = False,
+) -> Any:
+    """Dispatch the token rows and routes, run the local experts, combine: the expert outputs
+    of the sent rows, back in send order (and the received routes, if asked)."""
+    rows = emit.named(
+        emit.a2a(x_send, recv_splits, send_splits),
+        "ep_rows",
+        why[0],
+    )
+    routes = emit.named(
+        emit.a2a(route_send, recv_splits, send_splits),
+        "ep_routes",
+        why[1],
+    )
+    y = _local_experts(emit, op, rows, routes)
+    y_back = emit.named(
+        emit.a2a(_cast(y, torch.float32, op.dtype), send_splits, recv_splits),
+        "ep_combined",
+        why[2],
+    )
+    return (y_back, routes) if with_routes else y_back
 
 
 def _local_experts(emit: _Emitter, op: _Routed, rows: Proxy, routes: Proxy) -> Proxy:

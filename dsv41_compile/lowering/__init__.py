@@ -52,7 +52,6 @@ class ShardedProgram:
         self._shards: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.token_index = token_index
         self.ep_layers = list(ep_layers or [])
-        self.n_ep_stats = len(self.ep_layers)
         self.ep_tokens_input, self.on_ep_stats = ep_tokens_input, on_ep_stats
         self.ep_stats: list[torch.Tensor] = []
         self.ep_tokens = 0  # of the last call
@@ -86,12 +85,13 @@ class ShardedProgram:
             args.append(ep_tokens)
         self.ep_tokens = ep_tokens
         outputs = self.compiled(*args)
-        if not self.n_ep_stats:
+        n_stats = len(self.ep_layers)
+        if not n_stats:
             return outputs
-        self.ep_stats = list(outputs[-self.n_ep_stats :])
+        self.ep_stats = list(outputs[-n_stats:])
         if self.on_ep_stats is not None:
             self.on_ep_stats(self.ep_stats, ep_tokens)
-        return type(outputs)(outputs[: -self.n_ep_stats])
+        return type(outputs)(outputs[:-n_stats])
 
 
 def lower(
