@@ -30,7 +30,7 @@ from dsv41_compile.propagation.plan import deepseek_v41_plan
 
 __all__ = ["BackendOptions", "dsv41_sp", "mark_token_dim"]
 
-_LAYOUTS = ("sp",)
+_LAYOUTS = ("sp", "replicated")
 _LOWERINGS = ("auto", "eager", "inductor")
 _EMBEDDINGS = ("replicated", "vocab_sharded")
 _EP_DISPATCH = ("exact", "padded")
@@ -51,7 +51,10 @@ class BackendOptions:
     worst-case buffer of ceil(T/tp) * min(top-k, E/ep) rows to every rank; no host sync, the
     form graph-mode compilers run)."""
     layout: str = "sp"
-    """"sp": token-sharded residuals, AllGather in / ReduceScatter out of attention."""
+    """"sp": token-sharded residuals, AllGather in / ReduceScatter out of attention (DESIGN §2).
+    "replicated": the baseline sp replaces (DESIGN §6): residuals replicated over the TP group,
+    attention output all-reduced, with ep > 1 each token dispatched by one TP rank and the MoE
+    output all-gathered back."""
     lowering: str = "auto"
     """"eager", "inductor", or "auto" (inductor on CPU)."""
     dump_dir: str | None = None
@@ -158,7 +161,10 @@ def dsv41_sp(
     _check_whole_model(gm)
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     device_type = tensors[0].device.type if tensors else "cpu"
-    mesh = build_mesh(tp=opts.tp, ep=opts.ep, device_type=device_type)
+    # Meta tensors: planning only (`planning.plan_rank`), nothing runs; the mesh lives on CPU.
+    mesh = build_mesh(
+        tp=opts.tp, ep=opts.ep, device_type="cpu" if device_type == "meta" else device_type
+    )
     sources = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -187,7 +193,7 @@ def dsv41_sp(
         ctx = CompileContext(
             mesh=mesh,
             options=opts,
-            plan=deepseek_v41_plan(embedding=opts.embedding, ep=opts.ep),
+            plan=deepseek_v41_plan(embedding=opts.embedding, ep=opts.ep, layout=opts.layout),
             param_fqns=param_fqns,
             input_sources=input_sources,
             token_input=token[0],

@@ -5,6 +5,7 @@ passes write."""
 from __future__ import annotations
 
 import re
+import weakref
 
 import torch
 from torch.fx import Node
@@ -77,6 +78,20 @@ def tensor_inputs(node: Node) -> list[Node]:
     return [n for n in leaves if is_tensor(n)]
 
 
+_HINTS: weakref.WeakKeyDictionary[object, dict[object, int]] = weakref.WeakKeyDictionary()
+
+
 def hint_shape(val: torch.Tensor) -> tuple[int, ...]:
-    """The concrete example sizes of a possibly symbolic tensor."""
-    return tuple(optimization_hint(s) for s in val.shape)
+    """The concrete example sizes of a possibly symbolic tensor (memoised per shape env and
+    size expression: the passes ask for the same few sizes tens of thousands of times)."""
+    return tuple(_hint(s) for s in val.shape)
+
+
+def _hint(size: object) -> int:
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    env, expr = size.node.shape_env, size.node.expr
+    hints = _HINTS.setdefault(env, {})
+    if expr not in hints:
+        hints[expr] = optimization_hint(size)
+    return hints[expr]

@@ -7,8 +7,11 @@ shape with sharded dims divided over tp (expert dims over ep); the graph lints; 
 
 Layout invariants of `layout="sp"` (DESIGN §2): per decoder layer exactly one AllGather(tp),
 whose input is the 2-D `[Tl, D]` attention input (not the `[Tl, n, D]` residual), and exactly one
-ReduceScatter(tp), whose input is fp32; no TP collective in the MoE half; EP all-to-alls only in
-the MoE half (with ep > 1: 4 per MoE layer with exact dispatch, 3 padded); no all-reduce.
+ReduceScatter(tp), whose input is fp32; no TP collective in the MoE half; no all-reduce.
+Of `layout="replicated"` (DESIGN §6): per decoder layer exactly one all-reduce(tp) of fp32 and,
+in the MoE half, one AllGather(tp) with ep > 1 (its output shared back), none with ep = 1.
+Both: EP all-to-alls only in the MoE half (with ep > 1: 4 per MoE layer with exact dispatch, 3
+padded).
 """
 
 from __future__ import annotations
@@ -29,7 +32,15 @@ from dsv41_compile.context import CompileContext
 from dsv41_compile.fx_utils import GLOBAL_VAL, OUT, REASON, REGION, describe, hint_shape
 from dsv41_compile.propagation.plan import ExpertShard
 
-__all__ = ["COLLECTIVES", "collective_kind", "comm_records", "local_inputs", "validate"]
+__all__ = [
+    "COLLECTIVES",
+    "collective_bytes",
+    "collective_kind",
+    "comm_records",
+    "graph_symbols",
+    "local_inputs",
+    "validate",
+]
 
 c10d = torch.ops._c10d_functional
 COLLECTIVES = {
@@ -71,8 +82,7 @@ def validate(gm: GraphModule, *, ctx: CompileContext) -> bool:
     FakeTensorProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*local_inputs(gm, ctx))
     _check_local_shapes(gm, ctx)
     ctx.comm[:] = comm_records(gm, ctx)
-    if ctx.options.layout == "sp":
-        _check_sp_layout(gm, ctx)
+    _check_layout(gm, ctx)
     return True
 
 
@@ -135,12 +145,19 @@ _TL_MAX = sympy.Symbol("Tl_max", positive=True, integer=True)
 EXAMPLE_TOKEN_COUNTS = (1, 8, 2048)
 
 
-def _bytes(val: torch.Tensor, symbol: object) -> sympy.Expr:
-    numel = sympy.Integer(1)
-    for s in val.shape:
-        numel *= s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(s)
-    formula = numel * val.element_size()
-    return formula.xreplace({symbol: _T}) if symbol is not None else formula
+def graph_symbols(gm: GraphModule, ctx: CompileContext) -> dict[object, sympy.Symbol]:
+    """The graph's symbols that have a name: T (the DP group's token count) and Tl_max (the
+    padded EP lowering's `ep_tokens` input)."""
+    symbol = _token_hints(ctx)[0]
+    names: dict[object, sympy.Symbol] = {symbol: _T} if symbol is not None else {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name == EP_TOKENS:
+            names[node.meta["val"].node.expr] = _TL_MAX
+    return names
+
+
+def _numel(val: torch.Tensor) -> sympy.Expr:
+    return sympy.Mul(*(_sym_expr(s) for s in val.shape))
 
 
 def _axis(node: Node, ctx: CompileContext) -> str:
@@ -157,46 +174,56 @@ def _sym_expr(size: object) -> sympy.Expr:
     return sympy.sympify(val.node.expr) if isinstance(val, torch.SymInt) else sympy.Integer(val)
 
 
-def _a2a_bytes(
-    splits: list[object], val: torch.Tensor, rank: int, names: dict[object, sympy.Symbol]
-) -> sympy.Expr | None:
-    """Bytes of the chunks for the other ranks (the chunk at `rank` stays), or None when the
-    split sizes are data-dependent."""
+def _a2a_bytes(splits: list[object], val: torch.Tensor, rank: int) -> sympy.Expr:
+    """Bytes of the chunks for the other ranks (the chunk at `rank` stays)."""
     exprs = [_sym_expr(s) for s in splits]
     row = val.element_size() * math.prod(int(d) for d in val.shape[1:])
-    moved = ((sum(exprs, sympy.Integer(0)) - exprs[rank]) * row).xreplace(names)
-    return moved if moved.free_symbols <= {_T, _TL_MAX} else None
+    return (sum(exprs, sympy.Integer(0)) - exprs[rank]) * row
+
+
+def collective_bytes(node: Node, ctx: CompileContext) -> tuple[str, int, sympy.Expr, sympy.Expr]:
+    """(axis, group size, bytes this rank sends, bytes it receives) of a collective node, in the
+    graph's own symbols (data-dependent all-to-all splits stay unbacked symbols). Algorithms:
+    ring all-gather / reduce-scatter ((tp-1) chunks of the shard each way), ring all-reduce (a
+    reduce-scatter then an all-gather: 2(tp-1)/tp of the buffer each way), pairwise all-to-all
+    (every chunk but the rank's own)."""
+    kind, axis = collective_kind(node), _axis(node, ctx)
+    inp, out = node.args[0].meta["val"], node.meta["val"]
+    tp = ctx.mesh.tp
+    if kind == "all_to_all":
+        rank = ctx.mesh.rank
+        group_size = ctx.mesh.ep if axis == "ep" else tp
+        return (
+            axis,
+            group_size,
+            _a2a_bytes(node.args[2], inp, rank),
+            _a2a_bytes(node.args[1], out, rank),
+        )
+    if kind == "all_reduce":
+        moved = sympy.Rational(2 * (tp - 1), tp) * _numel(inp) * inp.element_size()
+    else:
+        shard = inp if kind == "all_gather" else out
+        moved = (tp - 1) * _numel(shard) * shard.element_size()
+    return axis, tp, moved, moved
 
 
 def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
     """One record per collective: kind, axis, group size, dtype, local shapes, bytes this rank
-    sends and receives as a formula in T and at a few token counts, layer, reason. Algorithms:
-    ring all-gather / reduce-scatter ((tp-1) chunks of the shard each way), pairwise
-    all-to-all (every chunk but the rank's own). A padded EP all-to-all's formula is in Tl_max
-    (the largest token shard over the EP group; its values at T assume every DP group serves T
-    tokens); an exact one's sizes are data-dependent ("data-dependent": `comm.json`'s
-    `ep_steps` has each call's bytes)."""
-    symbol, _t_hint, _ = _token_hints(ctx)
-    tp, rank = ctx.mesh.tp, ctx.mesh.rank
-    names = {symbol: _T} if symbol is not None else {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.name == EP_TOKENS:
-            names[node.meta["val"].node.expr] = _TL_MAX
+    sends and receives (`collective_bytes`) as a formula in T and at a few token counts, layer,
+    reason. A padded EP all-to-all's formula is in Tl_max (the largest token shard over the EP
+    group; its values at T assume every DP group serves T tokens); an exact one's sizes are
+    data-dependent ("data-dependent": `comm.json`'s `ep_steps` has each call's bytes)."""
+    symbol = _token_hints(ctx)[0]
+    tp = ctx.mesh.tp
+    names = graph_symbols(gm, ctx)
     records = []
     for node in gm.graph.nodes:
         kind = collective_kind(node)
         if kind is None:
             continue
-        axis = _axis(node, ctx)
+        axis, group_size, sent, received = collective_bytes(node, ctx)
+        sent, received = (_named(e, names) for e in (sent, received))
         inp, out = node.args[0].meta["val"], node.meta["val"]
-        if kind == "all_to_all":
-            sent = _a2a_bytes(node.args[2], inp, rank, names)
-            received = _a2a_bytes(node.args[1], out, rank, names)
-            group_size = ctx.mesh.ep if axis == "ep" else tp
-        else:
-            shard = inp if kind == "all_gather" else out
-            sent = received = (tp - 1) * _bytes(shard, symbol)
-            group_size = tp
         match = _LAYER.match(node.meta.get(REGION, ""))
         records.append(
             {
@@ -219,6 +246,12 @@ def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
     return records
 
 
+def _named(expr: sympy.Expr, names: dict[object, sympy.Symbol]) -> sympy.Expr | None:
+    """`expr` in T / Tl_max, or None when it depends on data (unbacked sizes)."""
+    expr = expr.xreplace(names)
+    return expr if expr.free_symbols <= {_T, _TL_MAX} else None
+
+
 def _fmt_bytes(expr: sympy.Expr | None) -> str:
     return "data-dependent" if expr is None else str(expr)
 
@@ -232,44 +265,60 @@ def _bytes_at(expr: sympy.Expr | None, tp: int) -> dict[str, int] | None:
     }
 
 
-def _check_sp_layout(gm: GraphModule, ctx: CompileContext) -> None:
+def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
+    layout, ep = ctx.options.layout, ctx.mesh.ep
+    # The TP collectives of each decoder layer, outside / inside its MoE half.
+    if layout == "sp":
+        expected_tp, expected_moe = ["all_gather", "reduce_scatter"], []
+    else:
+        expected_tp, expected_moe = ["all_reduce"], ["all_gather"] if ep > 1 else []
     layers = sorted({int(m.group(1)) for f in ctx.param_fqns.values() if (m := _LAYER.match(f))})
     per_layer: dict[int, list[Node]] = {i: [] for i in layers}
+    per_moe: dict[int, list[Node]] = {i: [] for i in layers}
     ep_per_region: dict[str, int] = {}
     for node in gm.graph.nodes:
         kind = collective_kind(node)
         if kind is None:
             continue
         region = node.meta.get(REGION, "")
-        if kind == "all_reduce":
+        if kind == "all_reduce" and layout == "sp":
             raise AssertionError(
                 f"sp layout: all-reduce {describe(node)} ({node.meta.get(REASON)})"
             )
         if _axis(node, ctx) == "ep":
             if kind != "all_to_all" or ".ffn" not in region:
-                raise AssertionError(f"sp layout: EP collective outside a MoE: {describe(node)}")
+                raise AssertionError(
+                    f"{layout} layout: EP collective outside a MoE: {describe(node)}"
+                )
             ep_per_region[region] = ep_per_region.get(region, 0) + 1
             continue
-        if ".ffn" in region:
-            raise AssertionError(f"sp layout: TP collective in the MoE half: {describe(node)}")
         match = _LAYER.match(region)
         if match:
-            per_layer[int(match.group(1))].append(node)
-    for layer, nodes in per_layer.items():
-        kinds = sorted(collective_kind(n) for n in nodes)
-        if kinds != ["all_gather", "reduce_scatter"]:
-            raise AssertionError(f"sp layout: layer {layer} has collectives {kinds}")
-        for n in nodes:
+            layer = int(match.group(1))
+            (per_moe if ".ffn" in region else per_layer)[layer].append(node)
+    for layer in layers:
+        for nodes, expected, half in (
+            (per_layer[layer], expected_tp, "outside its MoE"),
+            (per_moe[layer], expected_moe, "in its MoE"),
+        ):
+            kinds = sorted(collective_kind(n) for n in nodes)
+            if kinds != expected:
+                raise AssertionError(
+                    f"{layout} layout: layer {layer} has TP collectives {kinds} {half}, "
+                    f"expected {expected}"
+                )
+        for n in per_layer[layer]:
             inp = n.args[0].meta["val"]
-            if collective_kind(n) == "all_gather" and inp.dim() != 2:
+            kind = collective_kind(n)
+            if kind == "all_gather" and inp.dim() != 2:
                 raise AssertionError(f"sp layout: layer {layer} gathers a {inp.dim()}-D value")
-            if collective_kind(n) == "reduce_scatter" and inp.dtype != torch.float32:
-                raise AssertionError(f"sp layout: layer {layer} reduce-scatters {inp.dtype}")
+            if kind in ("reduce_scatter", "all_reduce") and inp.dtype != torch.float32:
+                raise AssertionError(f"{layout} layout: layer {layer} {kind}s {inp.dtype}")
     # EP: counts (exact only), token rows, routes, outputs -- per MoE layer.
     expected = {"exact": 4, "padded": 3}[ctx.options.ep_dispatch]
     for info in ctx.ep_layers:
         if ep_per_region.get(info.region) != expected:
             raise AssertionError(
-                f"sp layout: {info.region} has {ep_per_region.get(info.region, 0)} EP "
+                f"{layout} layout: {info.region} has {ep_per_region.get(info.region, 0)} EP "
                 f"all-to-alls, expected {expected} ({ctx.options.ep_dispatch} dispatch)"
             )

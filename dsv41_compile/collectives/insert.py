@@ -4,7 +4,9 @@ Requires: annotate (every node has `meta[IN]` / `meta[OUT]`).
 Ensures: for every node, each tensor input's placement equals the one in `meta[IN]`; the
 inserted nodes (collectives, pads, local slices) carry `meta[OUT]`, `meta[REASON]` and the
 consumer's module and source line; one redistribution per (value, placement), shared by every
-consumer after the first; a `tp_rank` placeholder and the token-size nodes exist.
+consumer after the first; a `tp_rank` placeholder and the token-size nodes exist. A value
+redistributed because it leaves a module with an exit placement is redistributed in that module
+(the inserted nodes carry the producer's module and source line).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import torch
 from torch.distributed.tensor import Placement
 from torch.fx import GraphModule, Node
 
-from dsv41_compile.collectives.transitions import TokenSizes, redistribute
+from dsv41_compile.collectives.transitions import TokenSizes, pad_value, redistribute
 from dsv41_compile.context import CompileContext
 from dsv41_compile.fx_utils import GLOBAL_VAL, IN, OUT, REGION, RULE
+from dsv41_compile.propagation.annotate import exit_placement
 from dsv41_compile.propagation.dtensor_adapter import format_placement
 
 __all__ = ["insert_collectives"]
@@ -25,25 +28,27 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> bool:
     graph = gm.graph
     token_input = next(n for n in graph.nodes if n.name == ctx.token_input)
     sizes = ctx.sizes = TokenSizes.create(graph, token_input, ctx.mesh.tp, ctx.mesh.tp_group_name)
-    done: dict[tuple[Node, Placement], Node] = {}
+    done: dict[tuple[Node, Placement, int], Node] = {}
     for node in list(graph.nodes):
         needed: tuple[Placement, ...] | None = node.meta.get(IN)
         if not needed:
             continue
-        placements = iter(needed)
+        placements = iter(enumerate(needed))
 
         def fix(arg: Node, consumer: Node = node, placements=placements) -> Node:
             if not isinstance(arg, Node) or not isinstance(arg.meta.get(GLOBAL_VAL), torch.Tensor):
                 return arg
-            dst = next(placements)
+            position, dst = next(placements)
             src = arg.meta[OUT]
             if src == dst:
                 return arg
-            key = (arg, dst)
+            fill = pad_value(consumer, position)
+            key = (arg, dst, fill)
             if key not in done:
                 why = _why(arg, consumer, dst)
+                site = arg if exit_placement(arg, consumer, ctx) == dst else consumer
                 with graph.inserting_before(consumer):
-                    out = redistribute(graph, arg, src, dst, sizes, consumer=consumer, why=why)
+                    out = redistribute(graph, arg, src, dst, sizes, site=site, why=why, fill=fill)
                 out.meta[OUT] = dst
                 out.meta[GLOBAL_VAL] = arg.meta[GLOBAL_VAL]  # same global value, new placement
                 done[key] = out

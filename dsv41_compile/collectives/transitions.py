@@ -5,13 +5,17 @@ No collective is chosen anywhere else.
     S(0)  -> R      all_gather_into_tensor + wait, split off the tail padding AllGather(tp)
     P     -> S(0)   pad the token dim to tp*Tl, reduce_scatter_tensor(sum)  ReduceScatter(tp)
     R     -> S(d)   pad, view as [tp, n/tp] on dim d, take row tp_rank      none
-    P     -> R      all-reduce: not part of the sp layout                   (error)
-    S(a)  -> S(b)   all-to-all: not part of the sp layout                   (error)
+    P     -> R      all_reduce(sum) + wait (the replicated baseline only)   AllReduce(tp)
+    S(a)  -> S(b)   all-to-all: in neither layout                           (error)
     R     -> P      never needed                                            (error)
+
+Which of P -> S(0) and P -> R runs is the plan's choice (`ShardingPlan.partial_to`).
 
 Token shards are contiguous chunks of Tl = ceil(T/tp) rows of the token dim, with padding only
 at the global tail (torch.chunk / DTensor `Shard` order). Padding rows are zeros (False for
 masks): the model's `valid` mask is False there, so they are routed nowhere and dropped at exit.
+The one exception is a routing table sliced for the routed experts (the replicated baseline's
+token owners): its padding rows are -1, the model's "routed nowhere" (`pad_value`).
 The graph is the same on every rank: the rank enters as the `tp_rank` input, never as a constant.
 """
 
@@ -24,6 +28,7 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.fx import Graph, Node
 
+import dsv41_compile.model.ops  # noqa: F401  (dsv41::routed_experts, for pad_value)
 from dsv41_compile.fx_utils import OUT, REASON, REGION, describe
 from dsv41_compile.propagation.dtensor_adapter import format_placement
 
@@ -69,10 +74,16 @@ class TokenSizes:
         return TokenSizes(T, Tl, pad, tp_rank, tp, group_name)
 
 
-def _pad_tokens(graph: Graph, value: Node, ndim: int, sizes: TokenSizes) -> Node:
+def pad_value(consumer: Node, position: int) -> int:
+    """The value of the padding rows of the `position`-th tensor input of `consumer`: -1 for
+    the routed experts' `topk_idx` (a padding row is routed nowhere), else 0."""
+    return -1 if consumer.target is torch.ops.dsv41.routed_experts.default and position == 1 else 0
+
+
+def _pad_tokens(graph: Graph, value: Node, ndim: int, sizes: TokenSizes, fill: int = 0) -> Node:
     # constant_pad_nd pads from the last dim backwards: the last pair is dim 0's (before, after).
     return graph.call_function(
-        aten.constant_pad_nd.default, (value, [0, 0] * (ndim - 1) + [0, sizes.pad], 0)
+        aten.constant_pad_nd.default, (value, [0, 0] * (ndim - 1) + [0, sizes.pad], fill)
     )
 
 
@@ -83,11 +94,13 @@ def redistribute(
     dst: Placement,
     sizes: TokenSizes,
     *,
-    consumer: Node,
+    site: Node,
     why: str,
+    fill: int = 0,
 ) -> Node:
-    """Nodes turning `value` (placed `src`) into `dst` for `consumer`, inserted at the graph's
-    current insert point; they carry the consumer's module and source line. Returns the new
+    """Nodes turning `value` (placed `src`) into `dst`, inserted at the graph's current insert
+    point; they carry the module and source line of `site` (the consumer, or the producer when
+    the value leaves a module with an exit placement). Padding rows are `fill`. Returns the new
     value."""
     val = value.meta["val"]
     ndim = val.dim()
@@ -116,11 +129,17 @@ def redistribute(
         )
         out = graph.call_function(c10d.wait_tensor.default, (scattered,))
         nodes = [padded, scattered, out]
+    elif isinstance(src, Partial) and isinstance(dst, Replicate):
+        if src.reduce_op != "sum":
+            raise NotImplementedError(f"{describe(value)}: only sum partials are all-reduced")
+        reduced = graph.call_function(c10d.all_reduce.default, (value, "sum", group))
+        out = graph.call_function(c10d.wait_tensor.default, (reduced,))
+        nodes = [reduced, out]
     elif isinstance(src, Replicate) and isinstance(dst, Shard):
         d = dst.dim
         nodes = []
         if d == 0:
-            value = _pad_tokens(graph, value, ndim, sizes)
+            value = _pad_tokens(graph, value, ndim, sizes, fill)
             nodes.append(value)
         split = graph.call_function(aten.unflatten.int, (value, d, [tp, -1]))
         out = graph.call_function(aten.index.Tensor, (split, [None] * d + [sizes.tp_rank]))
@@ -128,12 +147,12 @@ def redistribute(
     else:
         raise NotImplementedError(
             f"{describe(value)}: no {format_placement(src)} -> {format_placement(dst)} transition "
-            f"in the sp layout ({why}); an all-reduce or all-to-all here means the plan or a rule "
-            f"put a value on the wrong side of a layer boundary"
+            f"({why}); a tp all-to-all here means the plan or a rule put a value on the wrong "
+            f"side of a layer boundary"
         )
     for n in nodes:
         n.meta[REASON] = f"{format_placement(src)} -> {format_placement(dst)}: {why}"
         for key in ("stack_trace", "nn_module_stack", REGION):
-            if key in consumer.meta:
-                n.meta[key] = consumer.meta[key]
+            if key in site.meta:
+                n.meta[key] = site.meta[key]
     return out

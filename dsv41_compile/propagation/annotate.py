@@ -5,10 +5,12 @@ Ensures: every node has `meta[OUT]` (its output placement(s)), every node with t
 `meta[IN]` (the placement each tensor input must have; the insert pass makes it so), `meta[RULE]`
 and `meta[REGION]`.
 
-Sources of placements, in order: the plan's parameter placements; the plan's anchors (an
-activation entering an anchored module takes the anchor's placement); a partial sum is
-reduce-scattered to token shards before any use (so the reduction always runs on the fp32
-partial the model computed, never on a rounded or transformed copy); then the op rules.
+Sources of placements, in order: the plan's parameter placements; the plan's exits and anchors
+(an activation leaving a module with an exit placement takes it, then one entering an anchored
+module takes the anchor's); a partial sum is redistributed to the plan's `partial_to` before any
+use (reduce-scattered to token shards in `sp`, all-reduced in `replicated`; so the reduction
+always runs on the fp32 partial the model computed, never on a rounded or transformed copy);
+then the op rules.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from dsv41_compile.propagation.dtensor_adapter import format_placement
 from dsv41_compile.propagation.plan import ExpertShard
 from dsv41_compile.propagation.rules import strategy_for
 
-__all__ = ["annotate"]
+__all__ = ["annotate", "exit_placement"]
 
 
 def _output_placement(node: Node) -> Placement:
@@ -109,12 +111,12 @@ def _annotate_call(
     given: list[Placement] = []
     for producer in inputs:
         placement = _output_placement(producer)
-        if anchored is not None and not _is_param(producer, ctx):
-            path, wanted = anchored
-            if path not in module_paths(producer):
-                placement = wanted
+        if not _is_param(producer, ctx):
+            placement = exit_placement(producer, node, ctx) or placement
+            if anchored is not None and anchored[0] not in module_paths(producer):
+                placement = anchored[1]
         if isinstance(placement, Partial):
-            placement = Shard(0)
+            placement = ctx.plan.partial_to
         given.append(placement)
 
     _check_no_size_of_shard(node, inputs)
@@ -140,6 +142,15 @@ def _annotate_call(
     outs = strategy.outputs
     node.meta[OUT] = outs if isinstance(val, (tuple, list)) else outs[0]
     node.meta[RULE] = f"{source} {strategy}"
+
+
+def exit_placement(producer: Node, consumer: Node, ctx: CompileContext) -> Placement | None:
+    """The plan's exit placement when `producer`'s value leaves a module with one on its way to
+    `consumer`, else None."""
+    leaving = ctx.plan.exit(module_paths(producer))
+    if leaving is None or leaving[0] in module_paths(consumer):
+        return None
+    return leaving[1]
 
 
 def _is_param(node: Node, ctx: CompileContext) -> bool:

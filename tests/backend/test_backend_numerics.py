@@ -15,11 +15,14 @@ near-tied top-k choices (measured on tiny: 6% of that step's logits off by up to
 three steps were within the bf16 bound) -- and a whole 8-layer bf16 run would cost another four
 minutes of the suite. The compressed paths are covered in fp32.
 
-Runs: expert parallelism over the world (ep=8) with both dispatch lowerings on tiny (every
-attention mode, eager; the exact run also captures per-layer intermediates), exact dispatch
-under inductor with the vocab-sharded embedding on tiny-swa, and bf16 with replicated experts
-(ep=1). The EP runs also check the requirement's assignment counts and the traffic each rank
-records in comm.json. The EP exchange adds no tolerance: a token's expert outputs are the
+Runs: expert parallelism over the world (ep=8) on tiny (every attention mode, eager) in the sp
+layout with exact dispatch (also capturing per-layer intermediates) and in the replicated
+baseline with padded dispatch, exact dispatch under inductor with the vocab-sharded embedding on
+tiny-swa, and bf16 with replicated experts (ep=1). The EP runs also check the requirement's
+assignment counts (in the replicated baseline they show that each token is dispatched by
+exactly one TP rank) and the traffic each rank records in comm.json. The replicated baseline
+all-reduces the attention output in fp32 where sp reduce-scatters it: the same re-association
+bound applies. The EP exchange adds no tolerance: a token's expert outputs are the
 single-device kernel's values (each computed in the activation dtype and sent in it), added in
 fp32 at the source.
 """
@@ -68,7 +71,10 @@ def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> Case
 RUNS = {
     # every attention mode of the tiny preset, eager lowering, intermediates captured
     "tiny-ep-exact-eager": spec("tiny", capture=True, ep=EP, lowering="eager"),
-    "tiny-ep-padded-eager": spec("tiny", ep=EP, ep_dispatch="padded", lowering="eager"),
+    # the replicated baseline (all-reduce, unique token owners), every attention mode, padded
+    "tiny-replicated-ep-padded-eager": spec(
+        "tiny", layout="replicated", ep=EP, ep_dispatch="padded", lowering="eager"
+    ),
     "tiny-swa-ep-exact-inductor-vocab": spec(
         "tiny-swa", ep=EP, lowering="inductor", embedding="vocab_sharded"
     ),

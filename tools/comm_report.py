@@ -1,0 +1,191 @@
+"""Bytes and FLOPs per layer per rank of the sp layout against the replicated baseline.
+
+Both layouts are planned for rank 0 of a fake world (`planning.plan_rank`: meta tensors, a
+`fake` process group, nothing allocated, nothing run) and costed from their rewritten graphs
+(`accounting.py`: ring all-gather / reduce-scatter / all-reduce, pairwise all-to-all; FLOPs of
+the matmul-like nodes). Scenarios give the tokens per DP group: decode (4 requests x 1 token),
+dspark (16 requests x 5 tokens: a speculative verification batch), prefill (2 requests x 2048
+tokens). The attention boundary's lower bound is what any correct SP scheme must move per
+rank: the other ranks' attention-input rows in ((T - Tl) D activation bytes received) and the
+other ranks' rows of the fp32 output partial out ((T - Tl) D 4 bytes sent).
+
+    .venv/bin/python tools/comm_report.py --preset flash --tp 4 --ep 8 --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dsv41_compile.accounting import graph_costs, summarize
+from dsv41_compile.model import ModelConfig
+from dsv41_compile.planning import plan_rank
+
+SCENARIOS = (("decode", 4, 1), ("dspark", 16, 5), ("prefill", 2, 2048))
+MAX_LEN = 4096  # cache positions per request: sizes the compressed attention over the cache
+LAYOUTS = ("sp", "replicated")
+KINDS = ("all_gather(tp)", "reduce_scatter(tp)", "all_reduce(tp)", "all_to_all(ep)")
+
+
+def attention_lower_bound(cfg: ModelConfig, tokens: int, tp: int) -> int:
+    tl = -(-tokens // tp)
+    rows = max(tokens - tl, 0)
+    act = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    return rows * cfg.dim * act + rows * cfg.dim * 4
+
+
+def report(args: argparse.Namespace) -> dict:
+    cfg = ModelConfig.from_name(args.preset)
+    world = args.ep if args.ep > 1 else args.tp * args.dp
+    costs, seconds = {}, {}
+    for layout in LAYOUTS:
+        options = {
+            "tp": args.tp,
+            "ep": args.ep,
+            "ep_dispatch": args.ep_dispatch,
+            "layout": layout,
+            "lowering": "eager",
+        }
+        start = time.perf_counter()
+        gm, ctx, _ = plan_rank(cfg, options, world_size=world, max_len=MAX_LEN)
+        costs[layout] = graph_costs(gm, ctx)
+        seconds[layout] = time.perf_counter() - start
+    scenarios = []
+    for name, requests, length in SCENARIOS:
+        tokens = requests * length
+        layouts = {layout: summarize(costs[layout], tokens) for layout in LAYOUTS}
+        scenarios.append(
+            {
+                "name": name,
+                "requests": requests,
+                "tokens_per_request": length,
+                "tokens_per_dp_group": tokens,
+                "attention_lower_bound_bytes": attention_lower_bound(cfg, tokens, args.tp),
+                "layouts": layouts,
+            }
+        )
+    return {
+        "preset": args.preset,
+        "tp": args.tp,
+        "ep": args.ep,
+        "world_size": world,
+        "ep_dispatch": args.ep_dispatch,
+        "planning_seconds": seconds,
+        "assumptions": (
+            "rank 0 (a full token shard); ring all-gather / reduce-scatter / all-reduce, "
+            "pairwise all-to-all; exact EP counts at their balanced-routing expectation, padded "
+            "Tl_max = ceil(T/tp); routed-expert FLOPs count every row handed to the kernel; "
+            f"a cache of {MAX_LEN} positions per request"
+        ),
+        "scenarios": scenarios,
+    }
+
+
+def _fmt(n: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def print_tables(doc: dict) -> None:
+    print(
+        f"{doc['preset']}: tp={doc['tp']} ep={doc['ep']} world={doc['world_size']} "
+        f"({doc['ep_dispatch']} EP dispatch); per decoder layer, per rank; planned in "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in doc["planning_seconds"].items())
+    )
+    print(f"assumptions: {doc['assumptions']}\n")
+    for sc in doc["scenarios"]:
+        sp, rep = (sc["layouts"][k] for k in LAYOUTS)
+        print(
+            f"{sc['name']}: {sc['requests']} requests x {sc['tokens_per_request']} tokens "
+            f"= T {sc['tokens_per_dp_group']} per DP group"
+        )
+        print(f"  {'bytes sent':<28}{'sp':>12}{'replicated':>12}{'sp/repl':>9}")
+        rows = [(k, sp["collectives"].get(k, {}), rep["collectives"].get(k, {})) for k in KINDS]
+        for kind, a, b in rows:
+            if a or b:
+                _row(kind, a.get("bytes_sent", 0), b.get("bytes_sent", 0))
+        _row("total per layer", sp["bytes_per_layer_per_rank"], rep["bytes_per_layer_per_rank"])
+        attn = sum(
+            sp["collectives"].get(k, {}).get("bytes_sent", 0)
+            for k in ("all_gather(tp)", "reduce_scatter(tp)")
+        )
+        print(
+            f"  attention boundary: sp moves {_fmt(attn)}B (AllGather + ReduceScatter), lower "
+            f"bound {_fmt(sc['attention_lower_bound_bytes'])}B"
+        )
+        for part in ("entry", "exit"):
+            _row(
+                f"{part} (per call)",
+                sp["parts"][part]["bytes_sent"],
+                rep["parts"][part]["bytes_sent"],
+            )
+        print(f"  {'FLOPs':<28}")
+        _row(
+            "attention half",
+            sp["attention_flops_per_layer_per_rank"],
+            rep["attention_flops_per_layer_per_rank"],
+        )
+        _row("ffn half", sp["ffn_flops_per_layer_per_rank"], rep["ffn_flops_per_layer_per_rank"])
+        print()
+
+
+def _row(label: str, a: float, b: float) -> None:
+    ratio = f"{a / b:.2f}" if b else "-"
+    print(f"  {label:<28}{_fmt(a):>12}{_fmt(b):>12}{ratio:>9}")
+
+
+def plot(doc: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = doc["scenarios"]
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4 * len(scenarios), 4))
+    for ax, sc in zip(axes, scenarios):
+        bottom = [0.0, 0.0]
+        for kind in KINDS:
+            values = [
+                sc["layouts"][layout]["collectives"].get(kind, {}).get("bytes_sent", 0) / 1e6
+                for layout in LAYOUTS
+            ]
+            if any(values):
+                ax.bar(LAYOUTS, values, bottom=bottom, label=kind)
+                bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_title(f"{sc['name']} (T={sc['tokens_per_dp_group']})")
+        ax.set_ylabel("MB sent per layer per rank")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.suptitle(f"{doc['preset']}: tp={doc['tp']}, ep={doc['ep']} ({doc['ep_dispatch']} dispatch)")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny", choices=("tiny", "tiny-swa", "flash"))
+    parser.add_argument("--tp", type=int, default=4)
+    parser.add_argument("--ep", type=int, default=8, help="1 or the world size")
+    parser.add_argument("--dp", type=int, default=2, help="DP groups when ep=1")
+    parser.add_argument("--ep-dispatch", choices=("exact", "padded"), default="exact")
+    parser.add_argument("--json", help="write the report as JSON here")
+    parser.add_argument("--plot", help="draw bytes per collective kind per layer (PNG) here")
+    args = parser.parse_args()
+    doc = report(args)
+    print_tables(doc)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(doc, args.plot)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
