@@ -3,6 +3,9 @@
 For window-only `tiny-swa` models of 1, 2, 4 and 8 layers and the 8-layer `tiny` (every
 attention mode), times the first call of the compiled model (Dynamo + AOT + our passes + the
 eager lowering) and the share spent in our passes, side by side in one run.
+
+`--flash-planning` instead times `planning.plan_rank` (meta tensors, compile only) on the
+first 5, 10, 20 and all 40 layers of `flash` (tp=4, ep=8): the cost of planning at real size.
 """
 
 from __future__ import annotations
@@ -50,11 +53,55 @@ def compile_once(cfg: ModelConfig, tp: int, lowering: str) -> tuple[float, float
         backend.run_pipeline = passes.run_pipeline
 
 
+def flash_prefix(n_layers: int) -> ModelConfig:
+    """The first `n_layers` layers of flash: sources and the candidate layer beyond them go."""
+    cfg = ModelConfig.from_name("flash")
+    candidate = cfg.candidate_source_layer_id
+    return cfg.replace(
+        n_layers=n_layers,
+        compress_ratios=cfg.ratios[:n_layers],
+        kv_source_layer_ids=tuple(i for i in cfg.kv_source_layer_ids if i < n_layers),
+        index_source_layer_ids=tuple(i for i in cfg.index_source_layer_ids if i < n_layers),
+        candidate_source_layer_id=candidate if candidate < n_layers else -1,
+    )
+
+
+def flash_planning() -> None:
+    from dsv41_compile.planning import plan_rank
+
+    print(f"{'flash layers':>12} {'nodes':>7} {'plan s':>7} {'s/layer':>8} {'passes s':>9}")
+    for layers in (5, 10, 20, 40):
+        pass_time = 0.0
+
+        def timed(gm, ctx):
+            nonlocal pass_time
+            start = time.perf_counter()
+            result = passes.run_pipeline(gm, ctx)
+            pass_time += time.perf_counter() - start
+            return result
+
+        backend.run_pipeline = timed
+        try:
+            start = time.perf_counter()
+            gm, _, _ = plan_rank(flash_prefix(layers), {"tp": 4, "ep": 8}, world_size=8)
+            total = time.perf_counter() - start
+        finally:
+            backend.run_pipeline = passes.run_pipeline
+        print(
+            f"{layers:>12} {len(gm.graph.nodes):>7} {total:>7.1f} {total / layers:>8.2f} "
+            f"{pass_time:>9.1f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
+    parser.add_argument("--flash-planning", action="store_true", help="time flash planning")
     args = parser.parse_args()
+    if args.flash_planning:
+        flash_planning()
+        return
     rows = [("tiny-swa", n) for n in (1, 2, 4, 8)] + [("tiny", 8)]
     print(
         f"{'preset':<10} {'layers':>6} {'nodes':>6} {'compile s':>10} {'s/layer':>8} {'passes s':>9}"

@@ -1,13 +1,14 @@
 """Accounting read from the rewritten graph, against bytes and FLOPs computed by hand; the
 replicated baseline's collectives against sp's.
 
-One decoder layer of tiny-swa (D = 64 fp32, 16 routed experts of width I = 32, top-6, shared
-expert of width 32, N = 4 mHC streams), planned on meta tensors for rank 0 of a fake world of 8 (tp = 4, ep = 8),
-at T = 8 tokens per DP group: Tl = 2 rows per rank.
+tiny-swa (2 decoder layers, D = 64 fp32, 16 routed experts of width I = 32, top-6, shared
+expert of width 32, N = 4 mHC streams), planned on meta tensors for rank 0 of a fake world of 8
+(tp = 4, ep = 8), at T = 8 tokens per DP group: Tl = 2 rows per rank. Costs are per layer.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
@@ -20,21 +21,23 @@ from dsv41_compile.planning import plan_rank
 from dsv41_compile.validate import collective_kind
 
 WORLD, TP, EP, T = 8, 4, 8, 8
+LAYERS = 2
 D, E, K, I, N = 64, 16, 6, 32, 4
 TL = T // TP
 F32 = 4
 ROUTE = 8  # (local expert index, weight) per dispatched row
 
 
-def one_layer() -> ModelConfig:
-    return ModelConfig.from_name("tiny-swa").replace(n_layers=1)
+@functools.cache
+def plan(layout: str, dispatch: str):
+    options = {"tp": TP, "ep": EP, "ep_dispatch": dispatch, "layout": layout, "lowering": "eager"}
+    gm, ctx, _ = plan_rank(ModelConfig.from_name("tiny-swa"), options, world_size=WORLD)
+    return gm, ctx
 
 
-@pytest.fixture(scope="module", params=["sp", "replicated"])
+@pytest.fixture(params=["sp", "replicated"])
 def planned(request):
-    options = {"tp": TP, "ep": EP, "ep_dispatch": "padded", "layout": request.param}
-    gm, ctx, _ = plan_rank(one_layer(), {**options, "lowering": "eager"}, world_size=WORLD)
-    return request.param, gm, ctx
+    return request.param, *plan(request.param, "padded")
 
 
 def test_bytes_per_collective_by_hand(planned):
@@ -53,7 +56,9 @@ def test_bytes_per_collective_by_hand(planned):
     got = {kind: c["bytes_sent"] for kind, c in summary["collectives"].items()}
     assert got == expected
     assert summary["bytes_per_layer_per_rank"] == sum(expected.values())
-    assert summary["parts"]["ffn"]["bytes_sent"] == ep + (ring if layout == "replicated" else 0)
+    # parts are per call: both layers' MoE halves
+    moe = ep + (ring if layout == "replicated" else 0)
+    assert summary["parts"]["ffn"]["bytes_sent"] == LAYERS * moe
 
 
 def test_ffn_flops_by_hand(planned):
@@ -69,7 +74,7 @@ def test_ffn_flops_by_hand(planned):
 
 
 def test_exact_dispatch_counts_take_their_balanced_expectation():
-    gm, ctx, _ = plan_rank(one_layer(), {"tp": TP, "ep": EP, "lowering": "eager"}, world_size=WORLD)
+    gm, ctx = plan("sp", "exact")
     summary = summarize(graph_costs(gm, ctx), T)
     # K*Tl assignments leave the rank, 1/ep of them to itself: 7/8 of 12 rows each way
     moved = K * TL * (EP - 1) / EP
@@ -85,9 +90,7 @@ def test_sp_has_no_all_reduce_and_replicated_one_per_layer():
     cfg = ModelConfig.from_name("tiny-swa")
     kinds = {}
     for layout in ("sp", "replicated"):
-        gm, ctx, _ = plan_rank(
-            cfg, {"tp": TP, "ep": EP, "layout": layout, "lowering": "eager"}, world_size=WORLD
-        )
+        gm, ctx = plan(layout, "exact")
         kinds[layout] = Counter(
             (n.meta[REGION], collective_kind(n)) for n in gm.graph.nodes if collective_kind(n)
         )
@@ -111,11 +114,7 @@ def test_sp_has_no_all_reduce_and_replicated_one_per_layer():
 def test_replicated_baseline_routes_each_token_from_one_owner():
     """The routed experts see the TP rank's token shard (its unique owners), padded with -1
     routes; the shared expert and gate see all T rows."""
-    gm, ctx, _ = plan_rank(
-        one_layer(),
-        {"tp": TP, "ep": EP, "layout": "replicated", "lowering": "eager"},
-        world_size=WORLD,
-    )
+    gm, ctx = plan("replicated", "exact")
     pads = [
         n
         for n in gm.graph.nodes

@@ -1,0 +1,44 @@
+"""tools/comm_report.py on tiny-swa: the JSON layout the issue specifies, both layouts costed
+from their graphs, and the plot written."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "comm_report.py"
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("comm_report", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_report_json_and_plot(tmp_path):
+    tool = load_tool()
+    args = argparse.Namespace(preset="tiny-swa", tp=4, ep=8, dp=2, ep_dispatch="padded")
+    doc = json.loads(json.dumps(tool.report(args)))  # JSON-serialisable
+    assert [s["name"] for s in doc["scenarios"]] == ["decode", "dspark", "prefill"]
+    assert [s["tokens_per_dp_group"] for s in doc["scenarios"]] == [4, 80, 4096]
+    for scenario in doc["scenarios"]:
+        sp, rep = scenario["layouts"]["sp"], scenario["layouts"]["replicated"]
+        for layout in (sp, rep):
+            assert {"bytes_per_layer_per_rank", "flops_per_layer_per_rank", "collectives"} <= set(
+                layout
+            )
+        assert set(sp["collectives"]) == {"all_gather(tp)", "reduce_scatter(tp)", "all_to_all(ep)"}
+        assert set(rep["collectives"]) == {"all_reduce(tp)", "all_gather(tp)", "all_to_all(ep)"}
+        # sp's attention boundary is the lower bound when tp divides T; the EP bytes are equal
+        boundary = sum(
+            sp["collectives"][k]["bytes_sent"] for k in ("all_gather(tp)", "reduce_scatter(tp)")
+        )
+        assert boundary == scenario["attention_lower_bound_bytes"]
+        assert sp["collectives"]["all_to_all(ep)"] == rep["collectives"]["all_to_all(ep)"]
+        assert sp["bytes_per_layer_per_rank"] < rep["bytes_per_layer_per_rank"]
+    path = tmp_path / "bytes.png"
+    tool.plot(doc, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

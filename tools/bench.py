@@ -1,0 +1,204 @@
+"""Step time of the sp layout against the replicated baseline on 8 CPU ranks, with both EP
+dispatch lowerings, side by side on the same batches.
+
+8 gloo processes (tp=4, dp=2, ep=8). Every rank compiles the model once per configuration
+(layout x EP dispatch) and then runs the scenarios with the configurations alternating, so all
+see the same machine state: decode (4 requests x 1 token per DP group), dspark (16 requests x
+5 tokens: a speculative verification batch) and prefill (2 requests x `--prefill` tokens).
+Step time: the slowest rank's median over `--repeats` (a barrier before and after each call).
+EP bytes: what a rank sent to the other ranks in dispatch + combine per MoE layer (from the
+graph's statistics outputs), against an ideal dispatch of only the valid assignments. On 2
+cores the 8 processes share the CPU, so a step time is the whole world's work.
+
+    .venv/bin/python tools/bench.py --preset tiny --dim 256 --prefill 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+WORLD, TP, EP = 8, 4, 8
+CONFIGS = (("sp", "exact"), ("replicated", "exact"), ("sp", "padded"), ("replicated", "padded"))
+
+
+def scenarios(prefill: int) -> dict[str, list[list[Any]]]:
+    """Per DP group; decode and dspark rows sit after the prefill's positions."""
+    from dsv41_compile.testing.batches import Request
+
+    def group(dp: int, requests: int, tokens: int, start: int) -> list[Any]:
+        ids = lambda s: [1 + (s * 7 + dp * 3 + i) % 500 for i in range(tokens)]  # noqa: E731
+        return [Request(s, ids(s), start) for s in range(requests)]
+
+    groups = range(WORLD // TP)
+    return {
+        "decode": [group(dp, 4, 1, prefill) for dp in groups],
+        "dspark": [group(dp, 16, 5, prefill + 1) for dp in groups],
+        "prefill": [group(dp, 2, prefill, 0) for dp in groups],
+    }
+
+
+def _progress(done: int, total: int, what: str) -> None:
+    width = 30
+    filled = width * done // total
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:<40}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
+    import dsv41_compile
+    from dsv41_compile.testing.batches import pack
+    from dsv41_compile.testing.capture import capture_lowered
+
+    cfg = model_config(args)
+    torch.manual_seed(0)
+    from dsv41_compile.model import DeepseekV41
+
+    model = DeepseekV41(cfg)
+    cases = scenarios(args.prefill)
+    max_len = args.prefill + 8
+    total = len(CONFIGS) + len(cases) * args.repeats * len(CONFIGS)
+    done = 0
+
+    def tick(what: str) -> None:
+        nonlocal done
+        done += 1
+        if rank == 0:
+            _progress(done, total, what)
+
+    compiled, programs, caches, compile_s = {}, {}, {}, {}
+    first = cases["prefill"][rank // TP]
+    # One reset before all compiles: Dynamo keeps every configuration's graph on the model's
+    # code object (a reset between them would throw the earlier ones away).
+    torch._dynamo.reset()
+    for config in CONFIGS:
+        layout, dispatch = config
+        options = {
+            "tp": TP,
+            "ep": EP,
+            "layout": layout,
+            "ep_dispatch": dispatch,
+            "lowering": args.lowering,
+        }
+        compiled[config] = torch.compile(model, backend="dsv41_sp", options=options, fullgraph=True)
+        caches[config] = model.new_cache(16, max_len)
+        ids, positions, slots = pack(first)
+        dsv41_compile.mark_token_dim(ids, positions, slots)
+        start = time.perf_counter()
+        with capture_lowered() as lowered:
+            compiled[config](ids, positions, slots, caches[config])
+        compile_s[config] = time.perf_counter() - start
+        ((programs[config], _ctx),) = lowered
+        tick(f"compiled {layout}/{dispatch}")
+    out: dict[str, Any] = {"compile_s": compile_s, "cases": {}}
+    for name, batches in cases.items():
+        ids, positions, slots = pack(batches[rank // TP])
+        times: dict[tuple[str, str], list[float]] = {c: [] for c in CONFIGS}
+        for config in CONFIGS:  # warm-up: the first call at a new T is not timed
+            dsv41_compile.mark_token_dim(ids, positions, slots)
+            compiled[config](ids, positions, slots, caches[config])
+        for _ in range(args.repeats):
+            for config in CONFIGS:  # alternate the configurations
+                dsv41_compile.mark_token_dim(ids, positions, slots)
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                compiled[config](ids, positions, slots, caches[config])
+                torch.distributed.barrier()
+                times[config].append(time.perf_counter() - start)
+                tick(f"{name} {'/'.join(config)}")
+        out["cases"][name] = {
+            config: {
+                "T": int(ids.numel()),
+                "median_s": statistics.median(times[config]),
+                "ep": [
+                    layer.step_record(stats, programs[config].ep_tokens)
+                    for layer, stats in zip(programs[config].ep_layers, programs[config].ep_stats)
+                ],
+            }
+            for config in CONFIGS
+        }
+    return out
+
+
+def model_config(args: argparse.Namespace):
+    from dsv41_compile.model import ModelConfig
+
+    cfg = ModelConfig.from_name(args.preset)
+    if args.dim:
+        cfg = cfg.replace(dim=args.dim)
+    return cfg
+
+
+def main() -> None:
+    from dsv41_compile.testing.multirank import run_ranks
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny-swa")
+    parser.add_argument("--dim", type=int, default=None, help="override the hidden size")
+    parser.add_argument("--prefill", type=int, default=256, help="tokens per prefill request")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
+    args = parser.parse_args()
+    cfg = model_config(args)
+    print(
+        f"{args.preset} (D={cfg.dim}, {cfg.n_layers} layers), 8 ranks (tp={TP}, "
+        f"dp={WORLD // TP}, ep={EP}), {args.lowering} lowering, {args.repeats} repeats; "
+        f"compiling {len(CONFIGS)} configurations on every rank..."
+    )
+    results = run_ranks(run_rank, WORLD, args)
+    print(
+        "compile + first call, slowest rank: "
+        + ", ".join(
+            f"{'/'.join(c)} {max(r['compile_s'][c] for r in results):.0f} s" for c in CONFIGS
+        )
+    )
+    print(
+        f"\n{'scenario':<9} {'T/group':>7} {'layout':<11} {'EP':<7} {'step ms':>8} "
+        f"{'sp/repl':>8} {'EP bytes/layer/rank':>20} {'/ valid':>8}"
+    )
+    for name in results[0]["cases"]:
+        step_ms = {}
+        for config in CONFIGS:
+            step_ms[config] = 1e3 * max(r["cases"][name][config]["median_s"] for r in results)
+        for config in CONFIGS:
+            layout, dispatch = config
+            per_rank = [r["cases"][name][config] for r in results]
+            n_layers = max(len(per_rank[0]["ep"]), 1)
+            sent = sum(
+                x["dispatch_bytes_sent"] + x["combine_bytes_sent"]
+                for r in per_rank
+                for x in r["ep"]
+            )
+            valid = sum(
+                x["valid_dispatch_bytes_sent"] + x["valid_combine_bytes_sent"]
+                for r in per_rank
+                for x in r["ep"]
+            )
+            ratio = (
+                f"{step_ms[config] / step_ms[('replicated', dispatch)]:.2f}"
+                if layout == "sp"
+                else ""
+            )
+            overhead = f"{sent / valid:.2f}" if valid else "-"
+            print(
+                f"{name if config == CONFIGS[0] else '':<9} {per_rank[0]['T']:>7} {layout:<11} "
+                f"{dispatch:<7} {step_ms[config]:>8.1f} {ratio:>8} "
+                f"{sent / WORLD / n_layers:>20.0f} {overhead:>8}"
+            )
+    print(
+        "\nstep ms: slowest rank's median; sp/repl: sp's step time over the replicated "
+        "baseline's with the same EP dispatch; EP bytes: dispatch + combine sent to other ranks, "
+        "mean over ranks and MoE layers; / valid: over an ideal dispatch of only the valid "
+        "assignments"
+    )
+
+
+if __name__ == "__main__":
+    main()
