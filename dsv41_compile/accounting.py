@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 from torch.fx import GraphModule, Node
+from torch.utils._sympy.functions import FloorDiv
 
 from dsv41_compile.context import CompileContext
 from dsv41_compile.fx_utils import module_paths
@@ -41,7 +42,7 @@ from dsv41_compile.validate import (
     graph_symbols,
 )
 
-__all__ = ["PARTS", "Cost", "graph_costs", "summarize"]
+__all__ = ["PARTS", "Cost", "graph_costs", "per_layer_formulas", "summarize"]
 
 aten = torch.ops.aten
 PARTS = ("entry", "attention", "ffn", "exit")
@@ -142,6 +143,21 @@ def summarize(costs: list[Cost], tokens: int) -> dict[str, object]:
     }
 
 
+def per_layer_formulas(costs: list[Cost]) -> dict[str, str]:
+    """Bytes sent per decoder layer (averaged over the layers) by collective kind and axis, and
+    FLOPs per layer of each half, as formulas in T."""
+    layers = {c.layer for c in costs if c.layer is not None}
+    n_layers = max(len(layers), 1)
+    sums: dict[str, sympy.Expr] = {}
+    for c in costs:
+        if c.layer is None:
+            continue
+        key = f"{c.kind}({c.axis}) bytes" if c.kind != "matmul" else f"{c.part} flops"
+        value = c.flops if c.kind == "matmul" else c.bytes_sent
+        sums[key] = sums.get(key, sympy.Integer(0)) + value
+    return {k: str(sympy.simplify(v / n_layers)) for k, v in sorted(sums.items())}
+
+
 def _flops(node: Node) -> sympy.Expr:
     shape = [_size(s) for s in node.meta["val"].shape]
     if node.target is torch.ops.dsv41.routed_experts.default:
@@ -163,7 +179,7 @@ def _size(s: object) -> sympy.Expr:
 
 def _substitutions(gm: GraphModule, ctx: CompileContext) -> dict[object, sympy.Expr]:
     names: dict[object, sympy.Expr] = dict(graph_symbols(gm, ctx))
-    tl = sympy.ceiling(_T / ctx.mesh.tp)
+    tl = FloorDiv(_T + ctx.mesh.tp - 1, ctx.mesh.tp)  # ceil(T/tp), printed as the graph does
     names = {k: (tl if v == _TL_MAX else v) for k, v in names.items()}
     by_layer = {info.region: info for info in ctx.ep_layers}
     for node in gm.graph.nodes:

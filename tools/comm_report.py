@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dsv41_compile.accounting import graph_costs, summarize
+from dsv41_compile.accounting import graph_costs, per_layer_formulas, summarize
 from dsv41_compile.model import ModelConfig
 from dsv41_compile.planning import plan_rank
 
@@ -75,6 +75,9 @@ def report(args: argparse.Namespace) -> dict:
         "world_size": world,
         "ep_dispatch": args.ep_dispatch,
         "planning_seconds": seconds,
+        "formulas_per_layer_per_rank": {
+            layout: per_layer_formulas(costs[layout]) for layout in LAYOUTS
+        },
         "assumptions": (
             "rank 0 (a full token shard); ring all-gather / reduce-scatter / all-reduce, "
             "pairwise all-to-all; exact EP counts at their balanced-routing expectation, padded "
@@ -98,7 +101,12 @@ def print_tables(doc: dict) -> None:
         f"({doc['ep_dispatch']} EP dispatch); per decoder layer, per rank; planned in "
         + ", ".join(f"{k} {v:.1f} s" for k, v in doc["planning_seconds"].items())
     )
-    print(f"assumptions: {doc['assumptions']}\n")
+    print(f"assumptions: {doc['assumptions']}")
+    print("per layer per rank, in T (tokens per DP group):")
+    for layout, formulas in doc["formulas_per_layer_per_rank"].items():
+        for key, formula in formulas.items():
+            print(f"  {layout:<11} {key:<26} {formula}")
+    print()
     for sc in doc["scenarios"]:
         sp, rep = (sc["layouts"][k] for k in LAYOUTS)
         print(
