@@ -76,9 +76,10 @@ def flash_planning() -> None:
         def timed(gm, ctx):
             nonlocal pass_time
             start = time.perf_counter()
-            result = passes.run_pipeline(gm, ctx)
-            pass_time += time.perf_counter() - start
-            return result
+            try:  # planning ends the pipeline with an exception (compile only)
+                return passes.run_pipeline(gm, ctx)
+            finally:
+                pass_time += time.perf_counter() - start
 
         backend.run_pipeline = timed
         try:
