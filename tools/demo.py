@@ -38,12 +38,16 @@ def main() -> None:
     )
     parser.add_argument("--ep", type=int, choices=(1, EP), default=EP)
     parser.add_argument("--ep-dispatch", choices=("exact", "padded"), default="exact")
+    parser.add_argument(
+        "--layout", choices=("sp", "replicated"), default="sp", help="replicated: the baseline"
+    )
     args = parser.parse_args()
 
     options = {
         "tp": TP,
         "ep": args.ep,
         "ep_dispatch": args.ep_dispatch,
+        "layout": args.layout,
         "lowering": args.lowering,
         "embedding": args.embedding,
     }
@@ -55,7 +59,8 @@ def main() -> None:
         dump=True,
     )
     print(
-        f"dsv41_sp: {args.preset} ({args.dtype}) on {WORLD} CPU ranks, tp={TP} dp={WORLD // TP} "
+        f"dsv41_sp ({args.layout} layout): {args.preset} ({args.dtype}) on {WORLD} CPU ranks, "
+        f"tp={TP} dp={WORLD // TP} "
         f"ep={args.ep} ({args.ep_dispatch} dispatch), lowering={args.lowering}, "
         f"embedding={args.embedding}; compiling on every rank..."
     )
@@ -78,8 +83,8 @@ def main() -> None:
     )
 
     print(
-        "\ncommunication of rank 0 (from its rewritten graph; ring all-gather / reduce-scatter, "
-        "pairwise all-to-all; T = DP group tokens)"
+        "\ncommunication of rank 0 (from its rewritten graph; ring all-gather / reduce-scatter / "
+        "all-reduce, pairwise all-to-all; T = DP group tokens)"
     )
     at = list(comm["collectives"][0]["bytes_sent_at"])
     header = f"{'layer':>5} {'kind':<11} {'axis':<4} {'dtype':<8} {'local input':<24} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from torch.distributed.tensor import Replicate, Shard
 
 from dsv41_compile.propagation.plan import deepseek_v41_plan
@@ -46,3 +47,23 @@ def test_innermost_anchor_decides():
     assert plan.anchor(["head"]) == ("head", Replicate())
     assert plan.anchor(["norm"]) is None
     assert plan.anchor([]) is None
+
+
+def test_replicated_baseline_plan():
+    sp, rep = deepseek_v41_plan(ep=8), deepseek_v41_plan(ep=8, layout="replicated")
+    assert sp.params == rep.params  # the same parameter placements: only activations differ
+    assert (sp.partial_to, rep.partial_to) == (Shard(0), Replicate())
+    for paths in (["layers.2"], ["layers.2", "layers.2.attn"], ["layers.2", "layers.2.ffn"]):
+        assert rep.anchor(paths) == (paths[-1], Replicate())
+    # the MoE output leaves the MoE replicated; sp has no exits
+    assert rep.exit(["layers.2", "layers.2.ffn", "layers.2.ffn.experts"]) == (
+        "layers.2.ffn",
+        Replicate(),
+    )
+    assert rep.exit(["layers.2", "layers.2.attn"]) is None
+    assert sp.exit(["layers.2", "layers.2.ffn"]) is None
+
+
+def test_unknown_layout():
+    with pytest.raises(ValueError, match="'sp' and 'replicated'"):
+        deepseek_v41_plan(layout="ring")
