@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,7 +40,8 @@ def attention_lower_bound(cfg: ModelConfig, tokens: int, tp: int) -> int:
     return rows * cfg.dim * act + rows * cfg.dim * 4
 
 
-def report(args: argparse.Namespace) -> dict:
+def report(args: argparse.Namespace, plan: Callable[..., Any] = plan_rank) -> dict:
+    """The report as a JSON-ready dict; `plan` plans one rank (`planning.plan_rank`)."""
     cfg = ModelConfig.from_name(args.preset)
     world = args.ep if args.ep > 1 else args.tp * args.dp
     costs, seconds = {}, {}
@@ -51,7 +54,7 @@ def report(args: argparse.Namespace) -> dict:
             "lowering": "eager",
         }
         start = time.perf_counter()
-        gm, ctx, _ = plan_rank(cfg, options, world_size=world, max_len=MAX_LEN)
+        gm, ctx, _ = plan(cfg, options, world_size=world, max_len=MAX_LEN)
         costs[layout] = graph_costs(gm, ctx)
         seconds[layout] = time.perf_counter() - start
     scenarios = []

@@ -8,7 +8,6 @@ expert of width 32, N = 4 mHC streams), planned on meta tensors for rank 0 of a 
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
 import pytest
@@ -17,7 +16,6 @@ import torch
 from dsv41_compile.accounting import graph_costs, summarize
 from dsv41_compile.fx_utils import REGION
 from dsv41_compile.model import ModelConfig
-from dsv41_compile.planning import plan_rank
 from dsv41_compile.validate import collective_kind
 
 WORLD, TP, EP, T = 8, 4, 8, 8
@@ -28,15 +26,23 @@ F32 = 4
 ROUTE = 8  # (local expert index, weight) per dispatched row
 
 
-@functools.cache
-def plan(layout: str, dispatch: str):
-    options = {"tp": TP, "ep": EP, "ep_dispatch": dispatch, "layout": layout, "lowering": "eager"}
-    gm, ctx, _ = plan_rank(ModelConfig.from_name("tiny-swa"), options, world_size=WORLD)
-    return gm, ctx
+@pytest.fixture
+def plan(plan_once):
+    """(layout, EP dispatch) -> (gm, ctx); the options and cache size are comm_report's, so
+    its test reuses these plans."""
+
+    def planned(layout: str, dispatch: str):
+        options = {"tp": TP, "ep": EP, "ep_dispatch": dispatch, "layout": layout}
+        options["lowering"] = "eager"
+        cfg = ModelConfig.from_name("tiny-swa")
+        gm, ctx, _ = plan_once(cfg, options, world_size=WORLD, max_len=4096)
+        return gm, ctx
+
+    return planned
 
 
 @pytest.fixture(params=["sp", "replicated"])
-def planned(request):
+def planned(request, plan):
     return request.param, *plan(request.param, "padded")
 
 
@@ -73,7 +79,7 @@ def test_ffn_flops_by_hand(planned):
     assert summary["ffn_flops_per_layer_per_rank"] == mhc_pre + gate + shared + routed + mhc_post
 
 
-def test_exact_dispatch_counts_take_their_balanced_expectation():
+def test_exact_dispatch_counts_take_their_balanced_expectation(plan):
     gm, ctx = plan("sp", "exact")
     summary = summarize(graph_costs(gm, ctx), T)
     # K*Tl assignments leave the rank, 1/ep of them to itself: 7/8 of 12 rows each way
@@ -86,7 +92,7 @@ def test_exact_dispatch_counts_take_their_balanced_expectation():
     assert summary["ffn_flops_per_layer_per_rank"] == mhc + 2 * TL * D * E + 6 * TL * D * I + routed
 
 
-def test_sp_has_no_all_reduce_and_replicated_one_per_layer():
+def test_sp_has_no_all_reduce_and_replicated_one_per_layer(plan):
     cfg = ModelConfig.from_name("tiny-swa")
     kinds = {}
     for layout in ("sp", "replicated"):
@@ -111,7 +117,7 @@ def test_sp_has_no_all_reduce_and_replicated_one_per_layer():
     assert not any(kind == "all_reduce" for _, kind in kinds["sp"])
 
 
-def test_replicated_baseline_routes_each_token_from_one_owner():
+def test_replicated_baseline_routes_each_token_from_one_owner(plan):
     """The routed experts see the TP rank's token shard (its unique owners), padded with -1
     routes; the shared expert and gate see all T rows."""
     gm, ctx = plan("replicated", "exact")

@@ -18,10 +18,10 @@ def load_tool():
     return module
 
 
-def test_report_json_and_plot(tmp_path):
+def test_report_json_and_plot(tmp_path, plan_once):
     tool = load_tool()
     args = argparse.Namespace(preset="tiny-swa", tp=4, ep=8, dp=2, ep_dispatch="padded")
-    doc = json.loads(json.dumps(tool.report(args)))  # JSON-serialisable
+    doc = json.loads(json.dumps(tool.report(args, plan=plan_once)))  # JSON-serialisable
     assert [s["name"] for s in doc["scenarios"]] == ["decode", "dspark", "prefill"]
     assert [s["tokens_per_dp_group"] for s in doc["scenarios"]] == [4, 80, 4096]
     for scenario in doc["scenarios"]:
