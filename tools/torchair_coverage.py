@@ -1,0 +1,217 @@
+"""Which ops of our rewritten per-rank graphs torchair can lower: a static check against
+torchair's own source.
+
+torchair ships inside the `torch_npu` wheel, which must never be installed here (without the
+Ascend CANN toolkit it makes `import torch` fail). So this tool downloads the wheel
+(`pip download --no-deps`, cached under ~/.cache/dsv41_compile), unpacks only
+`torch_npu/dynamo/torchair/`, and reads, without importing anything from it:
+
+- every `register_fx_node_ge_converter(op)` registration, classified as a real converter or a
+  stub (a body that only raises "not implemented" / "not supported");
+- the decomposition table torchair's own AOT step applies (`get_npu_default_decompositions`:
+  e.g. `_c10d_functional.all_to_all_single` -> `npu_define.all_to_all_single_npu`, which has a
+  converter) -- this holds when the graph reaches torchair through `get_npu_backend`.
+
+It then plans our graphs (`planning.plan_rank`: meta tensors, a fake world of 8, tp=4, ep=8)
+for each preset, layout and EP lowering, and lists every op without a real converter (not
+decomposed by torchair's AOT step; `operator.getitem` is the FX interpreter's own). Exit status
+1 when any graph has one.
+
+    .venv/bin/python tools/torchair_coverage.py --preset tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.fx import GraphModule
+
+TORCH_NPU = "torch-npu==2.13.0"
+CACHE = Path.home() / ".cache" / "dsv41_compile" / "torch_npu-2.13.0"
+TORCHAIR = "torch_npu/dynamo/torchair/"
+STRUCTURAL = {"operator.getitem"}  # tuple unpacking: the FX interpreter's, not an op
+
+
+class RegistryUnreachable(RuntimeError):
+    """The wheel could not be downloaded (no package registry)."""
+
+
+def fetch_torchair(cache: Path = CACHE) -> Path:
+    """torchair's source directory, downloading and unpacking the wheel once."""
+    root = cache / TORCHAIR
+    if root.is_dir():
+        return root
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", TORCH_NPU, "-d", tmp, "-q"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("torch_npu-*.whl"))
+        if result.returncode or not wheels:
+            raise RegistryUnreachable(
+                f"`pip download --no-deps {TORCH_NPU}` failed: {result.stderr.strip()[-500:]}"
+            )
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            members = [m for m in wheel.namelist() if m.startswith(TORCHAIR) and m.endswith(".py")]
+            wheel.extractall(cache, members)
+    return root
+
+
+@dataclass(frozen=True)
+class Registry:
+    converters: dict[str, bool]
+    """op name -> True for a real converter, False for a stub that only raises."""
+    decomposed: dict[str, str]
+    """op name -> what torchair's AOT decomposition table maps it to."""
+    where: dict[str, str]
+    """op name -> file:line of its (first) converter registration."""
+
+    def status(self, op: str) -> str | None:
+        """None when torchair can lower `op`, else why not."""
+        if op in STRUCTURAL or self.converters.get(op) or op in self.decomposed:
+            return None
+        if op in self.converters:
+            return f"stub converter ({self.where[op]})"
+        return "no converter"
+
+
+def scan(root: Path) -> Registry:
+    converters: dict[str, bool] = {}
+    where: dict[str, str] = {}
+    decomposed: dict[str, str] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        functions = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        for node in ast.walk(tree):
+            registered: list[tuple[ast.expr, ast.FunctionDef | None, int]] = []
+            if isinstance(node, ast.FunctionDef):
+                registered += [
+                    (d.args[0], node, d.lineno)
+                    for d in node.decorator_list
+                    if _calls(d, "register_fx_node_ge_converter") and d.args
+                ]
+            elif isinstance(node, ast.Call) and _calls(node.func, "register_fx_node_ge_converter"):
+                # register_fx_node_ge_converter(op)(fn)
+                if node.func.args and node.args and isinstance(node.args[0], ast.Name):
+                    fn = functions.get(node.args[0].id)
+                    registered.append((node.func.args[0], fn, node.lineno))
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "update"
+                and ast.unparse(node.func.value) == "default_decompositions"
+                and node.args
+                and isinstance(node.args[0], ast.Dict)
+            ):
+                for key, value in zip(node.args[0].keys, node.args[0].values):
+                    decomposed[_op_name(key)] = ast.unparse(value)
+            for op_node, fn, line in registered:
+                op = _op_name(op_node)
+                if "{" in op:  # a code-generation template
+                    continue
+                real = fn is not None and not _is_stub(fn)
+                converters[op] = converters.get(op, False) or real
+                where.setdefault(op, f"{rel}:{line}")
+    return Registry(converters, decomposed, where)
+
+
+def _calls(node: ast.AST, name: str) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    return (isinstance(func, ast.Name) and func.id == name) or (
+        isinstance(func, ast.Attribute) and func.attr == name
+    )
+
+
+def _op_name(node: ast.expr) -> str:
+    # getattr(torch.ops.aten.zeros, "names", None) -> torch.ops.aten.zeros.names
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+    ):
+        return f"{ast.unparse(node.args[0])}.{node.args[1].value}"
+    return ast.unparse(node)
+
+
+def _is_stub(fn: ast.FunctionDef) -> bool:
+    body = list(fn.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # docstring
+    if len(body) != 1 or not isinstance(body[0], ast.Raise) or body[0].exc is None:
+        return False
+    text = ast.unparse(body[0].exc)
+    return "NotImplementedError" in text or "not implemented" in text or "not support" in text
+
+
+def op_name(target: object) -> str:
+    """The name torchair registers `target` under: `torch.ops.aten.mm.default`,
+    `operator.add`."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"
+    module = getattr(target, "__module__", "") or ""
+    return f"{module.removeprefix('_')}.{getattr(target, '__name__', target)}"
+
+
+def graph_ops(gm: GraphModule) -> Counter[str]:
+    return Counter(op_name(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def check(presets: list[str], registry: Registry) -> dict[str, dict[str, tuple[int, str]]]:
+    """Per graph ("preset layout dispatch"): unsupported op -> (count, why)."""
+    from dsv41_compile.model import ModelConfig
+    from dsv41_compile.planning import plan_rank
+
+    report = {}
+    for preset in presets:
+        cfg = ModelConfig.from_name(preset)
+        for layout in ("sp", "replicated"):
+            for dispatch in ("exact", "padded"):
+                options = {"tp": 4, "ep": 8, "layout": layout, "ep_dispatch": dispatch}
+                gm, _, _ = plan_rank(cfg, {**options, "lowering": "eager"}, world_size=8)
+                ops = graph_ops(gm)
+                report[f"{preset} {layout} {dispatch}"] = {
+                    op: (count, why)
+                    for op, count in sorted(ops.items())
+                    if (why := registry.status(op)) is not None
+                }
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--preset", action="append", choices=("tiny", "tiny-swa", "flash"), help="repeatable"
+    )
+    parser.add_argument("--torchair", type=Path, help="an unpacked torchair directory to read")
+    args = parser.parse_args()
+    root = args.torchair or fetch_torchair()
+    registry = scan(root)
+    real = sum(registry.converters.values())
+    print(
+        f"torchair at {root}: {len(registry.converters)} ops registered, {real} with a real "
+        f"converter; AOT decompositions: {', '.join(sorted(registry.decomposed))}"
+    )
+    report = check(args.preset or ["tiny", "flash"], registry)
+    missing = 0
+    for graph, unsupported in report.items():
+        print(f"\n{graph}: " + ("all ops lowerable" if not unsupported else ""))
+        for op, (count, why) in unsupported.items():
+            print(f"  {op:<60} x{count:<4} {why}")
+        missing += len(unsupported)
+    sys.exit(1 if missing else 0)
+
+
+if __name__ == "__main__":
+    main()
