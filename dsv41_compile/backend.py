@@ -31,7 +31,7 @@ from dsv41_compile.propagation.plan import deepseek_v41_plan
 __all__ = ["BackendOptions", "dsv41_sp", "mark_token_dim"]
 
 _LAYOUTS = ("sp", "replicated")
-_LOWERINGS = ("auto", "eager", "inductor")
+_LOWERINGS = ("auto", "eager", "inductor", "torchair")
 _EMBEDDINGS = ("replicated", "vocab_sharded")
 _EP_DISPATCH = ("exact", "padded")
 
@@ -56,7 +56,8 @@ class BackendOptions:
     attention output all-reduced, with ep > 1 each token dispatched by one TP rank and the MoE
     output all-gathered back."""
     lowering: str = "auto"
-    """"eager", "inductor", or "auto" (inductor on CPU)."""
+    """"eager", "inductor", "torchair" (Ascend NPU graph mode; needs torch_npu and
+    ep_dispatch="padded"), or "auto" (inductor on CPU / GPU, torchair on NPU)."""
     dump_dir: str | None = None
     """Where to write `rank{r}/graph.py` and `rank{r}/comm.json` at compile time."""
     embedding: str = "replicated"
@@ -78,6 +79,12 @@ class BackendOptions:
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is not supported; choose one of {allowed}"
                 )
+        if self.lowering == "torchair" and self.ep > 1 and self.ep_dispatch == "exact":
+            raise ValueError(
+                "lowering='torchair' needs ep_dispatch='padded' with ep > 1: the exact EP "
+                "lowering reads the assignment counts on the host (data-dependent sizes), which "
+                "torchair's GE graphs cannot run"
+            )
 
     @staticmethod
     def from_dict(options: dict[str, Any] | None) -> BackendOptions:
@@ -95,8 +102,10 @@ class BackendOptions:
             return self.lowering
         if device_type in ("cpu", "cuda"):
             return "inductor"
+        if device_type == "npu":
+            return "torchair"
         raise ValueError(
-            f"lowering='auto' has no compiler for device {device_type!r} yet; pass lowering='eager'"
+            f"lowering='auto' has no compiler for device {device_type!r}; pass lowering='eager'"
         )
 
 
@@ -158,6 +167,10 @@ def dsv41_sp(
 ) -> Any:
     """The `dsv41_sp` backend. See `BackendOptions` for `options`."""
     opts = BackendOptions.from_dict(options)
+    if opts.lowering == "torchair":
+        from dsv41_compile.lowering.torchair import import_torchair
+
+        import_torchair()  # fail before compiling when torch_npu is missing
     _check_whole_model(gm)
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     device_type = tensors[0].device.type if tensors else "cpu"

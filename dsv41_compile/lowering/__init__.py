@@ -1,7 +1,8 @@
 """lower: hand the per-rank ATen graph to a compiler, and run it with local parameter shards.
 
 `eager` runs the FX graph as Python; `inductor` re-traces it with inductor's decompositions
-(`compile_fx`), which schedules the functional collectives like any other op.
+(`compile_fx`), which schedules the functional collectives like any other op; `torchair` hands
+it to torchair's backend for graph-mode NPU execution (`lowering/torchair.py`).
 """
 
 from __future__ import annotations
@@ -106,6 +107,10 @@ def lower(
         from torch._inductor.compile_fx import compile_fx
 
         compiled = compile_fx(gm, local_inputs(gm, ctx))
+    elif lowering == "torchair":
+        from dsv41_compile.lowering.torchair import lower_torchair
+
+        compiled = lower_torchair(gm, ctx)
     else:
         raise AssertionError(f"unknown lowering {lowering!r} got past option checks")
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]

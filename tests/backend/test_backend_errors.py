@@ -124,7 +124,8 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
         ({"tp": 4, "pipeline": 2}, r"unknown dsv41_sp option\(s\) \['pipeline'\]"),
         ({"tp": 4, "ep": 0}, "ep must be a positive int, got 0"),
         ({"tp": 4, "ep": 8, "ep_dispatch": "capped"}, "ep_dispatch='capped' is not supported"),
-        ({"tp": 4, "lowering": "torchair"}, "lowering='torchair' is not supported"),
+        ({"tp": 4, "lowering": "xla"}, "lowering='xla' is not supported"),
+        ({"tp": 4, "ep": 8, "lowering": "torchair"}, "lowering='torchair' needs ep_dispatch="),
         ({"tp": 4, "embedding": "tied"}, "embedding='tied' is not supported"),
     ],
 )
