@@ -178,9 +178,8 @@ def _size(s: object) -> sympy.Expr:
 
 
 def _substitutions(gm: GraphModule, ctx: CompileContext) -> dict[object, sympy.Expr]:
-    names: dict[object, sympy.Expr] = dict(graph_symbols(gm, ctx))
     tl = FloorDiv(_T + ctx.mesh.tp - 1, ctx.mesh.tp)  # ceil(T/tp), printed as the graph does
-    names = {k: (tl if v == _TL_MAX else v) for k, v in names.items()}
+    names = {k: (tl if v == _TL_MAX else v) for k, v in graph_symbols(gm, ctx).items()}
     by_layer = {info.region: info for info in ctx.ep_layers}
     for node in gm.graph.nodes:
         if node.target is aten._local_scalar_dense.default:

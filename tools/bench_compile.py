@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch._dynamo
@@ -25,32 +27,42 @@ from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.torch_shims import fake_process_group
 
 
+@contextmanager
+def timed_pipeline() -> Iterator[dict[str, float]]:
+    """Within the context, the backend's pipeline is timed: the yielded dict sums `seconds`
+    over the graphs compiled and keeps the last graph's `nodes` (also when planning ends the
+    pipeline with an exception)."""
+    record = {"seconds": 0.0, "nodes": 0}
+
+    def timed(gm, ctx):
+        start = time.perf_counter()
+        try:
+            return passes.run_pipeline(gm, ctx)
+        finally:
+            record["seconds"] += time.perf_counter() - start
+            record["nodes"] = len(gm.graph.nodes)
+
+    backend.run_pipeline = timed  # the name the backend calls
+    try:
+        yield record
+    finally:
+        backend.run_pipeline = passes.run_pipeline
+
+
 def compile_once(cfg: ModelConfig, tp: int, lowering: str) -> tuple[float, float, int]:
     torch.manual_seed(0)
     model = DeepseekV41(cfg)
     torch._dynamo.reset()
     clear_mesh_cache()
-    pass_time, nodes = 0.0, 0
-
-    def timed(gm, ctx):
-        nonlocal pass_time, nodes
-        start = time.perf_counter()
-        result = passes.run_pipeline(gm, ctx)
-        pass_time += time.perf_counter() - start
-        nodes = len(gm.graph.nodes)
-        return result
-
-    backend.run_pipeline = timed  # the name the backend calls
-    try:
+    with timed_pipeline() as pipeline:
         ids, positions, slots = pack([Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0)])
         dsv41_compile.mark_token_dim(ids, positions, slots)
         options = {"tp": tp, "lowering": lowering}
         compiled = torch.compile(model, backend="dsv41_sp", options=options, fullgraph=True)
         start = time.perf_counter()
         compiled(ids, positions, slots, model.new_cache(2, 16))
-        return time.perf_counter() - start, pass_time, nodes
-    finally:
-        backend.run_pipeline = passes.run_pipeline
+        total = time.perf_counter() - start
+    return total, pipeline["seconds"], int(pipeline["nodes"])
 
 
 def flash_prefix(n_layers: int) -> ModelConfig:
@@ -71,26 +83,13 @@ def flash_planning() -> None:
 
     print(f"{'flash layers':>12} {'nodes':>7} {'plan s':>7} {'s/layer':>8} {'passes s':>9}")
     for layers in (5, 10, 20, 40):
-        pass_time = 0.0
-
-        def timed(gm, ctx):
-            nonlocal pass_time
-            start = time.perf_counter()
-            try:  # planning ends the pipeline with an exception (compile only)
-                return passes.run_pipeline(gm, ctx)
-            finally:
-                pass_time += time.perf_counter() - start
-
-        backend.run_pipeline = timed
-        try:
+        with timed_pipeline() as pipeline:
             start = time.perf_counter()
             gm, _, _ = plan_rank(flash_prefix(layers), {"tp": 4, "ep": 8}, world_size=8)
             total = time.perf_counter() - start
-        finally:
-            backend.run_pipeline = passes.run_pipeline
         print(
             f"{layers:>12} {len(gm.graph.nodes):>7} {total:>7.1f} {total / layers:>8.2f} "
-            f"{pass_time:>9.1f}"
+            f"{pipeline['seconds']:>9.1f}"
         )
 
 

@@ -84,24 +84,27 @@ def _annotate_placeholder(node: Node, ctx: CompileContext) -> None:
         )
         return
     placement = ctx.plan.param_placement(fqn)
-    if isinstance(placement, Shard):
-        size, tp = val.shape[placement.dim], ctx.mesh.tp
-        if not isinstance(size, int) or size % tp:
-            raise ValueError(
-                f"the plan shards {fqn} (shape {list(val.shape)}) on dim {placement.dim} over "
-                f"tp={tp}, which does not divide {size}; choose a tp that divides n_heads and "
-                f"o_groups"
-            )
-    elif isinstance(placement, ExpertShard):
-        size, ep = val.shape[placement.dim], ctx.mesh.ep
-        if not isinstance(size, int) or size % ep:
-            raise ValueError(
-                f"ep={ep} does not divide the {size} routed experts of {fqn}: every rank must "
-                f"hold the same number of experts; use a model whose n_routed_experts is a "
-                f"multiple of ep, or ep=1"
-            )
+    if isinstance(placement, (Shard, ExpertShard)):
+        size = val.shape[placement.dim]
+        parts = ctx.mesh.ep if isinstance(placement, ExpertShard) else ctx.mesh.tp
+        if not isinstance(size, int) or size % parts:
+            raise ValueError(_indivisible(fqn, list(val.shape), placement, parts))
     node.meta[OUT] = placement
     node.meta[RULE] = f"plan: {fqn}"
+
+
+def _indivisible(fqn: str, shape: list, placement: Placement, parts: int) -> str:
+    size = shape[placement.dim]
+    if isinstance(placement, ExpertShard):
+        return (
+            f"ep={parts} does not divide the {size} routed experts of {fqn}: every rank must "
+            f"hold the same number of experts; use a model whose n_routed_experts is a "
+            f"multiple of ep, or ep=1"
+        )
+    return (
+        f"the plan shards {fqn} (shape {shape}) on dim {placement.dim} over tp={parts}, which "
+        f"does not divide {size}; choose a tp that divides n_heads and o_groups"
+    )
 
 
 def _annotate_call(
