@@ -167,13 +167,13 @@ def dsv41_sp(
 ) -> Any:
     """The `dsv41_sp` backend. See `BackendOptions` for `options`."""
     opts = BackendOptions.from_dict(options)
-    if opts.lowering == "torchair":
-        from dsv41_compile.lowering.torchair import import_torchair
-
-        import_torchair()  # fail before compiling when torch_npu is missing
     _check_whole_model(gm)
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     device_type = tensors[0].device.type if tensors else "cpu"
+    if opts.lowering == "torchair" and device_type != "meta":
+        from dsv41_compile.lowering.torchair import import_torchair
+
+        import_torchair()  # fail before compiling when torch_npu is missing
     # Meta tensors: planning only (`planning.plan_rank`), nothing runs; the mesh lives on CPU.
     mesh = build_mesh(
         tp=opts.tp, ep=opts.ep, device_type="cpu" if device_type == "meta" else device_type

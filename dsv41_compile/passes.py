@@ -11,6 +11,7 @@ from dsv41_compile.collectives.expert_parallel import expert_parallel
 from dsv41_compile.collectives.insert import insert_collectives
 from dsv41_compile.context import CompileContext
 from dsv41_compile.localize import localize
+from dsv41_compile.lowering.graph_mode import graph_mode
 from dsv41_compile.propagation.annotate import annotate
 from dsv41_compile.validate import validate
 
@@ -23,6 +24,7 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("insert", insert_collectives),
     ("localize", localize),
     ("expert_parallel", expert_parallel),
+    ("graph_mode", graph_mode),  # lowering="torchair" only
     ("validate", validate),
 )
 

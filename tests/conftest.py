@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,3 +28,20 @@ def plan_once():
         return _plan(cfg, tuple(sorted(options.items())), world_size, max_len)
 
     return plan
+
+
+@pytest.fixture(scope="session")
+def torchair_registry():
+    """tools/torchair_coverage.py and the converter registry it reads from torch-npu 2.13.0's
+    torchair source (the wheel downloaded once into ~/.cache, never installed). Tests using it
+    are skipped, with pip's reason, when the package registry cannot be reached."""
+    path = Path(__file__).resolve().parents[1] / "tools" / "torchair_coverage.py"
+    spec = importlib.util.spec_from_file_location("torchair_coverage", path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool  # its dataclasses look their module up
+    spec.loader.exec_module(tool)
+    try:
+        root = tool.fetch_torchair()
+    except tool.RegistryUnreachable as error:
+        pytest.skip(f"torchair's source is not reachable: {error}")
+    return tool, tool.scan(root)

@@ -12,6 +12,7 @@ import copy
 import json
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,9 @@ class CaseSpec:
     dump: bool = False
     """Compile with a temporary `dump_dir` and return this rank's `comm.json` (with the EP
     traffic of every call in `ep_steps`)."""
+    torchair_standin: bool = False
+    """With `lowering="torchair"`: torchair replaced by `testing.torchair_standin` (its AOT
+    step, then the graph run eagerly), so the graph torchair would get runs on CPU."""
 
 
 def model_config(spec: CaseSpec) -> ModelConfig:
@@ -75,11 +79,19 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     """Run every step of `spec` on this rank, compiled and single-device. Returns
     `{"steps": [{"T", "sp", "ref"}], "captures": {module: (sp values, ref values)},
     "frames": graphs compiled, "cache_diff": max |sp cache - ref cache|, "comm": comm.json or
-    None}`."""
+    None, "torchair_ops": with the torchair stand-in, the ops of the graphs after torchair's AOT
+    step (name -> count), else None}`."""
     import dsv41_compile  # noqa: F401  (registers the backend in the spawned process)
 
     options = dict(spec.options)
     tp = options.get("tp", 1)
+    standin = None
+    if spec.torchair_standin:
+        from dsv41_compile.lowering import torchair as torchair_lowering
+        from dsv41_compile.testing.torchair_standin import TorchairStandIn
+
+        standin = TorchairStandIn()
+        torchair_lowering.import_torchair = lambda: standin  # this spawned process only
     dump_dir = tempfile.mkdtemp(prefix="dsv41_dump_") if spec.dump else None
     if dump_dir is not None:
         options["dump_dir"] = dump_dir
@@ -118,12 +130,18 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     if dump_dir is not None:
         comm = json.loads((Path(dump_dir) / f"rank{rank}" / "comm.json").read_text())
         shutil.rmtree(dump_dir)
+    torchair_ops = None
+    if standin is not None:  # what torchair's converters would see, op name -> count
+        from dsv41_compile.testing.torchair_standin import graph_ops
+
+        torchair_ops = sum((graph_ops(gm) for gm in standin.aot_graphs), Counter())
     return {
         "steps": steps,
         "captures": captures,
         "frames": frames,
         "cache_diff": cache_diff,
         "comm": comm,
+        "torchair_ops": torchair_ops,
     }
 
 

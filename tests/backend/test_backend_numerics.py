@@ -18,7 +18,9 @@ minutes of the suite. The compressed paths are covered in fp32.
 Runs: expert parallelism over the world (ep=8) on tiny (every attention mode, eager, exact
 dispatch, capturing per-layer intermediates); the replicated baseline with padded dispatch on
 tiny-swa (its attention is sp's: the same replicated input and sharded heads, so the window-only
-preset keeps the suite within its time); exact dispatch under inductor with the vocab-sharded
+preset keeps the suite within its time), lowered as for torchair (the graph-mode rewrites and
+torchair's AOT step, with torchair's GE conversion replaced by an eager run:
+`testing.torchair_standin`); exact dispatch under inductor with the vocab-sharded
 embedding on tiny-swa; and bf16 with replicated experts (ep=1). The EP runs also check the requirement's
 assignment counts (in the replicated baseline they show that each token is dispatched by
 exactly one TP rank) and the traffic each rank records in comm.json. The replicated baseline
@@ -29,6 +31,8 @@ fp32 at the source.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -66,15 +70,17 @@ def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> Case
         capture=capture_points(cfg) if capture else (),
         max_len=32,
         dump=options.get("ep", 1) > 1,
+        torchair_standin=options.get("lowering") == "torchair",
     )
 
 
 RUNS = {
     # every attention mode of the tiny preset, eager lowering, intermediates captured
     "tiny-ep-exact-eager": spec("tiny", capture=True, ep=EP, lowering="eager"),
-    # the replicated baseline (all-reduce, unique token owners; attention as in sp), padded
-    "tiny-swa-replicated-ep-padded-eager": spec(
-        "tiny-swa", layout="replicated", ep=EP, ep_dispatch="padded", lowering="eager"
+    # the replicated baseline (all-reduce, unique token owners; attention as in sp), padded,
+    # as handed to torchair (graph-mode rewrites, torchair's AOT step; testing.torchair_standin)
+    "tiny-swa-replicated-ep-padded-torchair": spec(
+        "tiny-swa", layout="replicated", ep=EP, ep_dispatch="padded", lowering="torchair"
     ),
     "tiny-swa-ep-exact-inductor-vocab": spec(
         "tiny-swa", ep=EP, lowering="inductor", embedding="vocab_sharded"
@@ -83,10 +89,11 @@ RUNS = {
     "tiny-swa-bf16-eager": spec("tiny-swa", overrides=(("dtype", "bfloat16"),), lowering="eager"),
 }
 EP_RUNS = sorted(name for name, case in RUNS.items() if dict(case.options).get("ep", 1) > 1)
+TORCHAIR_RUNS = sorted(name for name, case in RUNS.items() if case.torchair_standin)
 TOLERANCE = {"float32": {"atol": 1e-5, "rtol": 1e-5}, "bfloat16": {"atol": 6e-2, "rtol": 2e-2}}
 
 
-_RESULTS: dict[str, list | RuntimeError] = {}
+_RESULTS: dict[str, Any] = {}
 
 
 def results_of(name: str) -> list:
@@ -164,6 +171,46 @@ def test_intermediates_match_for_every_layer():
                         msg=lambda m, at=f"dp {dp} {point} step {step}": f"{at}: {m}",
                     )  # fmt: skip
     assert len(case.capture) == 3 * cfg.n_layers + 1
+
+
+ONE_RANK_TORCHAIR = CaseSpec(
+    steps=STEPS,
+    preset="tiny",
+    options=(("tp", 1), ("lowering", "torchair")),
+    torchair_standin=True,
+)
+
+
+def one_rank_torchair() -> dict:
+    if "one-rank" not in _RESULTS:
+        try:
+            (_RESULTS["one-rank"],) = run_ranks(compare_on_rank, 1, ONE_RANK_TORCHAIR)
+        except RuntimeError as error:  # as results_of: fail the dependent test, no re-run
+            _RESULTS["one-rank"] = error
+    if isinstance(_RESULTS["one-rank"], RuntimeError):
+        raise _RESULTS["one-rank"]
+    return _RESULTS["one-rank"]
+
+
+def test_graph_mode_keeps_every_attention_mode_exact_on_one_rank():
+    """tiny (every attention mode) on one rank with lowering="torchair": graph mode's rewrites
+    (cache writes as scatters, rolls as slices, the routed experts through the grouped matmul
+    with ep = 1, ...) and torchair's AOT step (`testing.torchair_standin`), run on CPU, against
+    the single-device model -- the rewrites the 8-rank runs (tiny-swa) do not reach."""
+    result = one_rank_torchair()
+    for i, step in enumerate(result["steps"]):
+        torch.testing.assert_close(step["sp"], step["ref"], **TOLERANCE["float32"], msg=f"{i}")
+    assert result["cache_diff"] <= 1e-5 and result["frames"] == 1
+
+
+@pytest.mark.parametrize("name", ["one-rank", *TORCHAIR_RUNS])
+def test_every_op_torchair_would_see_has_a_converter(name, torchair_registry):
+    """The ops of the graphs the torchair runs hand over, after torchair's AOT step, against
+    torchair's converters (tools/torchair_coverage.py's registry)."""
+    tool, registry = torchair_registry
+    results = [one_rank_torchair()] if name == "one-rank" else results_of(name)
+    for result in results:
+        assert tool.unsupported(result["torchair_ops"], registry) == {}
 
 
 def valid_tokens(step) -> int:

@@ -1,57 +1,27 @@
-"""The torchair lowering on CPU: what it hands to torchair, with torchair's one entry point
-(`get_npu_backend`) replaced by a recorder. Nothing here runs torchair or an NPU."""
+"""The torchair lowering on CPU: what it hands to torchair, with torchair replaced by
+`testing.torchair_standin` (records what its one entry point, `get_npu_backend`, is handed, runs
+torchair's AOT step on it, then runs it eagerly). Nothing here runs torchair or an NPU."""
 
 from __future__ import annotations
 
 import importlib.util
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 import torch
 from test_backend_graph import compile_on_fake_rank
 
 from dsv41_compile.lowering import torchair as torchair_lowering
+from dsv41_compile.lowering.graph_mode import grouped_matmul
 from dsv41_compile.model import ModelConfig
 from dsv41_compile.testing.capture import capture_programs
+from dsv41_compile.testing.torchair_standin import TorchairStandIn, graph_ops
 from dsv41_compile.validate import collective_kind
-
-
-class Strict(SimpleNamespace):
-    """Like torchair's config sections: setting an attribute it does not have is an error."""
-
-    def __setattr__(self, name, value):
-        if name not in self.__dict__:
-            raise AttributeError(f"torchair's CompilerConfig has no {name!r}")
-        super().__setattr__(name, value)
-
-
-class FakeTorchair:
-    """The attribute paths of torch-npu 2.13.0's CompilerConfig (configs/compiler_config.py,
-    experimental_config.py, debug_config.py), and a get_npu_backend that records its input."""
-
-    def __init__(self):
-        self.handed = []
-
-    @staticmethod
-    def CompilerConfig():
-        return Strict(
-            mode="reduce-overhead",  # not torchair's default: the lowering must set it
-            experimental_config=Strict(frozen_parameter=False),
-            debug=Strict(graph_dump=Strict(type=None, path=None)),
-        )
-
-    def get_npu_backend(self, *, compiler_config):
-        def backend(gm, example_inputs):
-            self.handed.append((gm, example_inputs, compiler_config))
-            return gm.forward
-
-        return backend
 
 
 @pytest.fixture(scope="module")
 def handed(tmp_path_factory):
-    fake = FakeTorchair()
+    fake = TorchairStandIn()
     patch = pytest.MonkeyPatch()
     patch.setattr(torchair_lowering, "import_torchair", lambda: fake)
     dump = tmp_path_factory.mktemp("dump")
@@ -62,11 +32,11 @@ def handed(tmp_path_factory):
     finally:
         patch.undo()
     (rewritten, _), *_ = programs
-    return fake.handed, rewritten, ctx, logits, dump
+    return fake.handed, rewritten, ctx, logits, dump, fake.aot_graphs
 
 
 def test_torchair_gets_the_rewritten_per_rank_graph_with_local_shapes(handed):
-    calls, rewritten, ctx, logits, _ = handed
+    calls, rewritten, ctx, logits, *_ = handed
     ((gm, inputs, _config),) = calls
     assert gm is rewritten
     assert logits.shape == (8, 512)
@@ -85,15 +55,37 @@ def test_torchair_gets_the_rewritten_per_rank_graph_with_local_shapes(handed):
 
 
 def test_torchair_graph_has_the_layout_collectives_and_no_host_read(handed):
-    calls, *_ = handed
+    calls, *_, aot_graphs = handed
     ((gm, _, _),) = calls
-    kinds = Counter(collective_kind(n) for n in gm.graph.nodes if collective_kind(n))
-    assert kinds == {"all_gather": 3, "reduce_scatter": 2, "all_to_all": 6}  # + exit gather
-    assert not any(n.target is torch.ops.aten._local_scalar_dense.default for n in gm.graph.nodes)
+    (aot,) = aot_graphs  # after torchair's AOT step: what its converters see
+    for graph in (gm, aot):
+        kinds = Counter(collective_kind(n) for n in graph.graph.nodes if collective_kind(n))
+        assert kinds == {"all_gather": 3, "reduce_scatter": 2, "all_to_all": 6}  # + exit gather
+        targets = {n.target for n in graph.graph.nodes}
+        assert torch.ops.aten._local_scalar_dense.default not in targets
+
+
+def test_torchair_graph_is_rewritten_for_graph_mode(handed):
+    """No op graph_mode replaces reaches torchair (tools/torchair_coverage.py checks the rest
+    against torchair's converters), and the routed experts are computed in ATen ops."""
+    calls, _, ctx, *_ = handed
+    ((gm, _, _),) = calls
+    aten = torch.ops.aten
+    replaced = {
+        aten.softplus.default, aten.index_put.default, aten.scatter_reduce.two,
+        aten.where.ScalarOther, aten.roll.default, aten.amax.default, aten.unflatten.int,
+        aten._assert_scalar.default, torch.ops.dsv41.routed_experts.default,
+    }  # fmt: skip
+    targets = Counter(n.target for n in gm.graph.nodes)
+    assert not replaced & set(targets)
+    assert targets[aten.scatter.src] >= 2  # the padded dispatch buffers
+    # each MoE layer: w1, w3, w2 through torch_npu's grouped matmul, one group per local expert
+    grouped = gm.graph.find_nodes(op="call_function", target=grouped_matmul())
+    assert len(grouped) == 3 * len(ctx.ep_layers) > 0
 
 
 def test_config_carries_our_options(handed):
-    calls, _, ctx, _, dump = handed
+    calls, _, ctx, _, dump, _ = handed
     ((_, _, config),) = calls
     assert config.mode == "max-autotune"
     assert config.experimental_config.frozen_parameter is True
@@ -107,3 +99,10 @@ def test_config_carries_our_options(handed):
 def test_without_torch_npu_torchair_is_an_error_that_says_what_to_install():
     with pytest.raises(Exception, match=r"pip install 'dsv41-compile\[npu\]'"):
         compile_on_fake_rank(1, {"tp": 4, "lowering": "torchair"})
+
+
+def test_every_op_torchair_would_see_has_a_converter(handed, torchair_registry):
+    *_, aot_graphs = handed
+    tool, registry = torchair_registry
+    (aot,) = aot_graphs
+    assert tool.unsupported(graph_ops(aot), registry) == {}

@@ -1,0 +1,301 @@
+"""graph_mode: the per-rank graph in ops torchair converts to GE (`lowering="torchair"` only).
+
+Requires: expert_parallel (with `ep > 1`, padded dispatch: static sizes, no host reads).
+Ensures: every node is an op with a real GE converter in torch-npu 2.13.0's torchair, or one its
+own AOT step decomposes (`_c10d_functional.all_to_all_single`) -- `tools/torchair_coverage.py`
+checks this against torchair's source. Each rewrite computes the same values as the op it
+replaces (`tests/backend/test_graph_mode.py`; the 8-rank numerics run `*-torchair-standin`):
+
+    softplus(x, b, t)             where(x*b > t, x, log1p(exp(x*b)) / b)  (ATen's formula)
+    where(c, x, scalar)           where(c, x, scalar_tensor(scalar))
+    index_put(a, [i], v)          scatter(a, 0, i expanded to v, v)       (i modulo a's rows)
+    index_put(a, [i, j], v)       the same on a viewed as [a0*a1, ...], row i*a1 + j
+    scatter_reduce(a, 0, i, v, "amax"|"amin", include_self)
+                                  max|min over the rows of where(one_hot(i), v, a), with a
+    unflatten(x, d, sizes)        view(x, shape)
+    amax(x, dims)                 max over one dim at a time
+    roll(x, s, d)                 cat(x[-s:], x[:-s]) along d   (|s| = 1 when d's size is symbolic)
+    routed_experts(x, idx, w, ...) the assignments sorted by expert; torch_npu's grouped matmul
+                                  (`npu_grouped_matmul`: row groups = rows per expert) for
+                                  w1 / w3 / w2; SwiGLU and the routing weight in fp32; index_add
+                                  back to the rows in expert order (the kernel's order)
+    _assert_scalar, _assert_async, runtime asserts of symbolic sizes the graph guarantees by
+    sym_constrain_range_for_size  construction; dropped with the symbolic arithmetic only
+                                  they used (torchair has no converter for them)
+
+The routed-experts rewrite has static sizes: every row of an assignment goes through the
+grouped matmul, unassigned ones sorted last and past the last group (the kernel leaves those
+rows unwritten; they are zeroed before the sum). `npu_grouped_matmul` is torch_npu's; on a
+machine without it, `testing.torchair_standin.register_npu_ops` defines it with torch_npu's
+schema and a CPU kernel of the documented form, for the tests and tools/torchair_coverage.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node, Proxy
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.fx.proxy import GraphAppendingTracer
+
+import dsv41_compile.model.ops  # noqa: F401  (registers dsv41::routed_experts)
+from dsv41_compile.context import CompileContext
+from dsv41_compile.fx_utils import GLOBAL_VAL, OUT, REASON, REGION
+from dsv41_compile.validate import local_inputs
+
+__all__ = ["graph_mode", "grouped_matmul", "rewrite_for_graph_mode"]
+
+aten = torch.ops.aten
+ROUTED_EXPERTS = torch.ops.dsv41.routed_experts.default
+DROPPED = (
+    aten._assert_scalar.default,
+    aten._assert_async.default,
+    aten._assert_async.msg,
+    aten.sym_constrain_range_for_size.default,
+)
+
+
+def graph_mode(gm: GraphModule, *, ctx: CompileContext) -> bool:
+    if ctx.options.resolved_lowering(ctx.mesh.device_type) != "torchair":
+        return False
+    # Local values for every node (expert_parallel's nodes have none yet): the rewrites read
+    # shapes and dtypes.
+    FakeTensorProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*local_inputs(gm, ctx))
+    rewrite_for_graph_mode(gm)
+    return True
+
+
+def rewrite_for_graph_mode(gm: GraphModule) -> None:
+    """The rewrites of the table above, on a graph whose nodes carry `meta["val"]`."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in DROPPED:
+            graph.erase_node(node)
+            continue
+        rewrite = _REWRITES.get(node.target)
+        if rewrite is not None:
+            _replace(graph, node, rewrite)
+    graph.eliminate_dead_code()  # the symbolic arithmetic only the asserts read
+    graph.lint()
+    gm.recompile()
+
+
+def _replace(graph: Graph, node: Node, rewrite: Callable[..., Proxy]) -> None:
+    before = set(graph.nodes)
+    tracer = GraphAppendingTracer(graph)
+
+    def wrap(arg: Any) -> Any:
+        if isinstance(arg, Node):
+            return Proxy(arg, tracer)
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(wrap(a) for a in arg)
+        return arg
+
+    with graph.inserting_before(node):
+        out = rewrite(tracer, node.meta["val"], *wrap(node.args), **wrap(node.kwargs)).node
+    for new in graph.nodes:
+        if new in before:
+            continue
+        for key in ("stack_trace", "nn_module_stack"):
+            if key in node.meta:
+                new.meta[key] = node.meta[key]
+        new.meta[REGION] = node.meta.get(REGION, "")
+        new.meta.setdefault(OUT, None)
+        new.meta[REASON] = f"graph mode: {node.target} has no torchair converter"
+    for key in (OUT, GLOBAL_VAL):
+        if key in node.meta:
+            out.meta[key] = node.meta[key]
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
+def _factory(tracer: GraphAppendingTracer, op: Any, *args: Any, **kwargs: Any) -> Proxy:
+    """A node for a factory op (its arguments hold no proxy, so calling it would run it)."""
+    return tracer.create_proxy("call_function", op, args, kwargs)
+
+
+def _softplus(tracer, val, x, beta=1, threshold=20):
+    xb = x if beta == 1 else aten.mul.Scalar(x, beta)
+    soft = aten.log1p.default(aten.exp.default(xb))
+    if beta != 1:
+        soft = aten.div.Scalar(soft, beta)
+    return aten.where.self(aten.gt.Scalar(xb, threshold), x, soft)
+
+
+def _where_scalar_other(tracer, val, condition, x, other):
+    scalar = _factory(tracer, aten.scalar_tensor.default, other, dtype=val.dtype, device=val.device)
+    return aten.where.self(condition, x, scalar)
+
+
+def _index_put(tracer, val, a, indices, values, accumulate=False):
+    if accumulate or not 1 <= len(indices) <= 2 or any(i is None for i in indices):
+        raise ValueError(
+            f"graph_mode rewrites index_put with one or two index tensors and no accumulate; "
+            f"got {len(indices)} indices (accumulate={accumulate}). Write the update as a "
+            "scatter, or extend graph_mode"
+        )
+    shape = list(val.shape)
+    rows = shape[0] if isinstance(shape[0], int) else aten.sym_size.int(a, 0)
+    index = aten.remainder.Scalar(indices[0], rows)  # index_put wraps negative indices
+    target = a
+    if len(indices) == 2:
+        cols = int(shape[1])
+        index = aten.add.Tensor(
+            aten.mul.Tensor(index, cols), aten.remainder.Scalar(indices[1], cols)
+        )
+        flat = shape[0] * cols if isinstance(shape[0], int) else -1
+        target = aten.view.default(a, [flat, *_view_shape(val)[2:]])
+    trailing = len(shape) - len(indices)
+    index = aten.view.default(index, [-1] + [1] * trailing)
+    index = aten.expand.default(index, [-1, *shape[len(indices) :]])
+    out = aten.scatter.src(target, 0, index, values)
+    return out if len(indices) == 1 else aten.view.default(out, _view_shape(val))
+
+
+def _scatter_reduce(tracer, val, a, dim, index, src, reduce, *, include_self=True):
+    if dim != 0 or a.node.meta["val"].dim() != 1 or reduce not in ("amax", "amin"):
+        raise ValueError(
+            f"graph_mode rewrites 1-D scatter_reduce with amax / amin; got dim={dim}, "
+            f"reduce={reduce!r} on {a.node.meta['val'].dim()}-D. Extend graph_mode"
+        )
+    size = val.shape[0]
+    slots = _factory(
+        tracer, aten.arange.default, size, dtype=index.node.meta["val"].dtype, device=val.device
+    )
+    hit = aten.eq.Tensor(aten.unsqueeze.default(index, 1), aten.unsqueeze.default(slots, 0))
+    keep = aten.unsqueeze.default(a, 0)  # rows that miss a slot leave it as it is
+    candidates = aten.where.self(hit, aten.unsqueeze.default(src, 1), keep)  # [N, size]
+    if not include_self:
+        raise ValueError("graph_mode rewrites scatter_reduce with include_self=True only")
+    candidates = aten.cat.default([keep, candidates])  # a's own row: also when N = 0
+    pick = aten.max.dim if reduce == "amax" else aten.min.dim
+    return pick(candidates, 0)[0]
+
+
+def _amax(tracer, val, x, dim=(), keepdim=False):
+    ndim = x.node.meta["val"].dim()
+    dims = sorted({d % ndim for d in dim} if dim else range(ndim), reverse=True)
+    for d in dims:  # one dim at a time, last first: the others keep their positions
+        x = aten.max.dim(x, d, keepdim)[0]
+    return x
+
+
+def _roll(tracer, val, x, shifts, dims=()):
+    if not dims and x.node.meta["val"].dim() == 1:
+        dims = [0]
+    if len(shifts) != 1 or len(dims) != 1:
+        raise ValueError(
+            f"graph_mode rewrites roll along one dim; got shifts={shifts}, dims={dims}"
+        )
+    (shift,), (dim,) = shifts, dims
+    size = val.shape[dim]
+    if isinstance(size, int):
+        shift %= max(size, 1)
+    elif abs(shift) != 1:  # a symbolic size may be smaller than the shift
+        raise ValueError(f"graph_mode rolls a dim of symbolic size by +-1 only, got {shift}")
+    if shift == 0:
+        return aten.clone.default(x)
+    # roll(x, s)[i] = x[i - s]: the last s entries, then the others
+    tail = aten.slice.Tensor(x, dim, -shift, _END)
+    head = aten.slice.Tensor(x, dim, 0, -shift)
+    return aten.cat.default([tail, head], dim)
+
+
+_END = 2**63 - 1
+"""A slice's `end` meaning "to the end" (what ATen records for `x[a:]`)."""
+
+
+def _unflatten(tracer, val, x, dim, sizes):
+    return aten.view.default(x, _view_shape(val))
+
+
+def _view_shape(val: torch.Tensor) -> list[Any]:
+    """`val`'s shape as view arguments: its one symbolic size (the token count) as -1."""
+    symbolic = [i for i, s in enumerate(val.shape) if isinstance(s, torch.SymInt)]
+    if len(symbolic) > 1:
+        raise ValueError(
+            f"graph_mode views with one symbolic size; {list(val.shape)} has {len(symbolic)}"
+        )
+    return [-1 if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
+
+
+def _routed_experts(tracer, val, x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit):
+    n_experts = w1.node.meta["val"].shape[0]
+    dtype = x.node.meta["val"].dtype
+    top_k = topk_idx.node.meta["val"].shape[1]
+    experts = _factory(tracer, aten.arange.default, n_experts, dtype=torch.int64, device=val.device)
+    none = _factory(
+        tracer, aten.scalar_tensor.default, n_experts, dtype=torch.int64, device=val.device
+    )
+    # The (row, k) assignments in expert order, unassigned ones (-1) last under key E.
+    expert = aten.view.default(topk_idx, [-1])
+    key = aten.where.self(aten.ge.Scalar(expert, 0), expert, none)
+    ordered = aten.sort.default(key)
+    sorted_key, order = ordered[0], ordered[1]
+    row = aten.floor_divide.default(order, top_k)
+    rows = aten.index_select.default(x, 0, row)
+    weight = aten.index_select.default(aten.view.default(topk_weight, [-1]), 0, order)
+    counts = aten.sum.dim_IntList(
+        aten.eq.Tensor(aten.unsqueeze.default(sorted_key, 1), experts), [0]
+    )  # rows per expert: the groups
+    gate = _cast(_grouped(rows, w1, counts), dtype, torch.float32)
+    up = _cast(_grouped(rows, w3, counts), dtype, torch.float32)
+    if swiglu_limit > 0:
+        up = aten.clamp.default(up, -swiglu_limit, swiglu_limit)
+        gate = aten.clamp.default(gate, None, swiglu_limit)
+    h = aten.mul.Tensor(
+        aten.mul.Tensor(aten.silu.default(gate), up), aten.unsqueeze.default(weight, 1)
+    )
+    y = _cast(_grouped(_cast(h, torch.float32, dtype), w2, counts), dtype, torch.float32)
+    # rows past the last group (unassigned) are not computed by the kernel: zero, not read
+    assigned = aten.unsqueeze.default(aten.lt.Scalar(sorted_key, n_experts), 1)
+    zero = _factory(tracer, aten.scalar_tensor.default, 0.0, dtype=torch.float32, device=val.device)
+    y = aten.where.self(assigned, y, zero)
+    # each row's outputs added in fp32 in expert order (the order they come in): the kernel's
+    return aten.index_add.default(aten.zeros_like.default(x, dtype=torch.float32), 0, row, y)
+
+
+def _grouped(x: Proxy, weights: Proxy, counts: Proxy) -> Proxy:
+    """`F.linear(x[group e], weights[e])` for consecutive row groups of sizes `counts`."""
+    op = grouped_matmul()
+    return op(
+        [x],
+        [aten.transpose.int(weights, 1, 2)],
+        group_list=counts,
+        split_item=3,  # one output tensor
+        group_type=0,  # groups along x's rows
+        group_list_type=1,  # counts, not cumulative
+    )[0]
+
+
+def grouped_matmul() -> Any:
+    """torch_npu's `npu_grouped_matmul` (registered when torch_npu is imported; on CPU by
+    `testing.torchair_standin.register_npu_ops`)."""
+    try:
+        return torch.ops.npu.npu_grouped_matmul.default
+    except (AttributeError, RuntimeError):
+        raise ValueError(
+            "graph mode computes the routed experts with torch_npu's npu_grouped_matmul, which "
+            "is not registered: import torch_npu first (lowering='torchair' does), or on CPU "
+            "call dsv41_compile.testing.torchair_standin.register_npu_ops()"
+        ) from None
+
+
+def _cast(value: Proxy, src: torch.dtype, dst: torch.dtype) -> Proxy:
+    return value if src == dst else aten._to_copy.default(value, dtype=dst)
+
+
+_REWRITES: dict[Any, Callable[..., Proxy]] = {
+    aten.softplus.default: _softplus,
+    aten.where.ScalarOther: _where_scalar_other,
+    aten.index_put.default: _index_put,
+    aten.scatter_reduce.two: _scatter_reduce,
+    aten.unflatten.int: _unflatten,
+    aten.amax.default: _amax,
+    aten.roll.default: _roll,
+    ROUTED_EXPERTS: _routed_experts,
+}
