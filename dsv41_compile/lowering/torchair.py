@@ -9,9 +9,11 @@ becomes `npu_define.all_to_all_single_npu` (the one all-to-all with a GE convert
 The all-gather / reduce-scatter / all-reduce converters resolve the HCCL group while compiling,
 so the process group exists by then (the backend compiles on the first call).
 
-Status: the hand-off is built and tested on CPU with the entry point replaced; several ops of
-our graphs have no torchair converter yet (`tools/torchair_coverage.py` lists them), and nothing
-here has run on an NPU.
+Before the hand-off, the pipeline's graph_mode pass (`lowering/graph_mode.py`) has replaced
+the ops torchair cannot convert. Status: checked on CPU only -- every op handed over has a
+torchair converter (`tools/torchair_coverage.py`, read from torch-npu 2.13.0's source), and the
+graph, run on CPU by `testing.torchair_standin`, matches the single-device model. Nothing here
+has run on an NPU (`tools/npu_smoke.py` is the hardware check).
 """
 
 from __future__ import annotations

@@ -173,9 +173,19 @@ def test_intermediates_match_for_every_layer():
     assert len(case.capture) == 3 * cfg.n_layers + 1
 
 
+# tiny cut to 5 layers that keep every attention mode: SWA, ratio-2 FULL, ratio-1 FULL making
+# candidates, REUSE, REINDEX filtered by candidates (tiny's 8 add a second SWA and two REUSE)
+EVERY_MODE_5 = (
+    ("n_layers", 5),
+    ("compress_ratios", (0, 2, 1, 1, 1)),
+    ("kv_source_layer_ids", (1, 2)),
+    ("index_source_layer_ids", (1, 2, 4)),
+    ("candidate_source_layer_id", 2),
+)
 ONE_RANK_TORCHAIR = CaseSpec(
     steps=STEPS,
     preset="tiny",
+    overrides=EVERY_MODE_5,
     options=(("tp", 1), ("lowering", "torchair")),
     torchair_standin=True,
 )
@@ -193,10 +203,10 @@ def one_rank_torchair() -> dict:
 
 
 def test_graph_mode_keeps_every_attention_mode_exact_on_one_rank():
-    """tiny (every attention mode) on one rank with lowering="torchair": graph mode's rewrites
-    (cache writes as scatters, rolls as slices, the routed experts through the grouped matmul
-    with ep = 1, ...) and torchair's AOT step (`testing.torchair_standin`), run on CPU, against
-    the single-device model -- the rewrites the 8-rank runs (tiny-swa) do not reach."""
+    """tiny (5 layers, every attention mode) on one rank with lowering="torchair": graph mode's
+    rewrites (cache writes as scatters, rolls as slices, the routed experts through the grouped
+    matmul with ep = 1, ...) and torchair's AOT step (`testing.torchair_standin`), run on CPU,
+    against the single-device model -- the rewrites the 8-rank runs (tiny-swa) do not reach."""
     result = one_rank_torchair()
     for i, step in enumerate(result["steps"]):
         torch.testing.assert_close(step["sp"], step["ref"], **TOLERANCE["float32"], msg=f"{i}")
