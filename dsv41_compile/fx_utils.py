@@ -22,6 +22,7 @@ __all__ = [
     "hint_shape",
     "is_tensor",
     "module_paths",
+    "replace_node",
     "source_line",
     "tensor_inputs",
 ]
@@ -65,6 +66,25 @@ def describe(node: Node) -> str:
     where = f" in module {paths[-1]}" if paths else ""
     line = source_line(node)
     return f"node {node.name} ({node.target}){where}" + (f" at {line}" if line else "")
+
+
+def replace_node(node: Node, out: Node, added: list[Node], reason: str | None = None) -> None:
+    """`out`, computed by the `added` nodes, takes the place of `node`: the added nodes carry
+    `node`'s source line, module stack and region (and `reason`, when given), `out` its
+    placement and global value; `node` is erased."""
+    for new in added:
+        for key in ("stack_trace", "nn_module_stack"):
+            if key in node.meta:
+                new.meta[key] = node.meta[key]
+        new.meta[REGION] = node.meta.get(REGION, "")
+        new.meta.setdefault(OUT, None)
+        if reason is not None:
+            new.meta[REASON] = reason
+    for key in (OUT, GLOBAL_VAL):
+        if key in node.meta:
+            out.meta[key] = node.meta[key]
+    node.replace_all_uses_with(out)
+    node.graph.erase_node(node)
 
 
 def is_tensor(x: object) -> bool:

@@ -39,7 +39,7 @@ from torch.fx.proxy import GraphAppendingTracer
 
 import dsv41_compile.model.ops  # noqa: F401  (registers dsv41::routed_experts)
 from dsv41_compile.context import CompileContext
-from dsv41_compile.fx_utils import GLOBAL_VAL, IN, OUT, REASON, REGION
+from dsv41_compile.fx_utils import GLOBAL_VAL, IN, OUT, REASON, REGION, replace_node
 from dsv41_compile.propagation.plan import ExpertShard
 
 __all__ = ["EpLayer", "expert_parallel"]
@@ -199,18 +199,7 @@ def _rewrite(graph: Graph, node: Node, ctx: CompileContext, ep_tokens: Node | No
             out, stats = _exact(emit, routed, info)
         else:
             out, stats = _padded(emit, routed, info, p(ep_tokens))
-    for new in graph.nodes:
-        if new in before:
-            continue
-        for key in ("stack_trace", "nn_module_stack"):
-            if key in node.meta:
-                new.meta[key] = node.meta[key]
-        new.meta[REGION] = node.meta.get(REGION, "")
-        new.meta.setdefault(OUT, None)
-    out.node.meta[OUT] = node.meta[OUT]
-    out.node.meta[GLOBAL_VAL] = node.meta[GLOBAL_VAL]
-    node.replace_all_uses_with(out.node)
-    graph.erase_node(node)
+    replace_node(node, out.node, [n for n in graph.nodes if n not in before])
     ctx.ep_layers.append(info)
     return stats.node
 

@@ -42,7 +42,7 @@ from torch.fx.proxy import GraphAppendingTracer
 
 import dsv41_compile.model.ops  # noqa: F401  (registers dsv41::routed_experts)
 from dsv41_compile.context import CompileContext
-from dsv41_compile.fx_utils import GLOBAL_VAL, OUT, REASON, REGION
+from dsv41_compile.fx_utils import replace_node
 from dsv41_compile.validate import local_inputs
 
 __all__ = ["graph_mode", "grouped_matmul", "rewrite_for_graph_mode"]
@@ -97,20 +97,8 @@ def _replace(graph: Graph, node: Node, rewrite: Callable[..., Proxy]) -> None:
 
     with graph.inserting_before(node):
         out = rewrite(tracer, node.meta["val"], *wrap(node.args), **wrap(node.kwargs)).node
-    for new in graph.nodes:
-        if new in before:
-            continue
-        for key in ("stack_trace", "nn_module_stack"):
-            if key in node.meta:
-                new.meta[key] = node.meta[key]
-        new.meta[REGION] = node.meta.get(REGION, "")
-        new.meta.setdefault(OUT, None)
-        new.meta[REASON] = f"graph mode: {node.target} has no torchair converter"
-    for key in (OUT, GLOBAL_VAL):
-        if key in node.meta:
-            out.meta[key] = node.meta[key]
-    node.replace_all_uses_with(out)
-    graph.erase_node(node)
+    added = [n for n in graph.nodes if n not in before]
+    replace_node(node, out, added, f"graph mode: {node.target} has no torchair converter")
 
 
 def _factory(tracer: GraphAppendingTracer, op: Any, *args: Any, **kwargs: Any) -> Proxy:
