@@ -4,7 +4,8 @@ Requires: expert_parallel (with `ep > 1`, padded dispatch: static sizes, no host
 Ensures: every node is an op with a real GE converter in torch-npu 2.13.0's torchair, or one its
 own AOT step decomposes (`_c10d_functional.all_to_all_single`) -- `tools/torchair_coverage.py`
 checks this against torchair's source. Each rewrite computes the same values as the op it
-replaces (`tests/backend/test_graph_mode.py`; the 8-rank numerics run `*-torchair-standin`):
+replaces (`tests/backend/test_graph_mode.py`; whole graphs, run on CPU through
+`testing.torchair_standin`, in tests/backend/test_backend_numerics.py):
 
     softplus(x, b, t)             where(x*b > t, x, log1p(exp(x*b)) / b)  (ATen's formula)
     where(c, x, scalar)           where(c, x, scalar_tensor(scalar))
