@@ -8,6 +8,8 @@ registry."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 
 def test_scan_tells_real_converters_from_stubs(torchair_registry):
     _, registry = torchair_registry
@@ -21,6 +23,13 @@ def test_scan_tells_real_converters_from_stubs(torchair_registry):
     # converted by torchair's own AOT decomposition, not by a converter
     assert registry.status("torch.ops._c10d_functional.all_to_all_single.default") is None
     assert "torch.ops._c10d_functional.all_to_all_single.default" not in registry.converters
+
+
+def test_unsupported_lists_what_torchair_cannot_lower(torchair_registry):
+    tool, registry = torchair_registry
+    ops = Counter({"torch.ops.aten.mm.default": 5, "torch.ops.aten.roll.default": 3})
+    ((op, (count, why)),) = tool.unsupported(ops, registry).items()
+    assert (op, count) == ("torch.ops.aten.roll.default", 3) and why.startswith("stub")
 
 
 def test_tool_plans_rewrites_and_checks_a_graph(torchair_registry):
