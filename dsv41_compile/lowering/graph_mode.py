@@ -25,8 +25,8 @@ replaces (`tests/backend/test_graph_mode.py`; whole graphs, run on CPU through
                                   they used (torchair has no converter for them)
 
 The routed-experts rewrite has static sizes: every row of an assignment goes through the
-grouped matmul, unassigned ones sorted last and past the last group (the kernel leaves those
-rows unwritten; they are zeroed before the sum). `npu_grouped_matmul` is torch_npu's; on a
+grouped matmul, unassigned ones sorted last and past the last group (what the kernel leaves
+in those rows is not documented; they are zeroed before the sum). `npu_grouped_matmul` is torch_npu's; on a
 machine without it, `testing.torchair_standin.register_npu_ops` defines it with torch_npu's
 schema and a CPU kernel of the documented form, for the tests and tools/torchair_coverage.py.
 """
@@ -240,7 +240,7 @@ def _routed_experts(tracer, val, x, topk_idx, topk_weight, w1, w2, w3, swiglu_li
         aten.mul.Tensor(aten.silu.default(gate), up), aten.unsqueeze.default(weight, 1)
     )
     y = _cast(_grouped(_cast(h, torch.float32, dtype), w2, counts), dtype, torch.float32)
-    # rows past the last group (unassigned) are not computed by the kernel: zero, not read
+    # rows past the last group (unassigned) are not defined by the kernel: zeroed, never read
     assigned = aten.unsqueeze.default(aten.lt.Scalar(sorted_key, n_experts), 1)
     zero = _factory(tracer, aten.scalar_tensor.default, 0.0, dtype=torch.float32, device=val.device)
     y = aten.where.self(assigned, y, zero)

@@ -13,7 +13,8 @@ would see (`aot_graphs`); the stand-in runs it eagerly. torchair's own decomposi
 all-to-all stays, and runs on gloo. torch_npu's ops graph mode uses are defined with their
 schemas and CPU kernels (`register_npu_ops`).
 
-    patch(torchair_lowering, "import_torchair", TorchairStandIn)
+    standin = TorchairStandIn()
+    monkeypatch.setattr(torchair_lowering, "import_torchair", lambda: standin)
 """
 
 from __future__ import annotations
@@ -126,9 +127,10 @@ def register_npu_ops() -> None:
     a shape function, and a CPU kernel for the one form graph mode uses (documented in
     torch_npu's `_op_plugin_docs.py`): one 2-D `x`, one 3-D `weight` [G, K, N], `group_list`
     the row count of each group (`group_list_type=1`), groups along x's rows (`group_type=0`),
-    one output (`split_item=3`): rows [start_g, start_g + count_g) of x times weight[g]. Rows
-    past the last group are not written by the NPU kernel; here they are NaN, so a graph that
-    reads them fails its numerics. Any other form is an error. No-op when the op exists."""
+    one output (`split_item=3`): rows [start_g, start_g + count_g) of x times weight[g]. The
+    documentation does not say what the NPU kernel leaves in rows past the last group; here
+    they are NaN, so a graph that reads them fails its numerics. Any other form is an error.
+    No-op when the op exists."""
     try:
         torch.ops.npu.npu_grouped_matmul  # noqa: B018  (torch_npu's, or already defined)
         return

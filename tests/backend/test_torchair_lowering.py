@@ -21,9 +21,9 @@ from dsv41_compile.validate import collective_kind
 
 @pytest.fixture(scope="module")
 def handed(tmp_path_factory):
-    fake = TorchairStandIn()
+    standin = TorchairStandIn()
     patch = pytest.MonkeyPatch()
-    patch.setattr(torchair_lowering, "import_torchair", lambda: fake)
+    patch.setattr(torchair_lowering, "import_torchair", lambda: standin)
     dump = tmp_path_factory.mktemp("dump")
     options = {"tp": 4, "ep": 8, "ep_dispatch": "padded", "lowering": "torchair"}
     try:
@@ -32,7 +32,7 @@ def handed(tmp_path_factory):
     finally:
         patch.undo()
     (rewritten, _), *_ = programs
-    return fake.handed, rewritten, ctx, logits, dump, fake.aot_graphs
+    return standin.handed, rewritten, ctx, logits, dump, standin.aot_graphs
 
 
 def test_torchair_gets_the_rewritten_per_rank_graph_with_local_shapes(handed):
@@ -67,7 +67,8 @@ def test_torchair_graph_has_the_layout_collectives_and_no_host_read(handed):
 
 def test_torchair_graph_is_rewritten_for_graph_mode(handed):
     """No op graph_mode replaces reaches torchair (tools/torchair_coverage.py checks the rest
-    against torchair's converters), and the routed experts are computed in ATen ops."""
+    against torchair's converters), and the routed experts go through torch_npu's grouped
+    matmul."""
     calls, _, ctx, *_ = handed
     ((gm, _, _),) = calls
     aten = torch.ops.aten
