@@ -14,6 +14,16 @@ from dsv41_compile.model import ModelConfig
 from dsv41_compile.planning import plan_rank
 
 
+def load_tool(name: str) -> Any:
+    """`tools/{name}.py` as a module (the tools are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[name] = tool  # dataclasses look their module up
+    spec.loader.exec_module(tool)
+    return tool
+
+
 @functools.cache
 def _plan(cfg: ModelConfig, options: tuple, world_size: int, max_len: int) -> Any:
     return plan_rank(cfg, dict(options), world_size=world_size, max_len=max_len)
@@ -35,11 +45,7 @@ def torchair_registry():
     """tools/torchair_coverage.py and the converter registry it reads from torch-npu 2.13.0's
     torchair source (the wheel downloaded once into ~/.cache, never installed). Tests using it
     are skipped, with pip's reason, when the package registry cannot be reached."""
-    path = Path(__file__).resolve().parents[1] / "tools" / "torchair_coverage.py"
-    spec = importlib.util.spec_from_file_location("torchair_coverage", path)
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = tool  # its dataclasses look their module up
-    spec.loader.exec_module(tool)
+    tool = load_tool("torchair_coverage")
     try:
         root = tool.fetch_torchair()
     except tool.RegistryUnreachable as error:

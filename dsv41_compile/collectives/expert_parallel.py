@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node, Proxy
-from torch.fx.proxy import GraphAppendingTracer
 
 import dsv41_compile.model.ops  # noqa: F401  (registers dsv41::routed_experts)
 from dsv41_compile.context import CompileContext
+from dsv41_compile.emitter import Emitter, cast
 from dsv41_compile.fx_utils import GLOBAL_VAL, IN, OUT, REASON, REGION, replace_node
 from dsv41_compile.propagation.plan import ExpertShard
 
@@ -132,29 +132,16 @@ def expert_parallel(gm: GraphModule, *, ctx: CompileContext) -> bool:
     return True
 
 
-class _Emitter:
-    """Writes ATen calls into the graph (at its insertion point) through FX proxies, so the
-    lowerings below read as torch code; `named` gives the values worth reading a name."""
+class _Emitter(Emitter):
+    """An `Emitter` for the EP lowerings: `arange` on the activations' device, and the
+    all-to-all over the EP group."""
 
     def __init__(self, graph: Graph, group: str, device: torch.device) -> None:
-        self.tracer = GraphAppendingTracer(graph)
+        super().__init__(graph)
         self.group, self.device = group, device
-
-    def proxy(self, node: Node) -> Proxy:
-        return Proxy(node, self.tracer)
-
-    def call(self, op: Any, *args: Any, **kwargs: Any) -> Proxy:
-        """A node for `op` even when no argument is a proxy (factories would run eagerly)."""
-        return self.tracer.create_proxy("call_function", op, args, kwargs)
 
     def arange(self, end: Any) -> Proxy:
         return self.call(aten.arange.default, end, dtype=torch.int64, device=self.device)
-
-    def named(self, value: Proxy, name: str, why: str | None = None) -> Proxy:
-        value.node._rename(name)
-        if why is not None:
-            value.node.meta[REASON] = why
-        return value
 
     def a2a(self, value: Proxy, out_splits: list[Any], in_splits: list[Any]) -> Proxy:
         sent = c10d.all_to_all_single.default(value, out_splits, in_splits, self.group)
@@ -188,9 +175,8 @@ def _rewrite(graph: Graph, node: Node, ctx: CompileContext, ep_tokens: Node | No
         top_k=idx.meta[GLOBAL_VAL].shape[1],
         token_row_bytes=x_val.shape[1] * x_val.element_size(),
     )
-    before = set(graph.nodes)
     emit = _Emitter(graph, ctx.mesh.ep_group_name, x_val.device)
-    with graph.inserting_before(node):
+    with emit.inserting_before(node) as added:
         p = emit.proxy
         routed = _Routed(
             p(x), p(idx), p(w), (p(w1), p(w2), p(w3)), limit, x_val.dtype, x_val.shape[1]
@@ -199,7 +185,7 @@ def _rewrite(graph: Graph, node: Node, ctx: CompileContext, ep_tokens: Node | No
             out, stats = _exact(emit, routed, info)
         else:
             out, stats = _padded(emit, routed, info, p(ep_tokens))
-    replace_node(node, out.node, [n for n in graph.nodes if n not in before])
+    replace_node(node, out.node, added)
     ctx.ep_layers.append(info)
     return stats.node
 
@@ -258,7 +244,7 @@ def _exact(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, Proxy]:
     x_send = aten.index_select.default(op.x, 0, token)
     y_back = _exchange(emit, op, x_send, route, send_splits, recv_splits, _EXACT_WHY)
     zeros = aten.zeros_like.default(op.x, dtype=torch.float32)
-    out = aten.index_add.default(zeros, 0, token, _cast(y_back, op.dtype, torch.float32))
+    out = aten.index_add.default(zeros, 0, token, cast(y_back, op.dtype, torch.float32))
     return emit.named(out, "ep_routed_out"), _stats(emit, sent, received)
 
 
@@ -308,7 +294,7 @@ def _padded(emit: _Emitter, op: _Routed, info: EpLayer, ep_tokens: Proxy) -> tup
     route_send = aten.split_with_sizes.default(route_buf, [n_rows, 1])[0]
     y_back, routes = _exchange(emit, op, x_send, route_send, splits, splits, _PADDED_WHY, True)
     y_back = aten.cat.default([y_back, aten.new_zeros.default(y_back, [1, op.dim])])
-    contributions = _cast(aten.index_select.default(y_back, 0, slot), op.dtype, torch.float32)
+    contributions = cast(aten.index_select.default(y_back, 0, slot), op.dtype, torch.float32)
     zeros = aten.zeros_like.default(op.x, dtype=torch.float32)
     out = aten.index_add.default(zeros, 0, token, contributions)
     filled = aten.ge.Scalar(aten.select.int(routes, 1, 0), 0)
@@ -352,7 +338,8 @@ def _exchange(
     )
     y = _local_experts(emit, op, rows, routes)
     y_back = emit.named(
-        emit.a2a(_cast(y, torch.float32, op.dtype), send_splits, recv_splits),
+        # the expert outputs in the activation dtype: computed in it, so the cast is exact
+        emit.a2a(cast(y, torch.float32, op.dtype), send_splits, recv_splits),
         "ep_combined",
         why[2],
     )
@@ -380,9 +367,3 @@ def _stats(emit: _Emitter, sent: Proxy, received: Proxy) -> Proxy:
         "ep_stats",
         "EP statistics output: assignments sent to / received from each rank",
     )
-
-
-def _cast(value: Proxy, src: torch.dtype, dst: torch.dtype) -> Proxy:
-    """`value` (of dtype `src`) in `dst`, with no node when they agree. The combine sends the
-    expert outputs in the activation dtype: they were computed in it, so the cast is exact."""
-    return value if src == dst else aten._to_copy.default(value, dtype=dst)

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node, Proxy
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from torch.fx.proxy import GraphAppendingTracer
 
 import dsv41_compile.model.ops  # noqa: F401  (registers dsv41::routed_experts)
 from dsv41_compile.context import CompileContext
+from dsv41_compile.emitter import Emitter, cast
 from dsv41_compile.fx_utils import replace_node
 from dsv41_compile.validate import local_inputs
 
@@ -86,28 +86,13 @@ def rewrite_for_graph_mode(gm: GraphModule) -> None:
 
 
 def _replace(graph: Graph, node: Node, rewrite: Callable[..., Proxy]) -> None:
-    before = set(graph.nodes)
-    tracer = GraphAppendingTracer(graph)
-
-    def wrap(arg: Any) -> Any:
-        if isinstance(arg, Node):
-            return Proxy(arg, tracer)
-        if isinstance(arg, (list, tuple)):
-            return type(arg)(wrap(a) for a in arg)
-        return arg
-
-    with graph.inserting_before(node):
-        out = rewrite(tracer, node.meta["val"], *wrap(node.args), **wrap(node.kwargs)).node
-    added = [n for n in graph.nodes if n not in before]
-    replace_node(node, out, added, f"graph mode: {node.target} has no torchair converter")
+    emit = Emitter(graph)
+    with emit.inserting_before(node) as added:
+        out = rewrite(emit, node.meta["val"], *emit.proxy(node.args), **emit.proxy(node.kwargs))
+    replace_node(node, out.node, added, f"graph mode: {node.target} has no torchair converter")
 
 
-def _factory(tracer: GraphAppendingTracer, op: Any, *args: Any, **kwargs: Any) -> Proxy:
-    """A node for a factory op (its arguments hold no proxy, so calling it would run it)."""
-    return tracer.create_proxy("call_function", op, args, kwargs)
-
-
-def _softplus(tracer, val, x, beta=1, threshold=20):
+def _softplus(emit, val, x, beta=1, threshold=20):
     xb = x if beta == 1 else aten.mul.Scalar(x, beta)
     soft = aten.log1p.default(aten.exp.default(xb))
     if beta != 1:
@@ -115,12 +100,12 @@ def _softplus(tracer, val, x, beta=1, threshold=20):
     return aten.where.self(aten.gt.Scalar(xb, threshold), x, soft)
 
 
-def _where_scalar_other(tracer, val, condition, x, other):
-    scalar = _factory(tracer, aten.scalar_tensor.default, other, dtype=val.dtype, device=val.device)
+def _where_scalar_other(emit, val, condition, x, other):
+    scalar = emit.call(aten.scalar_tensor.default, other, dtype=val.dtype, device=val.device)
     return aten.where.self(condition, x, scalar)
 
 
-def _index_put(tracer, val, a, indices, values, accumulate=False):
+def _index_put(emit, val, a, indices, values, accumulate=False):
     if accumulate or not 1 <= len(indices) <= 2 or any(i is None for i in indices):
         raise ValueError(
             f"graph_mode rewrites index_put with one or two index tensors and no accumulate; "
@@ -145,27 +130,27 @@ def _index_put(tracer, val, a, indices, values, accumulate=False):
     return out if len(indices) == 1 else aten.view.default(out, _view_shape(val))
 
 
-def _scatter_reduce(tracer, val, a, dim, index, src, reduce, *, include_self=True):
-    if dim != 0 or a.node.meta["val"].dim() != 1 or reduce not in ("amax", "amin"):
+def _scatter_reduce(emit, val, a, dim, index, src, reduce, *, include_self=True):
+    ndim = a.node.meta["val"].dim()
+    if dim != 0 or ndim != 1 or reduce not in ("amax", "amin") or not include_self:
         raise ValueError(
-            f"graph_mode rewrites 1-D scatter_reduce with amax / amin; got dim={dim}, "
-            f"reduce={reduce!r} on {a.node.meta['val'].dim()}-D. Extend graph_mode"
+            "graph_mode rewrites 1-D scatter_reduce with amax / amin and include_self; got "
+            f"dim={dim}, reduce={reduce!r}, include_self={include_self} on {ndim}-D. Extend "
+            "graph_mode"
         )
     size = val.shape[0]
-    slots = _factory(
-        tracer, aten.arange.default, size, dtype=index.node.meta["val"].dtype, device=val.device
+    slots = emit.call(
+        aten.arange.default, size, dtype=index.node.meta["val"].dtype, device=val.device
     )
     hit = aten.eq.Tensor(aten.unsqueeze.default(index, 1), aten.unsqueeze.default(slots, 0))
     keep = aten.unsqueeze.default(a, 0)  # rows that miss a slot leave it as it is
     candidates = aten.where.self(hit, aten.unsqueeze.default(src, 1), keep)  # [N, size]
-    if not include_self:
-        raise ValueError("graph_mode rewrites scatter_reduce with include_self=True only")
     candidates = aten.cat.default([keep, candidates])  # a's own row: also when N = 0
     pick = aten.max.dim if reduce == "amax" else aten.min.dim
     return pick(candidates, 0)[0]
 
 
-def _amax(tracer, val, x, dim=(), keepdim=False):
+def _amax(emit, val, x, dim=(), keepdim=False):
     ndim = x.node.meta["val"].dim()
     dims = sorted({d % ndim for d in dim} if dim else range(ndim), reverse=True)
     for d in dims:  # one dim at a time, last first: the others keep their positions
@@ -173,7 +158,7 @@ def _amax(tracer, val, x, dim=(), keepdim=False):
     return x
 
 
-def _roll(tracer, val, x, shifts, dims=()):
+def _roll(emit, val, x, shifts, dims=()):
     if not dims and x.node.meta["val"].dim() == 1:
         dims = [0]
     if len(shifts) != 1 or len(dims) != 1:
@@ -198,7 +183,7 @@ _END = 2**63 - 1
 """A slice's `end` meaning "to the end" (what ATen records for `x[a:]`)."""
 
 
-def _unflatten(tracer, val, x, dim, sizes):
+def _unflatten(emit, val, x, dim, sizes):
     return aten.view.default(x, _view_shape(val))
 
 
@@ -212,14 +197,12 @@ def _view_shape(val: torch.Tensor) -> list[Any]:
     return [-1 if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
 
 
-def _routed_experts(tracer, val, x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit):
+def _routed_experts(emit, val, x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit):
     n_experts = w1.node.meta["val"].shape[0]
     dtype = x.node.meta["val"].dtype
     top_k = topk_idx.node.meta["val"].shape[1]
-    experts = _factory(tracer, aten.arange.default, n_experts, dtype=torch.int64, device=val.device)
-    none = _factory(
-        tracer, aten.scalar_tensor.default, n_experts, dtype=torch.int64, device=val.device
-    )
+    experts = emit.call(aten.arange.default, n_experts, dtype=torch.int64, device=val.device)
+    none = emit.call(aten.scalar_tensor.default, n_experts, dtype=torch.int64, device=val.device)
     # The (row, k) assignments in expert order, unassigned ones (-1) last under key E.
     expert = aten.view.default(topk_idx, [-1])
     key = aten.where.self(aten.ge.Scalar(expert, 0), expert, none)
@@ -231,18 +214,18 @@ def _routed_experts(tracer, val, x, topk_idx, topk_weight, w1, w2, w3, swiglu_li
     counts = aten.sum.dim_IntList(
         aten.eq.Tensor(aten.unsqueeze.default(sorted_key, 1), experts), [0]
     )  # rows per expert: the groups
-    gate = _cast(_grouped(rows, w1, counts), dtype, torch.float32)
-    up = _cast(_grouped(rows, w3, counts), dtype, torch.float32)
+    gate = cast(_grouped(rows, w1, counts), dtype, torch.float32)
+    up = cast(_grouped(rows, w3, counts), dtype, torch.float32)
     if swiglu_limit > 0:
         up = aten.clamp.default(up, -swiglu_limit, swiglu_limit)
         gate = aten.clamp.default(gate, None, swiglu_limit)
     h = aten.mul.Tensor(
         aten.mul.Tensor(aten.silu.default(gate), up), aten.unsqueeze.default(weight, 1)
     )
-    y = _cast(_grouped(_cast(h, torch.float32, dtype), w2, counts), dtype, torch.float32)
+    y = cast(_grouped(cast(h, torch.float32, dtype), w2, counts), dtype, torch.float32)
     # rows past the last group (unassigned) are not defined by the kernel: zeroed, never read
     assigned = aten.unsqueeze.default(aten.lt.Scalar(sorted_key, n_experts), 1)
-    zero = _factory(tracer, aten.scalar_tensor.default, 0.0, dtype=torch.float32, device=val.device)
+    zero = emit.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32, device=val.device)
     y = aten.where.self(assigned, y, zero)
     # each row's outputs added in fp32 in expert order (the order they come in): the kernel's
     return aten.index_add.default(aten.zeros_like.default(x, dtype=torch.float32), 0, row, y)
@@ -272,10 +255,6 @@ def grouped_matmul() -> Any:
             "is not registered: import torch_npu first (lowering='torchair' does), or on CPU "
             "call dsv41_compile.testing.torchair_standin.register_npu_ops()"
         ) from None
-
-
-def _cast(value: Proxy, src: torch.dtype, dst: torch.dtype) -> Proxy:
-    return value if src == dst else aten._to_copy.default(value, dtype=dst)
 
 
 _REWRITES: dict[Any, Callable[..., Proxy]] = {

@@ -63,14 +63,8 @@ def compiler_config(torchair: Any, ctx: CompileContext) -> Any:
 
 
 def lower_torchair(gm: GraphModule, ctx: CompileContext) -> Callable[..., Any]:
-    """The per-rank graph compiled by torchair. Requires the padded EP lowering (GE graphs
-    have static sizes; the exact lowering reads counts on the host)."""
-    if ctx.ep_layers and ctx.options.ep_dispatch != "padded":
-        raise ValueError(
-            "lowering='torchair' needs ep_dispatch='padded': the exact EP lowering reads the "
-            "assignment counts on the host (data-dependent sizes), which torchair's GE graphs "
-            "cannot run"
-        )
+    """The per-rank graph compiled by torchair. With ep > 1 the EP lowering is the padded one
+    (`BackendOptions` refuses the exact one: it reads counts on the host)."""
     torchair = import_torchair()
     backend = torchair.get_npu_backend(compiler_config=compiler_config(torchair, ctx))
     inputs = local_inputs(gm, ctx)

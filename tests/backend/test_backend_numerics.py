@@ -20,8 +20,8 @@ dispatch, capturing per-layer intermediates); the replicated baseline with padde
 tiny-swa (its attention is sp's: the same replicated input and sharded heads, so the window-only
 preset keeps the suite within its time), lowered as for torchair (the graph-mode rewrites and
 torchair's AOT step, with torchair's GE conversion replaced by an eager run:
-`testing.torchair_standin`); exact dispatch under inductor with the vocab-sharded
-embedding on tiny-swa; and bf16 with replicated experts (ep=1). The EP runs also check the requirement's
+`testing.torchair_standin`); exact dispatch under inductor with the vocab-sharded embedding
+on tiny-swa; and bf16 with replicated experts (ep=1). The EP runs also check the requirement's
 assignment counts (in the replicated baseline they show that each token is dispatched by
 exactly one TP rank) and the traffic each rank records in comm.json. The replicated baseline
 all-reduces the attention output in fp32 where sp reduce-scatters it: the same re-association
@@ -31,8 +31,6 @@ fp32 at the source.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 import torch
@@ -93,14 +91,16 @@ TORCHAIR_RUNS = sorted(name for name, case in RUNS.items() if case.torchair_stan
 TOLERANCE = {"float32": {"atol": 1e-5, "rtol": 1e-5}, "bfloat16": {"atol": 6e-2, "rtol": 2e-2}}
 
 
-_RESULTS: dict[str, Any] = {}
+_RESULTS: dict[str, list | RuntimeError] = {}
 
 
 def results_of(name: str) -> list:
-    """One 8-process run per configuration, shared by the tests of this module."""
+    """One run per configuration (8 processes; ONE_RANK_TORCHAIR on one), shared by the tests
+    of this module."""
     if name not in _RESULTS:
+        case, world = (ONE_RANK_TORCHAIR, 1) if name == ONE_RANK else (RUNS[name], WORLD)
         try:
-            _RESULTS[name] = run_ranks(compare_on_rank, WORLD, RUNS[name])
+            _RESULTS[name] = run_ranks(compare_on_rank, world, case)
         except RuntimeError as error:  # fail every dependent test without re-running
             _RESULTS[name] = error
     if isinstance(_RESULTS[name], RuntimeError):
@@ -182,6 +182,7 @@ EVERY_MODE_5 = (
     ("index_source_layer_ids", (1, 2, 4)),
     ("candidate_source_layer_id", 2),
 )
+ONE_RANK = "tiny-every-mode-one-rank-torchair"
 ONE_RANK_TORCHAIR = CaseSpec(
     steps=STEPS,
     preset="tiny",
@@ -191,35 +192,23 @@ ONE_RANK_TORCHAIR = CaseSpec(
 )
 
 
-def one_rank_torchair() -> dict:
-    if "one-rank" not in _RESULTS:
-        try:
-            (_RESULTS["one-rank"],) = run_ranks(compare_on_rank, 1, ONE_RANK_TORCHAIR)
-        except RuntimeError as error:  # as results_of: fail the dependent test, no re-run
-            _RESULTS["one-rank"] = error
-    if isinstance(_RESULTS["one-rank"], RuntimeError):
-        raise _RESULTS["one-rank"]
-    return _RESULTS["one-rank"]
-
-
 def test_graph_mode_keeps_every_attention_mode_exact_on_one_rank():
     """tiny (5 layers, every attention mode) on one rank with lowering="torchair": graph mode's
     rewrites (cache writes as scatters, rolls as slices, the routed experts through the grouped
     matmul with ep = 1, ...) and torchair's AOT step (`testing.torchair_standin`), run on CPU,
     against the single-device model -- the rewrites the 8-rank runs (tiny-swa) do not reach."""
-    result = one_rank_torchair()
+    (result,) = results_of(ONE_RANK)
     for i, step in enumerate(result["steps"]):
         torch.testing.assert_close(step["sp"], step["ref"], **TOLERANCE["float32"], msg=f"{i}")
     assert result["cache_diff"] <= 1e-5 and result["frames"] == 1
 
 
-@pytest.mark.parametrize("name", ["one-rank", *TORCHAIR_RUNS])
+@pytest.mark.parametrize("name", [ONE_RANK, *TORCHAIR_RUNS])
 def test_every_op_torchair_would_see_has_a_converter(name, torchair_registry):
     """The ops of the graphs the torchair runs hand over, after torchair's AOT step, against
     torchair's converters (tools/torchair_coverage.py's registry)."""
     tool, registry = torchair_registry
-    results = [one_rank_torchair()] if name == "one-rank" else results_of(name)
-    for result in results:
+    for result in results_of(name):
         assert tool.unsupported(result["torchair_ops"], registry) == {}
 
 

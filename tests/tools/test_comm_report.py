@@ -4,22 +4,13 @@ from their graphs, and the plot written."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "comm_report.py"
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("comm_report", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_tool
 
 
 def test_report_json_and_plot(tmp_path, plan_once):
-    tool = load_tool()
+    tool = load_tool("comm_report")
     args = argparse.Namespace(preset="tiny-swa", tp=4, ep=8, dp=2, ep_dispatch="padded")
     doc = json.loads(json.dumps(tool.report(args, plan=plan_once)))  # JSON-serialisable
     assert [s["name"] for s in doc["scenarios"]] == ["decode", "dspark", "prefill"]
