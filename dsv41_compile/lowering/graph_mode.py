@@ -247,14 +247,13 @@ def _grouped(x: Proxy, weights: Proxy, counts: Proxy) -> Proxy:
 def grouped_matmul() -> Any:
     """torch_npu's `npu_grouped_matmul` (registered when torch_npu is imported; on CPU by
     `testing.torchair_standin.register_npu_ops`)."""
-    try:
-        return torch.ops.npu.npu_grouped_matmul.default
-    except (AttributeError, RuntimeError):
+    if not hasattr(torch.ops.npu, "npu_grouped_matmul"):
         raise ValueError(
             "graph mode computes the routed experts with torch_npu's npu_grouped_matmul, which "
             "is not registered: import torch_npu first (lowering='torchair' does), or on CPU "
             "call dsv41_compile.testing.torchair_standin.register_npu_ops()"
-        ) from None
+        )
+    return torch.ops.npu.npu_grouped_matmul.default
 
 
 _REWRITES: dict[Any, Callable[..., Proxy]] = {

@@ -131,11 +131,8 @@ def register_npu_ops() -> None:
     documentation does not say what the NPU kernel leaves in rows past the last group; here
     they are NaN, so a graph that reads them fails its numerics. Any other form is an error.
     No-op when the op exists."""
-    try:
-        torch.ops.npu.npu_grouped_matmul  # noqa: B018  (torch_npu's, or already defined)
+    if hasattr(torch.ops.npu, "npu_grouped_matmul"):  # torch_npu's, or already defined
         return
-    except (AttributeError, RuntimeError):
-        pass
     library = Library("npu", "FRAGMENT")
     library.define(GROUPED_MATMUL_SCHEMA)
     library.impl("npu_grouped_matmul", _grouped_matmul_cpu, "CPU")
