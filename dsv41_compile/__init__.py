@@ -6,7 +6,8 @@ Importing the package registers the `dsv41_sp` backend:
     compiled = torch.compile(model, backend="dsv41_sp", options={"tp": 4})
 """
 
-from dsv41_compile.backend import BackendOptions, dsv41_sp, mark_token_dim
+from dsv41_compile.backend import dsv41_sp, mark_token_dim
+from dsv41_compile.options import BackendOptions
 
 __all__ = ["BackendOptions", "dsv41_sp", "mark_token_dim"]
 __version__ = "0.1.0"

@@ -1,17 +1,17 @@
-"""The `dsv41_sp` torch.compile backend and its options.
+"""The `dsv41_sp` torch.compile backend.
 
-    compiled = torch.compile(model, backend="dsv41_sp", options={"tp": 4})
+    compiled = torch.compile(model, backend="dsv41_sp", options={"tp": 4, "ep": 8})
 
-Dynamo captures the model; AOTAutograd gives the functional ATen inference graph; the pipeline
-(`passes.py`) places, communicates, localizes and validates it; the lowering compiles the
-per-rank graph. Every rank compiles the same graph; only the `tp_rank` input differs.
+Dynamo captures the model; `frontend` reads what each input is, picks the model family's
+adapter and makes the token count symbolic; AOTAutograd gives the functional ATen inference
+graph; the pipeline (`pipeline.py`) places, communicates, localizes and verifies it; a target
+compiles the per-rank graph (`targets`), and `runtime.program.ShardedProgram` runs it per call.
+Every rank compiles the same graph -- the rank enters as the `tp_rank` input -- so one rank per
+host compiles it and the others load it (`runtime.host_cache`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,146 +19,43 @@ from torch._dynamo.backends.registry import register_backend
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from dsv41_compile.context import CompileContext
-from dsv41_compile.fx_utils import module_paths
-from dsv41_compile.lowering import lower
-from dsv41_compile.mesh import build_mesh
-from dsv41_compile.passes import run_pipeline
-from dsv41_compile.propagation.plan import deepseek_v41_plan
+from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.errors import InternalError
+from dsv41_compile.core.hooks import active
+from dsv41_compile.core.mesh import Mesh, build_mesh
+from dsv41_compile.core.passes import PassManager
+from dsv41_compile.frontend import (
+    GraphInputs,
+    check_whole_model,
+    generalize_token_count,
+    read_inputs,
+)
+from dsv41_compile.models import adapter_for
+from dsv41_compile.options import BackendOptions
+from dsv41_compile.pipeline import PIPELINE
+from dsv41_compile.report.comm import comm_records
+from dsv41_compile.report.dump import EpStepLog, graph_text, write_dump, write_graph
+from dsv41_compile.runtime.program import ProgramSpec, ShardedProgram
+from dsv41_compile.targets import compile_graph
 
 __all__ = ["BackendOptions", "dsv41_sp", "mark_token_dim"]
 
-_LAYOUTS = ("sp", "replicated")
-_LOWERINGS = ("auto", "eager", "inductor", "torchair")
-_EMBEDDINGS = ("replicated", "vocab_sharded")
-_EP_DISPATCH = ("exact", "padded")
-
-
-@dataclass(frozen=True, kw_only=True)
-class BackendOptions:
-    tp: int = 1
-    """Tensor-parallel (and sequence-parallel) group size; the world splits into world/tp DP
-    groups of consecutive ranks."""
-    ep: int = 1
-    """Expert-parallel group size: the world size (rank r holds routed experts
-    [r*E/ep, (r+1)*E/ep) and the routed-experts op becomes an all-to-all dispatch / combine
-    over the world), or 1 (every rank holds every routed expert)."""
-    ep_dispatch: str = "exact"
-    """How the EP all-to-all is sized: "exact" (exchange per-destination counts, then send
-    exactly the valid assignments; data-dependent sizes) or "padded" (every rank sends a
-    worst-case buffer of ceil(T/tp) * min(top-k, E/ep) rows to every rank; no host sync, the
-    form graph-mode compilers run)."""
-    layout: str = "sp"
-    """"sp": token-sharded residuals, AllGather in / ReduceScatter out of attention (DESIGN §2).
-    "replicated": the baseline sp replaces (DESIGN §6): residuals replicated over the TP group,
-    attention output all-reduced, with ep > 1 each token dispatched by one TP rank and the MoE
-    output all-gathered back."""
-    lowering: str = "auto"
-    """"eager", "inductor", "torchair" (Ascend NPU graph mode; needs torch_npu and
-    ep_dispatch="padded"), or "auto" (inductor on CPU / GPU, torchair on NPU)."""
-    dump_dir: str | None = None
-    """Where to write `rank{r}/graph.py` and `rank{r}/comm.json` at compile time."""
-    embedding: str = "replicated"
-    """"replicated" (local lookup of the token shard) or "vocab_sharded" (rows sharded over
-    tp; the partial lookups are reduce-scattered to the token shards)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"tp must be a positive int, got {self.tp!r}")
-        if not isinstance(self.ep, int) or self.ep < 1:
-            raise ValueError(f"ep must be a positive int, got {self.ep!r}")
-        for name, allowed in (
-            ("layout", _LAYOUTS),
-            ("lowering", _LOWERINGS),
-            ("embedding", _EMBEDDINGS),
-            ("ep_dispatch", _EP_DISPATCH),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported; choose one of {allowed}"
-                )
-        if self.lowering == "torchair" and self.ep > 1 and self.ep_dispatch == "exact":
-            raise ValueError(
-                "lowering='torchair' needs ep_dispatch='padded' with ep > 1: the exact EP "
-                "lowering reads the assignment counts on the host (data-dependent sizes), which "
-                "torchair's GE graphs cannot run"
-            )
-
-    @staticmethod
-    def from_dict(options: dict[str, Any] | None) -> BackendOptions:
-        options = dict(options or {})
-        known = {f.name for f in dataclasses.fields(BackendOptions)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown dsv41_sp option(s) {unknown}; the options are {sorted(known)}"
-            )
-        return BackendOptions(**options)
-
-    def resolved_lowering(self, device_type: str) -> str:
-        if self.lowering != "auto":
-            return self.lowering
-        if device_type in ("cpu", "cuda"):
-            return "inductor"
-        if device_type == "npu":
-            return "torchair"
-        raise ValueError(
-            f"lowering='auto' has no compiler for device {device_type!r}; pass lowering='eager'"
-        )
+PASSES = PassManager(PIPELINE, write_graph=write_graph)
 
 
 def mark_token_dim(*tensors: torch.Tensor) -> None:
-    """Make the token dim (dim 0) of the model inputs a size-oblivious symbol, so one compiled
-    graph serves every token count, T = 1 included. Call it on `input_ids`, `positions` and
+    """Make the token dim (dim 0) of the model inputs an unbacked symbol, so that one compiled
+    graph serves every token count, 0 and 1 included. Call it on `input_ids`, `positions` and
     `slots` before each call of the compiled model.
 
-    A *backed* dynamic size is specialised at 0 and 1 by Dynamo: a decode step with T = 1 would
-    get its own static graph, in which size-1 token dims look like broadcast dims to the
-    decompositions and the sharding rules."""
+    Without it the model still compiles and runs at every T, but Dynamo decides when to trace
+    again: a static graph for the first T, a dynamic one from the second T on, and a static
+    graph of its own for T = 0 and for T = 1 (docs/backend.md, "Token counts")."""
     from torch._dynamo.decorators import mark_unbacked
 
     for t in tensors:
         mark_unbacked(t, 0)
-
-
-_SOURCE_KEYS = re.compile(r"\['([^']+)'\]")
-_REQUIRED_MODULES = ("embed", "head")
-
-
-def _fqn(source: str) -> str | None:
-    """`L['self']._modules['layers']._modules['0']._parameters['w']` -> `layers.0.w`."""
-    if not source.startswith("L['self']") or not re.search(r"_(parameters|buffers)\[", source):
-        return None
-    return ".".join(_SOURCE_KEYS.findall(source.removeprefix("L['self']")))
-
-
-def _input_name(source: str) -> str:
-    """`L['cache'].window_kv[0]` -> `cache.window_kv[0]`."""
-    return re.sub(r"^L\['([^']+)'\]", r"\1", source)
-
-
-def _check_whole_model(gm: GraphModule) -> None:
-    seen = {p.split(".")[0] for n in gm.graph.nodes for p in module_paths(n)}
-    missing = [m for m in _REQUIRED_MODULES if m not in seen]
-    if missing:
-        raise ValueError(
-            "dsv41_sp compiles the whole model as one graph, but this graph has no "
-            f"{' / '.join(missing)} module: Dynamo split the model at a graph break. Compile "
-            "with torch.compile(..., fullgraph=True) to see where, and remove the break."
-        )
-
-
-def _check_token_count(gm: GraphModule, ctx: CompileContext) -> None:
-    node = next(n for n in gm.graph.nodes if n.name == ctx.token_input)
-    if statically_known_true(node.meta["val"].shape[0] == 1):
-        raise ValueError(
-            "dsv41_sp got a graph specialised to one token (T = 1): token dims of size 1 are "
-            "indistinguishable from broadcast dims, so the sharding cannot be derived. Call "
-            "dsv41_compile.mark_token_dim(input_ids, positions, slots) before each call (one "
-            "graph then serves every T)"
-        )
 
 
 @register_backend(name="dsv41_sp")
@@ -167,62 +64,87 @@ def dsv41_sp(
 ) -> Any:
     """The `dsv41_sp` backend. See `BackendOptions` for `options`."""
     opts = BackendOptions.from_dict(options)
-    _check_whole_model(gm)
+    inputs = read_inputs(gm)
+    adapter = adapter_for(inputs.param_fqns.values(), inputs.input_names.values())
+    check_whole_model(gm, adapter)
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     device_type = tensors[0].device.type if tensors else "cpu"
-    if opts.lowering == "torchair" and device_type != "meta":
-        from dsv41_compile.lowering.torchair import import_torchair
+    # Meta tensors: planning only (`planning.plan_rank`), nothing runs; the mesh lives on CPU.
+    planning = device_type == "meta"
+    target = opts.target("cpu" if planning else device_type)
+    if target == "torchair" and not planning:
+        from dsv41_compile.targets.torchair import import_torchair
 
         import_torchair()  # fail before compiling when torch_npu is missing
-    # Meta tensors: planning only (`planning.plan_rank`), nothing runs; the mesh lives on CPU.
-    mesh = build_mesh(
-        tp=opts.tp, ep=opts.ep, device_type="cpu" if device_type == "meta" else device_type
-    )
-    sources = []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            grapharg = node.meta.get("grapharg")
-            sources.append(grapharg.source.name if grapharg is not None else node.name)
+    mesh = build_mesh(tp=opts.tp, ep=opts.ep, device_type="cpu" if planning else device_type)
+    gm, example_inputs = generalize_token_count(gm, example_inputs, inputs, adapter)
 
     def compile_rank(aten_gm: GraphModule, aten_inputs: list[Any]) -> Any:
-        placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
-        if len(placeholders) != len(sources):
-            raise AssertionError(
-                f"AOT graph has {len(placeholders)} inputs, Dynamo graph {len(sources)}"
-            )
-        param_fqns, input_sources = {}, {}
-        for node, source in zip(placeholders, sources):
-            fqn = _fqn(source)
-            if fqn is not None:
-                param_fqns[node.name] = fqn
-            else:
-                input_sources[node.name] = _input_name(source)
-        token = [n for n, s in input_sources.items() if s == "input_ids"]
-        if not token:
-            raise ValueError(
-                "dsv41_sp expects the model ABI `model(input_ids, positions, slots, cache)`: no "
-                f"input named input_ids among {sorted(set(input_sources.values()))}"
-            )
-        ctx = CompileContext(
-            mesh=mesh,
-            options=opts,
-            plan=deepseek_v41_plan(embedding=opts.embedding, ep=opts.ep, layout=opts.layout),
-            param_fqns=param_fqns,
-            input_sources=input_sources,
-            token_input=token[0],
-            fake_mode=detect_fake_mode(aten_inputs),
-        )
-        _check_token_count(aten_gm, ctx)
-        run_pipeline(aten_gm, ctx)
-        on_ep_stats = None
-        if opts.dump_dir is not None:
-            from dsv41_compile.dump import EpStepLog, dump
-
-            out = dump(aten_gm, ctx, opts.dump_dir)
-            if ctx.ep_layers:
-                on_ep_stats = EpStepLog(out / "comm.json", ctx)
-        return lower(aten_gm, ctx, on_ep_stats)
+        ctx = _context(aten_gm, aten_inputs, inputs, opts, mesh, adapter, target)
+        PASSES.run(aten_gm, ctx)
+        for hooks in active():
+            if hooks.on_pipeline is not None:
+                hooks.on_pipeline(aten_gm, ctx)
+        program = _lower(aten_gm, ctx)
+        for hooks in active():
+            if hooks.on_program is not None:
+                hooks.on_program(program, ctx)
+        return program
 
     return aot_module_simplified(
         gm, example_inputs, fw_compiler=compile_rank, inference_compiler=compile_rank
     )
+
+
+def _context(
+    aten_gm: GraphModule,
+    aten_inputs: list[Any],
+    inputs: GraphInputs,
+    opts: BackendOptions,
+    mesh: Mesh,
+    adapter: Any,
+    target: str,
+) -> CompileContext:
+    placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    expected = len(inputs.param_fqns) + len(inputs.input_names)
+    if len(placeholders) != expected:
+        raise InternalError(f"the AOT graph has {len(placeholders)} inputs, Dynamo's {expected}")
+    param_fqns = {placeholders[i].name: fqn for i, fqn in inputs.param_fqns.items()}
+    input_sources = {placeholders[i].name: name for i, name in inputs.input_names.items()}
+    token = inputs.index_of(adapter.token_inputs[0])
+    if token is None:
+        raise ValueError(
+            f"dsv41_sp expects the {adapter.name} model's inputs "
+            f"{', '.join(adapter.token_inputs)}: no input named {adapter.token_inputs[0]} among "
+            f"{sorted(set(input_sources.values()))}"
+        )
+    return CompileContext(
+        mesh=mesh,
+        options=opts,
+        adapter=adapter,
+        plan=adapter.plan(opts),
+        target=target,
+        param_fqns=param_fqns,
+        input_sources=input_sources,
+        token_input=placeholders[token].name,
+        fake_mode=detect_fake_mode(aten_inputs),
+    )
+
+
+def _lower(gm: GraphModule, ctx: CompileContext) -> ShardedProgram:
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    spec = ProgramSpec(
+        param_shards=dict(ctx.param_shards),
+        token_index=placeholders.index(ctx.token_input),
+        ep_layers=tuple(ctx.ep_layers),
+        ep_tokens_input="ep_tokens" in placeholders,
+    )
+    on_ep_stats = None
+    if ctx.options.dump_dir is not None:
+        comm = ctx.comm or comm_records(gm, ctx)
+        out = write_dump(
+            ctx.options.dump_dir, ctx.mesh, ctx.options, graph_text(gm, ctx), comm, ctx.ep_layers
+        )
+        if ctx.ep_layers:
+            on_ep_stats = EpStepLog(out / "comm.json", ctx.ep_layers, ctx.mesh.rank)
+    return ShardedProgram.for_mesh(compile_graph(gm, ctx), spec, ctx.mesh, on_ep_stats=on_ep_stats)

@@ -14,7 +14,7 @@ from dsv41_compile.model import ModelConfig
 from dsv41_compile.planning import plan_rank
 
 
-def load_tool(name: str) -> Any:
+def _load_tool(name: str) -> Any:
     """`tools/{name}.py` as a module (the tools are scripts, not a package)."""
     path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
@@ -22,6 +22,12 @@ def load_tool(name: str) -> Any:
     sys.modules[name] = tool  # dataclasses look their module up
     spec.loader.exec_module(tool)
     return tool
+
+
+@pytest.fixture(scope="session")
+def load_tool():
+    """`load_tool(name)`: `tools/{name}.py` as a module."""
+    return _load_tool
 
 
 @functools.cache
@@ -45,7 +51,7 @@ def torchair_registry():
     """tools/torchair_coverage.py and the converter registry it reads from torch-npu 2.13.0's
     torchair source (the wheel downloaded once into ~/.cache, never installed). Tests using it
     are skipped, with pip's reason, when the package registry cannot be reached."""
-    tool = load_tool("torchair_coverage")
+    tool = _load_tool("torchair_coverage")
     try:
         root = tool.fetch_torchair()
     except tool.RegistryUnreachable as error:

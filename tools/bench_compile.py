@@ -19,34 +19,30 @@ import torch
 import torch._dynamo
 
 import dsv41_compile
-import dsv41_compile.backend as backend
-from dsv41_compile import passes
-from dsv41_compile.mesh import clear_mesh_cache
+from dsv41_compile.core.hooks import Hooks, installed
+from dsv41_compile.core.mesh import clear_mesh_cache
 from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.pipeline import PASS_NAMES
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.torch_shims import fake_process_group
 
 
 @contextmanager
 def timed_pipeline() -> Iterator[dict[str, float]]:
-    """Within the context, the backend's pipeline is timed: the yielded dict sums `seconds`
-    over the graphs compiled and keeps the last graph's `nodes` (also when planning ends the
-    pipeline with an exception)."""
-    record = {"seconds": 0.0, "nodes": 0}
+    """Within the context, the yielded dict sums the pipeline's `seconds` (`ctx.pass_seconds`,
+    per pass in `passes`) over the graphs compiled and keeps the last graph's `nodes` (also
+    when planning stops the pipeline), read through the backend's hooks."""
+    record: dict = {"seconds": 0.0, "nodes": 0, "passes": {}}
 
-    def timed(gm, ctx):
-        start = time.perf_counter()
-        try:
-            return passes.run_pipeline(gm, ctx)
-        finally:
-            record["seconds"] += time.perf_counter() - start
+    def after(name, gm, ctx):
+        if name == PASS_NAMES[-1]:
+            record["seconds"] += sum(ctx.pass_seconds.values())
             record["nodes"] = len(gm.graph.nodes)
+            for p, seconds in ctx.pass_seconds.items():
+                record["passes"][p] = record["passes"].get(p, 0.0) + seconds
 
-    backend.run_pipeline = timed  # the name the backend calls
-    try:
+    with installed(Hooks(after_pass=after)):
         yield record
-    finally:
-        backend.run_pipeline = passes.run_pipeline
 
 
 def compile_once(cfg: ModelConfig, tp: int, lowering: str) -> tuple[float, float, int]:

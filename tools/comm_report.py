@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from dsv41_compile.accounting import graph_costs, per_layer_formulas, summarize
 from dsv41_compile.model import ModelConfig
 from dsv41_compile.planning import plan_rank
+from dsv41_compile.report.accounting import graph_costs, per_layer_formulas, summarize
 
 SCENARIOS = (("decode", 4, 1), ("dspark", 16, 5), ("prefill", 2, 2048))
 MAX_LEN = 4096  # cache positions per request: sizes the compressed attention over the cache
@@ -142,7 +142,7 @@ def print_tables(doc: dict) -> None:
             sp["attention_flops_per_layer_per_rank"],
             rep["attention_flops_per_layer_per_rank"],
         )
-        _row("ffn half", sp["ffn_flops_per_layer_per_rank"], rep["ffn_flops_per_layer_per_rank"])
+        _row("MoE half", sp["moe_flops_per_layer_per_rank"], rep["moe_flops_per_layer_per_rank"])
         print()
 
 

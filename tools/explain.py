@@ -11,14 +11,14 @@ import argparse
 import time
 from collections import Counter
 
-from dsv41_compile.dump import graph_labels
-from dsv41_compile.fx_utils import REGION
+from dsv41_compile.core.meta import REGION
 from dsv41_compile.model import ModelConfig
+from dsv41_compile.models.deepseek_v41.plan import deepseek_v41_plan
 from dsv41_compile.planning import plan_rank
-from dsv41_compile.propagation.dtensor_adapter import format_placement
-from dsv41_compile.propagation.plan import deepseek_v41_plan
-from dsv41_compile.testing.graph_printer import format_graph
-from dsv41_compile.validate import collective_kind
+from dsv41_compile.report.comm import collective_kind
+from dsv41_compile.report.dump import graph_labels
+from dsv41_compile.report.graph_printer import format_graph
+from dsv41_compile.spmd.placements import format_placement
 
 
 def main() -> None:

@@ -182,8 +182,8 @@ def check(
     """Per graph ("preset config"): unsupported op -> (count, why)."""
     from dsv41_compile.model import ModelConfig
     from dsv41_compile.planning import plan_rank
+    from dsv41_compile.spmd.localize import local_inputs
     from dsv41_compile.testing.torchair_standin import aot_graph, graph_ops, register_npu_ops
-    from dsv41_compile.validate import local_inputs
 
     register_npu_ops()  # torch_npu's npu_grouped_matmul, which graph mode emits
     report = {}

@@ -1,10 +1,13 @@
-"""Capture the value entering given modules, in the compiled per-rank graph and in the
-single-device model, without touching the model's forward.
+"""Observe a compile without touching the backend: through the official hooks (`core.hooks`).
 
-Compiled side: `capture_compiled(modules)` adds one pass after the pipeline that records, for
-each module, the first floating-point activation entering it (its local value: a token shard
-where the layout shards tokens). Reference side: `capture_reference(model, modules)` records the
-first floating-point positional argument of each module's forward, with pre-hooks.
+- `capture_programs()`: every graph `dsv41_sp` compiles, rewritten and verified, with its
+  compile context;
+- `capture_lowered()`: every lowered per-rank program with its context (e.g. to read
+  `program.ep_stats` after a call);
+- `capture_compiled(modules)` / `capture_reference(model, modules)`: the value entering given
+  modules, in the compiled per-rank graph (a probe pass records, for each module, the first
+  floating-point activation entering it: its local value, a token shard where the layout shards
+  tokens) and in the single-device model (forward pre-hooks).
 """
 
 from __future__ import annotations
@@ -16,102 +19,67 @@ from typing import Any
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
-from dsv41_compile import passes
-from dsv41_compile.context import CompileContext
-from dsv41_compile.fx_utils import REASON, module_paths, tensor_inputs
+from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.hooks import Hooks, installed
+from dsv41_compile.core.meta import REASON, module_paths, tensor_inputs
+from dsv41_compile.core.passes import Pass
 
-__all__ = [
-    "PipelineDone",
-    "capture_compiled",
-    "capture_lowered",
-    "capture_programs",
-    "capture_reference",
-    "stop_after_pipeline",
-]
-
-
-class PipelineDone(Exception):
-    """Raised by `stop_after_pipeline` once a graph is rewritten and validated."""
-
-
-@contextmanager
-def stop_after_pipeline() -> Iterator[None]:
-    """Within the context, dsv41_sp stops after the pipeline (nothing is lowered or run): the
-    compiled model's first call raises (Dynamo wraps `PipelineDone`). For tools that only look
-    at the rewritten graph, e.g. on a fake process group, whose collectives move no data."""
-
-    def stop(gm: GraphModule, *, ctx: CompileContext) -> bool:
-        raise PipelineDone
-
-    with _appended_pass("stop", stop):
-        yield
+__all__ = ["capture_compiled", "capture_lowered", "capture_programs", "capture_reference", "record"]
 
 
 @contextmanager
 def capture_programs() -> Iterator[list[tuple[GraphModule, CompileContext]]]:
-    """Within the context, every graph dsv41_sp compiles is appended, rewritten and validated,
+    """Within the context, every graph dsv41_sp compiles is appended, rewritten and verified,
     with its compile context, to the yielded list."""
     programs: list[tuple[GraphModule, CompileContext]] = []
-
-    def keep(gm: GraphModule, *, ctx: CompileContext) -> bool:
-        programs.append((gm, ctx))
-        return False
-
-    with _appended_pass("keep", keep):
+    with installed(Hooks(on_pipeline=lambda gm, ctx: programs.append((gm, ctx)))):
         yield programs
 
 
 @contextmanager
 def capture_lowered() -> Iterator[list[tuple[Any, CompileContext]]]:
     """Within the context, every program dsv41_sp lowers is appended, with its compile context,
-    to the yielded list: `(ShardedProgram, ctx)`; e.g. to read `program.ep_stats` after a call."""
-    from dsv41_compile import backend
-
+    to the yielded list: `(ShardedProgram, ctx)`."""
     lowered: list[tuple[Any, CompileContext]] = []
-    original = backend.lower
-
-    def lower(gm: GraphModule, ctx: CompileContext, *args: Any) -> Any:
-        program = original(gm, ctx, *args)
-        lowered.append((program, ctx))
-        return program
-
-    backend.lower = lower
-    try:
+    with installed(Hooks(on_program=lambda program, ctx: lowered.append((program, ctx)))):
         yield lowered
-    finally:
-        backend.lower = original
+
+
+_STORE: dict[str, list[Tensor]] = {}
+
+
+def record(module: str, value: Tensor) -> None:
+    """Called by the probe nodes of `capture_compiled` (a module-level function, so that a
+    probed graph can be saved and loaded by name)."""
+    if module in _STORE:
+        _STORE[module].append(value.detach().clone())
 
 
 @contextmanager
 def capture_compiled(modules: Sequence[str]) -> Iterator[dict[str, list[Tensor]]]:
     """Within the context, graphs compiled by dsv41_sp record into the yielded dict
     (module FQN -> values, one per call). Use the eager lowering."""
+    if not modules:
+        yield {}
+        return
     store: dict[str, list[Tensor]] = {m: [] for m in modules}
 
-    def record(key: str, value: Tensor) -> None:
-        store[key].append(value.detach().clone())
-
-    def capture(gm: GraphModule, *, ctx: CompileContext) -> bool:
+    def probe(gm: GraphModule, *, ctx: CompileContext) -> None:
         for module in modules:
             node = _first_entering(gm, module, ctx)
             with gm.graph.inserting_before(node[0]):
                 gm.graph.call_function(record, (module, node[1]))
         gm.graph.lint()
         gm.recompile()
-        return True
 
-    with _appended_pass("capture", capture):
-        yield store
-
-
-@contextmanager
-def _appended_pass(name: str, pass_: passes.Pass) -> Iterator[None]:
-    original = passes.PIPELINE
-    passes.PIPELINE = (*original, (name, pass_))
+    tag = "capture:" + ",".join(modules)
+    _STORE.update(store)
     try:
-        yield
+        with installed(Hooks(extra_passes=(Pass("capture", probe, cache_tag=tag),))):
+            yield store
     finally:
-        passes.PIPELINE = original
+        for module in modules:
+            _STORE.pop(module, None)
 
 
 def _origin(node: Node) -> Node:

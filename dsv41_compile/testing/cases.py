@@ -8,6 +8,7 @@ optionally, the values entering chosen modules on both sides (`testing.capture`)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import shutil
@@ -21,6 +22,7 @@ import torch
 import torch._dynamo
 
 from dsv41_compile.backend import mark_token_dim
+from dsv41_compile.core.hooks import Hooks, installed
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.capture import capture_compiled, capture_reference
@@ -86,12 +88,12 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     options = dict(spec.options)
     tp = options.get("tp", 1)
     standin = None
+    stack = contextlib.ExitStack()
     if spec.torchair_standin:
-        from dsv41_compile.lowering import torchair as torchair_lowering
         from dsv41_compile.testing.torchair_standin import TorchairStandIn
 
         standin = TorchairStandIn()
-        torchair_lowering.import_torchair = lambda: standin  # this spawned process only
+        stack.enter_context(installed(Hooks(torchair=standin)))
     dump_dir = tempfile.mkdtemp(prefix="dsv41_dump_") if spec.dump else None
     if dump_dir is not None:
         options["dump_dir"] = dump_dir
@@ -112,6 +114,7 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     compiled = torch.compile(model, backend=counting, fullgraph=True)
     steps = []
     with (
+        stack,
         capture_compiled(spec.capture) as sp_store,
         capture_reference(reference, spec.capture) as ref_store,
     ):
@@ -124,7 +127,7 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     captures = {m: (sp_store[m], ref_store[m]) for m in spec.capture}
     cache_diff = max(
         float((a.double() - b.double()).abs().max())
-        for a, b in zip(_cache_tensors(sp_cache), _cache_tensors(ref_cache))
+        for a, b in zip(sp_cache.tensors(), ref_cache.tensors())
     )
     comm = None
     if dump_dir is not None:
@@ -143,10 +146,3 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
         "comm": comm,
         "torchair_ops": torchair_ops,
     }
-
-
-def _cache_tensors(cache: Any) -> list[torch.Tensor]:
-    out = [cache.lengths, *cache.window_kv]
-    for table in (cache.compressed_kv, cache.index_k, cache.pair_state):
-        out += [table[k] for k in sorted(table)]
-    return out

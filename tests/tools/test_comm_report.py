@@ -6,10 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from conftest import load_tool
 
-
-def test_report_json_and_plot(tmp_path, plan_once):
+def test_report_json_and_plot(tmp_path, plan_once, load_tool):
     tool = load_tool("comm_report")
     args = argparse.Namespace(preset="tiny-swa", tp=4, ep=8, dp=2, ep_dispatch="padded")
     doc = json.loads(json.dumps(tool.report(args, plan=plan_once)))  # JSON-serialisable

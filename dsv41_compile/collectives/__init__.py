@@ -1,1 +1,0 @@
-"""Collectives: the transition table and the pass that inserts what placements imply."""

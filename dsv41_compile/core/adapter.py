@@ -1,0 +1,114 @@
+"""What the compiler needs to know about a model family, in one object.
+
+The passes are generic: they place, communicate, localize and verify any graph. What is
+specific to a model -- the sharding plan, which inputs carry the token count, where a decoder
+layer and its MoE half are, the routed-experts op, what the layout promises per layer, the ops
+graph mode must rewrite -- comes from the family's `ModelAdapter` (`models/`), and generic code
+never names a module of a particular model.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from dsv41_compile.options import BackendOptions
+    from dsv41_compile.spmd.plan import ShardingPlan
+
+__all__ = ["PARTS", "LayerCollectives", "ModelAdapter", "RoutedExperts", "Site"]
+
+PARTS = ("entry", "attention", "moe", "exit")
+"""The parts of a model a node belongs to: before the first decoder layer, a layer's attention
+half, its MoE half, after the last layer."""
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a module sits: its decoder layer (None outside the layers) and its part. `part` is
+    one of PARTS, or "layer" for a node directly in a decoder layer (between its halves)."""
+
+    layer: int | None
+    part: str
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """A routed-experts op of the model, with the contract the MoE passes rely on:
+
+        op(x [T, D], topk_idx [T, K] int64, topk_weight [T, K] fp32, *weights, *constants)
+            -> [T, D] fp32,   out[t] = sum_k topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t])
+
+    `weights` are the `n_weights` stacked expert weights, expert dim first (the EP shard dim);
+    `topk_idx == -1` is "no assignment" (a padding row routes nowhere)."""
+
+    op: torch._ops.OpOverload
+    n_weights: int = 3
+
+    TOKEN_ARGS = (0, 1, 2)
+    NO_EXPERT = -1
+
+    def weight_args(self) -> range:
+        return range(3, 3 + self.n_weights)
+
+    def pad_value(self, position: int) -> int:
+        """The value of a padding row of token input `position`: -1 for `topk_idx`, else 0."""
+        return self.NO_EXPERT if position == 1 else 0
+
+
+@dataclass(frozen=True)
+class LayerCollectives:
+    """What a layout promises for each decoder layer: the TP collectives outside its MoE half
+    and in it (collective kinds, sorted), and the number of dims of every value gathered over
+    tp outside the MoE (None: not checked)."""
+
+    tp_outside_moe: tuple[str, ...]
+    tp_in_moe: tuple[str, ...]
+    gathered_ndim: int | None = None
+
+
+GraphModeRewrite = Callable[..., Any]
+"""`rewrite(emit, val, *args, **kwargs) -> Proxy`: the op's value from ops torchair converts
+(see `targets.graph_mode`)."""
+
+
+class ModelAdapter(abc.ABC):
+    name: str
+    token_inputs: tuple[str, ...]
+    """Model inputs whose dim 0 is the token count; the first one's length is T."""
+    whole_model_modules: tuple[str, ...]
+    """Top-level modules every graph of the whole model contains (a graph without them is a
+    piece of the model: Dynamo split it at a graph break)."""
+    routed_experts: tuple[RoutedExperts, ...] = ()
+    """The model's routed-experts ops: `moe.expert_parallel` lowers them over the EP group."""
+    rules: Mapping[torch._ops.OpOverload, Callable[..., Any]] = {}
+    """Sharding rules of the model's custom ops (`spmd.rules.RuleFn`), asked first."""
+    graph_mode_rewrites: Mapping[torch._ops.OpOverload, GraphModeRewrite] = {}
+    """How graph mode computes the model's custom ops from ops torchair converts."""
+
+    @abc.abstractmethod
+    def matches(self, param_fqns: Iterable[str], inputs: Iterable[str]) -> bool:
+        """Whether a graph with these parameters and inputs is a model of this family."""
+
+    @abc.abstractmethod
+    def plan(self, options: BackendOptions) -> ShardingPlan:
+        """The parameter placements, anchors and exits of `options.layout`."""
+
+    @abc.abstractmethod
+    def site(self, module_path: str) -> Site:
+        """Where the module `module_path` (an FQN, "" for the root) sits."""
+
+    @abc.abstractmethod
+    def expected_collectives(self, options: BackendOptions) -> LayerCollectives:
+        """What `options.layout` promises per decoder layer (checked by `spmd.verify`)."""
+
+    def routed_experts_op(self, op: object) -> RoutedExperts | None:
+        return next((r for r in self.routed_experts if r.op is op), None)
+
+    def innermost_site(self, module_paths: Sequence[str]) -> Site:
+        """The site of the innermost of `module_paths` (outermost first)."""
+        return self.site(module_paths[-1] if module_paths else "")

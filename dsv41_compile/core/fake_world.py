@@ -1,0 +1,33 @@
+"""A world of ranks in one process, for planning: the `fake` process group (every collective is
+a no-op), registered here so that library code does not import torch's test helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import FakeProcessGroup
+
+__all__ = ["fake_world"]
+
+
+def _create_fake_pg(common_opts: object, backend_opts: object) -> dist.ProcessGroup:
+    return FakeProcessGroup._create_internal(
+        common_opts.group_rank, common_opts.group_size, backend_opts
+    )
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A `fake` default process group of `world_size` ranks, this process being `rank`;
+    destroyed on exit."""
+    if "fake" not in dist.Backend._plugins:
+        dist.Backend.register_backend(
+            "fake", _create_fake_pg, extended_api=True, devices=["cpu", "cuda"]
+        )
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,103 @@
+"""The graph's named sizes and the sizes placements are derived at.
+
+Two symbols have names a person reads: `T`, the DP group's token count (the length of the token
+input), and `Tl_max`, the padded EP lowering's `ep_tokens` input (the largest token shard over
+the EP group). The node that holds each carries `meta[SYMBOL]`; `graph_symbols` maps their
+sympy expressions to these names for printing, comm records and accounting.
+
+Placements must not depend on the value of T. The op rules read concrete shapes (DTensor's
+rules hash their specs, and refuse to shard a dim shorter than the mesh), so every size is
+evaluated with the token count at `PLANNING_TOKENS`, whatever T the graph was traced with
+(`hint_shape`): a decode step of one token and a prefill of thousands get the same placements.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import sympy
+import torch
+from torch.fx import GraphModule
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from dsv41_compile.core.meta import SYMBOL
+
+__all__ = [
+    "PLANNING_TOKENS",
+    "T",
+    "TL_MAX",
+    "graph_symbols",
+    "hint",
+    "hint_shape",
+    "in_named_symbols",
+    "register_token_symbol",
+    "size_expr",
+]
+
+T = sympy.Symbol("T", nonnegative=True, integer=True)
+TL_MAX = sympy.Symbol("Tl_max", positive=True, integer=True)
+NAMES = {"T": T, "Tl_max": TL_MAX}
+
+PLANNING_TOKENS = 8192
+"""The token count the op rules see. Large, so that no token dim looks like a broadcast dim or
+is shorter than the mesh; a power of two, so that every padded shard length is exact. It is
+also torch's fallback hint for unbacked sizes, so a graph traced with `mark_token_dim` and
+one traced with a static or backed T are placed alike."""
+
+_TOKEN_SYMBOLS: weakref.WeakKeyDictionary[ShapeEnv, set[sympy.Symbol]] = weakref.WeakKeyDictionary()
+_HINTS: weakref.WeakKeyDictionary[ShapeEnv, dict[sympy.Expr, int]] = weakref.WeakKeyDictionary()
+
+
+def register_token_symbol(size: object) -> None:
+    """Make `size` (the token input's length) a token symbol of its shape env: `hint` then
+    evaluates it at `PLANNING_TOKENS`. A static size has nothing to register."""
+    if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+        env = size.node.shape_env
+        _TOKEN_SYMBOLS.setdefault(env, set()).add(size.node.expr)
+        _HINTS.pop(env, None)
+
+
+def hint(size: object) -> int:
+    """A concrete value of `size`: token symbols at `PLANNING_TOKENS`, other backed symbols at
+    their example value, other unbacked symbols (data-dependent sizes) at `PLANNING_TOKENS`.
+    Memoised per shape env: the passes ask for the same few sizes tens of thousands of times."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    env, expr = size.node.shape_env, size.node.expr
+    hints = _HINTS.setdefault(env, {})
+    if expr not in hints:
+        tokens = _TOKEN_SYMBOLS.get(env, set())
+        backed = env.backed_var_to_val
+        values = {
+            s: backed[s] if s in backed and s not in tokens else PLANNING_TOKENS
+            for s in expr.free_symbols
+        }
+        hints[expr] = int(expr.xreplace(values))
+    return hints[expr]
+
+
+def hint_shape(val: torch.Tensor) -> tuple[int, ...]:
+    return tuple(hint(s) for s in val.shape)
+
+
+def size_expr(size: object) -> sympy.Expr:
+    """A size (int, SymInt, or a node holding one) as a sympy expression."""
+    val = size.meta["val"] if isinstance(size, torch.fx.Node) else size
+    return sympy.sympify(val.node.expr) if isinstance(val, torch.SymInt) else sympy.Integer(val)
+
+
+def graph_symbols(gm: GraphModule) -> dict[sympy.Expr, sympy.Symbol]:
+    """The graph's named sizes: expression -> `T` / `Tl_max`."""
+    names = {}
+    for node in gm.graph.nodes:
+        name = node.meta.get(SYMBOL)
+        val = node.meta.get("val")
+        if name is not None and isinstance(val, torch.SymInt):
+            names[val.node.expr] = NAMES[name]
+    return names
+
+
+def in_named_symbols(expr: sympy.Expr, names: dict[sympy.Expr, sympy.Symbol]) -> sympy.Expr | None:
+    """`expr` in T / Tl_max, or None when it depends on data (unbacked sizes with no name)."""
+    expr = sympy.sympify(expr).xreplace(names)
+    return expr if expr.free_symbols <= {T, TL_MAX} else None

@@ -1,0 +1,262 @@
+"""From Dynamo's graph to the one the pipeline compiles: what each input is, which model family
+it is, and a symbolic token count however Dynamo traced it.
+
+Dynamo traces the first call with static sizes, the next ones with a backed symbol for the
+token count (automatic dynamic, or `dynamic=True`) except at T = 0 and T = 1, which it always
+specialises; `mark_token_dim` gives an unbacked symbol. A static trace is not something the
+sharding can be derived from: at T = 1 the decompositions fold the token dim away, and a
+literal `T` in a view cannot be told from another size of the same value. So a graph with a
+static token count is first made symbolic (`generalize_token_count`), and every graph reaches
+AOTAutograd with the token count as a symbol: the same placements and the same collectives for
+every T. A static graph remains a graph for its own T -- Dynamo's guards call it only with that
+T, and values Dynamo computed from T (`T - 1` as a number) stay as traced.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+from torch._dispatch.python import enable_python_dispatcher
+from torch._guards import TracingContext
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule, Interpreter, Node
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+
+from dsv41_compile.core.adapter import ModelAdapter
+from dsv41_compile.core.meta import module_paths
+
+__all__ = ["GraphInputs", "check_whole_model", "generalize_token_count", "read_inputs"]
+
+_SOURCE_KEYS = re.compile(r"\['([^']+)'\]")
+
+
+@dataclass(frozen=True)
+class GraphInputs:
+    """What each placeholder of Dynamo's graph is, by position."""
+
+    param_fqns: dict[int, str]
+    """Parameter or buffer FQN (`layers.0.attn.wq_b.weight`)."""
+    input_names: dict[int, str]
+    """The model input it is (`input_ids`, `cache.window_kv[0]`)."""
+
+    def index_of(self, name: str) -> int | None:
+        return next((i for i, n in self.input_names.items() if n == name), None)
+
+
+def _fqn(source: str) -> str | None:
+    """`L['self']._modules['layers']._modules['0']._parameters['w']` -> `layers.0.w`."""
+    if not source.startswith("L['self']") or not re.search(r"_(parameters|buffers)\[", source):
+        return None
+    return ".".join(_SOURCE_KEYS.findall(source.removeprefix("L['self']")))
+
+
+def _input_name(source: str) -> str:
+    """`L['cache'].window_kv[0]` -> `cache.window_kv[0]`."""
+    return re.sub(r"^L\['([^']+)'\]", r"\1", source)
+
+
+def read_inputs(gm: GraphModule) -> GraphInputs:
+    params, inputs = {}, {}
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        grapharg = node.meta.get("grapharg")
+        source = grapharg.source.name if grapharg is not None else node.name
+        fqn = _fqn(source)
+        if fqn is not None:
+            params[i] = fqn
+        else:
+            inputs[i] = _input_name(source)
+    return GraphInputs(params, inputs)
+
+
+def check_whole_model(gm: GraphModule, adapter: ModelAdapter) -> None:
+    seen = {p.split(".")[0] for n in gm.graph.nodes for p in module_paths(n)}
+    missing = [m for m in adapter.whole_model_modules if m not in seen]
+    if missing:
+        raise ValueError(
+            "dsv41_sp compiles the whole model as one graph, but this graph has no "
+            f"{' / '.join(missing)} module: Dynamo split the model at a graph break. Compile "
+            "with torch.compile(..., fullgraph=True) to see where, and remove the break."
+        )
+
+
+# Where Dynamo writes a size it read from a tensor: the size arguments of these methods and
+# functions. A static trace writes the token count there as a number.
+_SIZED_METHODS = {"view", "reshape", "expand", "new_zeros", "new_ones", "new_empty", "repeat"}
+_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.arange}
+
+Slot = tuple[int, int | None]
+"""An int size argument of a node: (arg position, index in it when the arg is a sequence)."""
+
+
+def _size_slots(node: Node) -> list[Slot]:
+    if node.op == "call_method" and node.target in _SIZED_METHODS and len(node.args) > 1:
+        first = 1
+    elif node.op == "call_method" and node.target == "new_full":
+        return [(1, i) for i in range(len(node.args[1]))]
+    elif node.op == "call_function" and node.target in _FACTORIES and node.args:
+        if node.target is torch.arange and len(node.args) != 1:
+            return []  # arange(start, end, ...): not a size
+        first = 0
+    else:
+        return []
+    if len(node.args) == first + 1 and isinstance(node.args[first], (list, tuple)):
+        return [(first, i) for i in range(len(node.args[first]))]
+    return [(i, None) for i in range(first, len(node.args))]
+
+
+def _get(node: Node, slot: Slot) -> object:
+    position, index = slot
+    return node.args[position] if index is None else node.args[position][index]
+
+
+def _with(args: tuple, slot: Slot, value: object) -> tuple:
+    position, index = slot
+    args = list(args)
+    if index is None:
+        args[position] = value
+    else:
+        seq = list(args[position])
+        seq[index] = value
+        args[position] = tuple(seq) if isinstance(args[position], tuple) else seq
+    return tuple(args)
+
+
+def generalize_token_count(
+    gm: GraphModule, example_inputs: list[Any], inputs: GraphInputs, adapter: ModelAdapter
+) -> tuple[GraphModule, list[Any]]:
+    """`gm` and its inputs with the token count as an unbacked symbol, when Dynamo traced it as
+    a number T0 or as a backed symbol; unchanged when it is unbacked already.
+
+    Which numbers in the graph are T: every int size argument equal to T0 is a candidate. The
+    graph is run on fake tensors with the token inputs of length `u` and each candidate a
+    symbol of its own; the shape checks of the ops then state which candidates equal u (a view
+    of a token-sharded activation, an expand that meets it in a `cat`) and which a constant (a
+    window of 4 when T0 = 4). The candidates equal to u become reads of the token input's
+    length; the rest keep their value."""
+    token_indices = [inputs.index_of(name) for name in adapter.token_inputs]
+    if None in token_indices:
+        return gm, example_inputs
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    count = placeholders[token_indices[0]].meta["example_value"].shape[0]
+    if isinstance(count, torch.SymInt) and free_unbacked_symbols(count.node.expr):
+        return gm, example_inputs  # mark_token_dim: already what the pipeline wants
+    fake_mode = TracingContext.get().fake_mode
+    shape_env = fake_mode.shape_env
+    with shape_env.ignore_fresh_unbacked_symbols():  # an input, not an op's output
+        u = shape_env.create_unbacked_symint()
+    torch._check_is_size(u)
+    generalized = list(example_inputs)
+    if isinstance(count, int):
+        tokens = _token_slots(gm, example_inputs, set(token_indices), count)
+        anchor = placeholders[token_indices[0]]
+        with gm.graph.inserting_after(placeholders[-1]):
+            size = gm.graph.call_method("size", (anchor, 0))
+        for node, slot in tokens:
+            node.args = _with(node.args, slot, size)
+        gm.graph.lint()
+        gm.recompile()
+    else:
+        # A backed symbol (automatic dynamic, dynamic=True): the same graph, traced again with
+        # an unbacked one. Backed sizes are reasoned about at their example value, and a
+        # token-shard length whose example is 1 makes views of it come out wrong.
+        for i, x in enumerate(example_inputs):
+            if isinstance(x, torch.SymInt) and x.node.expr == count.node.expr:
+                generalized[i] = u
+    for i in token_indices:
+        real = example_inputs[i]
+        with fake_mode:
+            generalized[i] = torch.empty((u,), dtype=real.dtype, device=real.device)
+    return gm, generalized
+
+
+def _token_slots(
+    gm: GraphModule, example_inputs: list[Any], token_indices: set[int], count: int
+) -> list[tuple[Node, Slot]]:
+    """The size arguments of `gm` that are the token count (see `generalize_token_count`)."""
+    candidates = [
+        (node, slot)
+        for node in gm.graph.nodes
+        for slot in _size_slots(node)
+        if type(_get(node, slot)) is int and _get(node, slot) == count
+    ]
+    if not candidates:
+        return []
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    u = shape_env.create_unbacked_symint()
+    torch._check_is_size(u)
+    symbols: dict[tuple[Node, Slot], torch.SymInt] = {}
+    for candidate in candidates:
+        symbols[candidate] = shape_env.create_unbacked_symint()
+        torch._check_is_size(symbols[candidate])
+    fakes = []
+    for i, x in enumerate(example_inputs):
+        if i in token_indices:
+            with mode:
+                fakes.append(torch.empty((u,), dtype=x.dtype, device=x.device))
+        else:
+            fakes.append(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x)
+    by_node: dict[Node, list[tuple[Slot, torch.SymInt]]] = {}
+    for (node, slot), symbol in symbols.items():
+        by_node.setdefault(node, []).append((slot, symbol))
+
+    class WithSymbols(Interpreter):
+        def run_node(self, node: Node) -> Any:
+            if node not in by_node:
+                return super().run_node(node)
+            traced = node.args
+            for slot, symbol in by_node[node]:
+                node.args = _with(node.args, slot, symbol)
+            try:
+                return super().run_node(node)
+            finally:
+                node.args = traced
+
+    try:
+        with mode, enable_python_dispatcher():
+            WithSymbols(gm).run(*fakes)
+    except Exception as error:
+        raise ValueError(
+            f"dsv41_sp got a graph traced with a static token count (T = {count}) and could "
+            f"not tell which of its sizes are T ({type(error).__name__}: "
+            f"{str(error).splitlines()[0]}). Call dsv41_compile.mark_token_dim(input_ids, "
+            "positions, slots) before each call: one graph then serves every T"
+        ) from error
+    classes = _equal_symbols(shape_env)
+    token_class = classes(u.node.expr)
+    return [c for c, symbol in symbols.items() if classes(symbol.node.expr) == token_class]
+
+
+def _equal_symbols(shape_env: ShapeEnv) -> Callable[[sympy.Expr], sympy.Expr]:
+    """A function mapping a symbol to a representative of the symbols (and integers) the shape
+    env found it equal to: its replacements and the equalities it deferred as runtime
+    asserts."""
+    parent: dict[sympy.Expr, sympy.Expr] = {}
+
+    def find(x: sympy.Expr) -> sympy.Expr:
+        while x in parent:
+            x = parent[x]
+        return x
+
+    def union(a: sympy.Expr, b: sympy.Expr) -> None:
+        a, b = find(a), find(b)
+        if a != b:
+            if a.is_Integer:
+                a, b = b, a
+            parent[a] = b  # an integer, when there is one, is the representative
+
+    for a, b in shape_env.replacements.items():
+        if b.is_Symbol or b.is_Integer:
+            union(a, b)
+    for asserts in shape_env.deferred_runtime_asserts.values():
+        for ra in asserts:
+            if isinstance(ra.expr, sympy.Eq):
+                a, b = ra.expr.args
+                if (a.is_Symbol or a.is_Integer) and (b.is_Symbol or b.is_Integer):
+                    union(a, b)
+    return find

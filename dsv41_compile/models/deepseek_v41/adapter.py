@@ -1,0 +1,70 @@
+"""The DeepSeek V4.1 family as the compiler sees it (`core.adapter.ModelAdapter`).
+
+Module names are the model's (`model.py`): `embed`, decoder layers `layers.N` with the attention
+half (`hc_attn`, `attn_norm`, `attn`) and the MoE half (`hc_ffn`, `ffn_norm`, `ffn`), then
+`norm` and `head`. The routed experts are one custom op, `dsv41::routed_experts`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+from dsv41_compile.core.adapter import LayerCollectives, ModelAdapter, RoutedExperts, Site
+from dsv41_compile.models.deepseek_v41 import ops  # noqa: F401  (registers dsv41::routed_experts)
+from dsv41_compile.models.deepseek_v41.graph_mode import routed_experts_grouped
+from dsv41_compile.models.deepseek_v41.plan import deepseek_v41_plan
+from dsv41_compile.moe.rules import routed_experts_rule
+from dsv41_compile.options import BackendOptions
+from dsv41_compile.spmd.plan import ShardingPlan
+
+__all__ = ["DEEPSEEK_V41", "DeepseekV41Adapter"]
+
+_LAYER = re.compile(r"^layers\.(\d+)(?:\.([^.]+))?")
+_ATTENTION = ("hc_attn", "attn_norm", "attn")
+_MOE = ("hc_ffn", "ffn_norm", "ffn")
+_TOP_LEVEL = ("embed", "layers", "norm", "head")
+ROUTED_EXPERTS = RoutedExperts(torch.ops.dsv41.routed_experts.default)
+
+
+class DeepseekV41Adapter(ModelAdapter):
+    name = "deepseek_v41"
+    token_inputs = ("input_ids", "positions", "slots")
+    whole_model_modules = ("embed", "head")
+    routed_experts = (ROUTED_EXPERTS,)
+    rules = {ROUTED_EXPERTS.op: routed_experts_rule(ROUTED_EXPERTS)}
+    graph_mode_rewrites = {ROUTED_EXPERTS.op: routed_experts_grouped}
+
+    def matches(self, param_fqns: Iterable[str], inputs: Iterable[str]) -> bool:
+        # By its parameters: a piece of the model (a graph break) is then refused as such.
+        return any(fqn.split(".")[0] in _TOP_LEVEL for fqn in param_fqns)
+
+    def plan(self, options: BackendOptions) -> ShardingPlan:
+        return deepseek_v41_plan(embedding=options.embedding, ep=options.ep, layout=options.layout)
+
+    def site(self, module_path: str) -> Site:
+        match = _LAYER.match(module_path)
+        if match is None:
+            top = module_path.split(".")[0]
+            part = "entry" if top == "embed" else "exit" if top in ("norm", "head") else ""
+            return Site(None, part)
+        layer, child = int(match.group(1)), match.group(2)
+        if child in _ATTENTION:
+            return Site(layer, "attention")
+        if child in _MOE:
+            return Site(layer, "moe")
+        return Site(layer, "layer")
+
+    def expected_collectives(self, options: BackendOptions) -> LayerCollectives:
+        if options.layout == "sp":
+            # The normed [Tl, D] attention input gathered (not the [Tl, n, D] residual), the
+            # fp32 wo_b partial reduce-scattered; the MoE half talks over ep only.
+            return LayerCollectives(("all_gather", "reduce_scatter"), (), gathered_ndim=2)
+        # The baseline: the wo_b partial all-reduced; with experts sharded, the owners' MoE
+        # output all-gathered back to the TP group.
+        return LayerCollectives(("all_reduce",), ("all_gather",) if options.ep > 1 else ())
+
+
+DEEPSEEK_V41 = DeepseekV41Adapter()

@@ -1,0 +1,337 @@
+"""V4.1 attention: low-rank queries, one shared KV latent (MQA, keys == values), per-head sink,
+sliding window over the cache, inverse RoPE on the output, grouped output projection.
+
+Compressed layers (ratio 1 or 2) add, in the same softmax, the compressed entries picked by a
+top-k indexer: see `LayerRole` for the FULL / REINDEX / REUSE roles and the module docs of
+`Compressor` and `Indexer`; decisions the public sources left open are in docs/model.md.
+
+Legend: T tokens, D hidden, H heads, d head width, S keys per query, G output groups,
+Q q-lora rank, O o-lora rank, C compressed entries per slot, K top-k, I index heads,
+k index head width.
+
+Sharding view (for the compiler): everything indexed by H or G is head-shardable; the KV latent,
+the cache and the window are per token and replicated across heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dsv41_compile.models.deepseek_v41.cache import KVCache
+from dsv41_compile.models.deepseek_v41.config import LayerRole, ModelConfig
+from dsv41_compile.models.deepseek_v41.layers import (
+    RMSNorm,
+    apply_rope,
+    rope_inv_freq,
+    yarn_inv_freq,
+)
+
+
+def sink_attention(q_THd: Tensor, kv_TSd: Tensor, visible_TS: Tensor, sink_H: Tensor) -> Tensor:
+    """Softmax attention of each query over its own S keys (values are the keys) plus a sink.
+
+    The sink is a per-head logit with a zero value: it takes probability mass in one softmax with
+    the real keys. Logits and the weighted sum are fp32; the result has the query dtype.
+    """
+    scale = q_THd.shape[-1] ** -0.5
+    logits_THS = torch.einsum("thd,tsd->ths", q_THd.float(), kv_TSd.float()) * scale
+    logits_THS = logits_THS.masked_fill(~visible_TS[:, None, :], float("-inf"))
+    sink_TH1 = sink_H.float()[None, :, None].expand(logits_THS.shape[0], -1, 1)
+    probs_THS = torch.softmax(torch.cat((logits_THS, sink_TH1), dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("ths,tsd->thd", probs_THS, kv_TSd.float()).to(q_THd.dtype)
+
+
+def _shifted(x_T: Tensor, shift: int, *, fill: float) -> Tensor:
+    """`x` moved by `shift` = +1 / -1 rows along dim 0 (row t gets row t - shift), with `fill`
+    in the row that has no source. A pad and a slice of constant length: no `T - 1`, and
+    T = 0 gives an empty result."""
+    pad = [0, 0] * (x_T.dim() - 1) + ([1, 0] if shift == 1 else [0, 1])
+    padded = F.pad(x_T, pad, value=fill)
+    return padded[:-1] if shift == 1 else padded[1:]
+
+
+def window_keys(
+    kv_cache: Tensor, cache_slot_T: Tensor, positions_T: Tensor, window: int
+) -> tuple[Tensor, Tensor]:
+    """The `window` latest cache rows of each token's request, ending at its own position.
+
+    Returns keys [T, W, d] and a visibility mask [T, W] (positions < 0 are not visible).
+    """
+    key_pos_TW = (
+        positions_T[:, None] - (window - 1) + torch.arange(window, device=positions_T.device)
+    )
+    kv_TWd = kv_cache[cache_slot_T[:, None], key_pos_TW.clamp(min=0)]
+    return kv_TWd, key_pos_TW >= 0
+
+
+def compressed_visible(positions_T: Tensor, n_entries: int, ratio: int) -> Tensor:
+    """[T, C] mask: entry c (positions `[c*ratio, (c+1)*ratio)`) is visible to the token at
+    position t iff `c < (t+1) // ratio`, i.e. once complete; ratio 1 sees its own entry."""
+    n_visible_T = torch.div(positions_T + 1, ratio, rounding_mode="floor")
+    return torch.arange(n_entries, device=positions_T.device)[None, :] < n_visible_T[:, None]
+
+
+def select_topk(scores_TC: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The `min(k, C)` best entries per token: indices [T, K] and a mask [T, K] that drops picks
+    whose score is -inf (fewer visible entries than K)."""
+    values_TK, idx_TK = torch.topk(scores_TC, min(k, scores_TC.shape[1]), dim=-1)
+    return idx_TK, values_TK > float("-inf")
+
+
+def candidate_blocks(
+    scores_TC: Tensor, positions_T: Tensor, ratio: int, block: int, n_blocks: int
+) -> Tensor:
+    """[T, C] mask of the candidate entries: the entries are cut into blocks of `block`, each
+    block scored by its best entry; the block holding the token's last visible entry is always
+    kept; then the `n_blocks` best blocks with a finite score are kept."""
+    T, C = scores_TC.shape
+    blocks = -(-C // block)
+    padded_TC = F.pad(scores_TC, (0, blocks * block - C), value=float("-inf"))
+    block_scores_TB = padded_TC.view(T, blocks, block).amax(-1)
+    last_entry_T = torch.div(positions_T + 1, ratio, rounding_mode="floor") - 1
+    block_ids = torch.arange(blocks, device=scores_TC.device)
+    holds_last_TB = (
+        block_ids[None, :] == torch.div(last_entry_T, block, rounding_mode="floor")[:, None]
+    ) & (last_entry_T >= 0)[:, None]
+    block_scores_TB = block_scores_TB.masked_fill(holds_last_TB, float("inf"))
+    values, top_TB = torch.topk(block_scores_TB, min(n_blocks, blocks), dim=-1)
+    keep_TB = torch.zeros_like(holds_last_TB).scatter(1, top_TB, values > float("-inf"))
+    return keep_TB.repeat_interleave(block, dim=1)[:, :C]
+
+
+class Compressor(nn.Module):
+    """Owned by FULL layers: turns the layer's normalised attention input into compressed
+    entries of `ratio` tokens.
+
+    - ratio 1: `ckv_t = norm(wkv x_t)` (no gate, no pooling).
+    - ratio 2: `a = wkv x`, `g = wgate x` in fp32; entry c pools tokens 2c and 2c+1 with a
+      per-channel softmax of g over the pair: `sum softmax(g) * a`, cast to the activation
+      dtype, then `norm`. The ratio-2 weights are fp32.
+
+    `forward` returns, per token, the normalised (unrotated) entry the token completes and a
+    mask of the tokens that complete one (ratio 2: odd positions).
+    """
+
+    def __init__(self, cfg: ModelConfig, ratio: int) -> None:
+        super().__init__()
+        self.ratio = ratio
+        weight_dtype = torch.float32 if ratio == 2 else cfg.torch_dtype
+        self.wkv = nn.Linear(cfg.dim, cfg.head_dim, bias=False, dtype=weight_dtype)
+        if ratio == 2:
+            self.wgate = nn.Linear(cfg.dim, cfg.head_dim, bias=False, dtype=weight_dtype)
+        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self, x_TD: Tensor, positions_T: Tensor, cache_slot_T: Tensor, pair_state: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        if self.ratio == 1:
+            ckv_Td = F.linear(x_TD.float(), self.wkv.weight.float()).to(x_TD.dtype)
+            return self.norm(ckv_Td), torch.ones_like(positions_T, dtype=torch.bool)
+
+        assert pair_state is not None, "a ratio-2 compressor needs its pair_state cache"
+        d = self.wkv.out_features
+        kv_Td = F.linear(x_TD.float(), self.wkv.weight)
+        gate_Td = F.linear(x_TD.float(), self.wgate.weight)
+        row_T2d = torch.cat((kv_Td, gate_Td), dim=-1)
+
+        # An odd position closes the pair opened at position p-1: that token is the previous
+        # row of the batch if it belongs to the same request, otherwise it came in an earlier
+        # call and waits in pair_state. Shifts by one row pad the other end (no roll, no
+        # `T - 1`): one graph serves every T, 0 included.
+        prev_slot_T = _shifted(cache_slot_T, 1, fill=-1)  # -1: no previous row
+        prev_in_batch_T = prev_slot_T == cache_slot_T
+        prev_row_T2d = _shifted(row_T2d, 1, fill=0)
+        opener_T2d = torch.where(prev_in_batch_T[:, None], prev_row_T2d, pair_state[cache_slot_T])
+        closes_T = positions_T % 2 == 1
+
+        kv_pair = torch.stack((opener_T2d[:, :d], kv_Td))
+        gate_pair = torch.stack((opener_T2d[:, d:], gate_Td))
+        pooled_Td = (torch.softmax(gate_pair, dim=0) * kv_pair).sum(0)
+
+        # Keep the opener of a pair left open at the end of this call (its request's last row);
+        # every other row writes to the scratch slot.
+        last_of_request_T = _shifted(cache_slot_T, -1, fill=-1) != cache_slot_T
+        left_open_T = ~closes_T & last_of_request_T
+        scratch = pair_state.shape[0] - 1
+        pair_state.index_put_((torch.where(left_open_T, cache_slot_T, scratch),), row_T2d)
+        return self.norm(pooled_Td.to(x_TD.dtype)), closes_T
+
+
+class Indexer(nn.Module):
+    """Scores compressed entries for top-k selection (FULL and REINDEX layers).
+
+    `score[t, c] = sum_i relu(q[t, i] . k_c) * w[t, i]` with index queries `q = wq_b(qr)`
+    (rotated at the token's position), index keys `k_c = rope(k_norm(wk ckv_c), c*ratio)`
+    (made by the FULL layer that owns the compressor; `wk` and `k_norm` exist only there) and
+    per-head weights `w = weights_proj(x) * k^-0.5 * I^-0.5`.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, owns_keys: bool) -> None:
+        super().__init__()
+        dtype = cfg.torch_dtype
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = nn.Linear(
+            cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype
+        )
+        self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False, dtype=dtype)
+        if owns_keys:
+            self.wk = nn.Linear(cfg.head_dim, self.head_dim, bias=False, dtype=dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def keys(self, ckv_Td: Tensor, entry_pos_T: Tensor, inv_freq: Tensor) -> Tensor:
+        keys_Tk = F.linear(ckv_Td.float(), self.wk.weight.float()).to(ckv_Td.dtype)
+        return apply_rope(self.k_norm(keys_Tk), entry_pos_T, inv_freq)
+
+    def forward(
+        self,
+        x_TD: Tensor,
+        q_TQ: Tensor,
+        positions_T: Tensor,
+        inv_freq: Tensor,
+        keys_TCk: Tensor,
+        visible_TC: Tensor,
+    ) -> Tensor:
+        T = x_TD.shape[0]
+        q_TIk = apply_rope(
+            self.wq_b(q_TQ).view(T, self.n_heads, self.head_dim), positions_T, inv_freq
+        )
+        weights_TI = self.weights_proj(x_TD).float() * (self.head_dim * self.n_heads) ** -0.5
+        relu_TIC = torch.einsum("tik,tck->tic", q_TIk.float(), keys_TCk.float()).relu()
+        scores_TC = torch.einsum("tic,ti->tc", relu_TIC, weights_TI)
+        return scores_TC.masked_fill(~visible_TC, float("-inf"))
+
+
+class AttentionState:
+    """Per-forward state shared between layers: each index source's top-k and the candidate
+    mask, for the tokens of the current batch (never cached across calls)."""
+
+    def __init__(self) -> None:
+        self.topk: dict[int, tuple[Tensor, Tensor]] = {}
+        self.candidates: Tensor | None = None
+
+
+class Attention(nn.Module):
+    """MQA with sink over the sliding window and, in compressed layers, the top-k compressed
+    entries, for one layer. Returns the output projection in fp32."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, role: LayerRole) -> None:
+        super().__init__()
+        dtype = cfg.torch_dtype
+        self.layer_id, self.role = layer_id, role
+        self.n_heads, self.head_dim, self.window = cfg.n_heads, cfg.head_dim, cfg.window_size
+        self.o_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
+        self.index_topk = cfg.index_topk
+        self.candidate_block_size = cfg.candidate_block_size
+        self.candidate_topk_blocks = cfg.candidate_topk_blocks
+        self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, bias=False, dtype=dtype)
+        self.wkv = nn.Linear(cfg.dim, cfg.head_dim, bias=False, dtype=dtype)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.attn_sink = nn.Parameter(torch.empty(cfg.n_heads, dtype=torch.float32))
+        group_width = cfg.n_heads // cfg.o_groups * cfg.head_dim
+        self.wo_a = nn.Linear(group_width, cfg.o_groups * cfg.o_lora_rank, bias=False, dtype=dtype)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False, dtype=dtype)
+        if role.mode == "full":
+            self.compressor = Compressor(cfg, role.ratio)
+        if role.mode in ("full", "reindex"):
+            self.indexer = Indexer(cfg, owns_keys=role.mode == "full")
+        if role.mode == "swa":
+            inv_freq = rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta)
+        else:
+            inv_freq = yarn_inv_freq(
+                cfg.rope_head_dim,
+                cfg.compress_rope_theta,
+                factor=cfg.rope_factor,
+                original_max_pos=cfg.original_max_position_embeddings,
+                beta_fast=cfg.beta_fast,
+                beta_slow=cfg.beta_slow,
+            )
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self,
+        x_TD: Tensor,
+        positions_T: Tensor,
+        cache_slot_T: Tensor,
+        cache: KVCache,
+        state: AttentionState,
+    ) -> Tensor:
+        T = x_TD.shape[0]
+        H, d, G = self.n_heads, self.head_dim, self.o_groups
+        inv_freq = self.rope_inv_freq
+
+        q_TQ = self.q_norm(self.wq_a(x_TD))
+        q_THd = apply_rope(self.wq_b(q_TQ).view(T, H, d), positions_T, inv_freq)
+        kv_Td = apply_rope(self.kv_norm(self.wkv(x_TD)), positions_T, inv_freq)
+
+        # Write first, then read: the window of every token (prefill, decode or both in one
+        # batch) is then a plain gather from the cache.
+        window_cache = cache.window_kv[self.layer_id]
+        window_cache.index_put_((cache_slot_T, positions_T), kv_Td)
+        keys_TSd, visible_TS = window_keys(window_cache, cache_slot_T, positions_T, self.window)
+
+        if self.role.mode != "swa":
+            ckv_TKd, picked_TK = self.compressed_keys(
+                x_TD, q_TQ, positions_T, cache_slot_T, cache, state
+            )
+            keys_TSd = torch.cat((keys_TSd, ckv_TKd), dim=1)
+            visible_TS = torch.cat((visible_TS, picked_TK), dim=1)
+
+        o_THd = sink_attention(q_THd, keys_TSd, visible_TS, self.attn_sink)
+        o_THd = apply_rope(o_THd, positions_T, inv_freq, inverse=True)
+
+        wo_a_GOK = self.wo_a.weight.view(G, self.o_lora_rank, -1)
+        z_TGO = torch.einsum("tgk,gok->tgo", o_THd.reshape(T, G, H // G * d), wo_a_GOK)
+        # fp32 output: under tensor parallelism this is the partial sum that is reduce-scattered.
+        return F.linear(z_TGO.flatten(1).float(), self.wo_b.weight.float())
+
+    def compressed_keys(
+        self,
+        x_TD: Tensor,
+        q_TQ: Tensor,
+        positions_T: Tensor,
+        cache_slot_T: Tensor,
+        cache: KVCache,
+        state: AttentionState,
+    ) -> tuple[Tensor, Tensor]:
+        """The compressed entries this layer attends to ([T, K, d]) and which are real ([T, K])."""
+        role, inv_freq = self.role, self.rope_inv_freq
+        ckv_cache = cache.compressed_kv[role.kv_source]
+        index_k_cache = cache.index_k[role.kv_source]
+
+        if role.mode == "full":
+            ckv_Td, completes_T = self.compressor(
+                x_TD, positions_T, cache_slot_T, cache.pair_state.get(self.layer_id)
+            )
+            entry_T = torch.div(positions_T, role.ratio, rounding_mode="floor")
+            entry_pos_T = entry_T * role.ratio  # compressed rope at the group's first position
+            slot_T = torch.where(completes_T, cache_slot_T, cache.scratch_slot)
+            ckv_cache.index_put_((slot_T, entry_T), apply_rope(ckv_Td, entry_pos_T, inv_freq))
+            index_k_cache.index_put_(
+                (slot_T, entry_T), self.indexer.keys(ckv_Td, entry_pos_T, inv_freq)
+            )
+
+        if role.mode == "reuse":
+            idx_TK, picked_TK = state.topk[role.topk_source]
+        else:
+            visible_TC = compressed_visible(positions_T, ckv_cache.shape[1], role.ratio)
+            scores_TC = self.indexer(
+                x_TD, q_TQ, positions_T, inv_freq, index_k_cache[cache_slot_T], visible_TC
+            )
+            if role.makes_candidates:
+                state.candidates = candidate_blocks(
+                    scores_TC,
+                    positions_T,
+                    role.ratio,
+                    self.candidate_block_size,
+                    self.candidate_topk_blocks,
+                )
+            if role.candidate_filtered:
+                assert state.candidates is not None, "candidate source must run before its users"
+                scores_TC = scores_TC.masked_fill(~state.candidates, float("-inf"))
+            idx_TK, picked_TK = select_topk(scores_TC, self.index_topk)
+            state.topk[self.layer_id] = (idx_TK, picked_TK)
+        return ckv_cache[cache_slot_T[:, None], idx_TK], picked_TK

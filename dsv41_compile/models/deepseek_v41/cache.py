@@ -1,0 +1,49 @@
+"""The inference cache: a structure of tensors that `DeepseekV41.forward` mutates in place.
+
+A slot is one request. Every layer keeps the rotated, normalised KV latent of every position the
+slot has seen (`window_kv[layer][slot, position]`); attention reads the last `window_size` of
+them. Each kv-source layer (one that owns a compressor) also keeps, per compressed entry c
+(covering positions `[c*ratio, (c+1)*ratio)`), the rotated compressed KV and the index key; a
+ratio-2 source keeps the fp32 projections of an incomplete pair's first token
+(`pair_state`), so a pair split across two calls pools exactly as in one prefill.
+
+All tensors have one extra slot at index `num_slots`, the scratch slot: padding rows
+(`slots == -1`) and writes that must not land (an incomplete pair's entry) go there, so no row of
+a real request is touched and no write needs a data-dependent shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass
+class KVCache:
+    num_slots: int
+    """Requests the cache can hold (slot ids 0 .. num_slots-1)."""
+    max_len: int
+    """Positions per slot (0 .. max_len-1)."""
+    lengths: Tensor
+    """int64 [num_slots]: tokens held per slot (the next position a request must continue at)."""
+    window_kv: list[Tensor]
+    """Per layer, [num_slots + 1, max_len, head_dim]: the KV latent per position."""
+    compressed_kv: dict[int, Tensor]
+    """Per kv-source layer, [num_slots + 1, ceil(max_len / ratio), head_dim]."""
+    index_k: dict[int, Tensor]
+    """Per kv-source layer, [num_slots + 1, ceil(max_len / ratio), index_head_dim]."""
+    pair_state: dict[int, Tensor]
+    """Per ratio-2 kv-source layer, fp32 [num_slots + 1, 2 * head_dim]: the kv and gate
+    projections of a request's last token when it opened a pair that is not yet complete."""
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor of the cache, in a fixed order (for comparing two caches)."""
+        out = [self.lengths, *self.window_kv]
+        for table in (self.compressed_kv, self.index_k, self.pair_state):
+            out += [table[k] for k in sorted(table)]
+        return out

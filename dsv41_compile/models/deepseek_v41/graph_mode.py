@@ -1,0 +1,78 @@
+"""DeepSeek V4.1's routed experts in graph mode (`lowering="torchair"`): the rewrite
+`targets.graph_mode` applies to `dsv41::routed_experts`, through torch_npu's
+`npu_grouped_matmul` (registered when torch_npu is imported; on CPU by
+`testing.torchair_standin.register_npu_ops`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Proxy
+
+from dsv41_compile.core.emitter import cast
+from dsv41_compile.models.deepseek_v41.ops import clamped_swiglu
+
+__all__ = ["grouped_matmul", "routed_experts_grouped"]
+
+aten = torch.ops.aten
+
+
+def routed_experts_grouped(emit, val, x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit):
+    """`dsv41::routed_experts` for graph mode: the (row, k) assignments sorted by expert,
+    torch_npu's grouped matmul for w1 / w3 / w2 with the rows per expert as groups, the clamped
+    SwiGLU and the routing weight in fp32, `index_add` back to the rows in expert order (the
+    reference kernel's order). Static sizes, no host read, no E x FLOPs; unassigned rows are
+    sorted past the last group (what the kernel leaves there is not documented: zeroed before
+    the sum)."""
+    n_experts = w1.node.meta["val"].shape[0]
+    dtype = x.node.meta["val"].dtype
+    top_k = topk_idx.node.meta["val"].shape[1]
+    experts = emit.call(aten.arange.default, n_experts, dtype=torch.int64, device=val.device)
+    none = emit.call(aten.scalar_tensor.default, n_experts, dtype=torch.int64, device=val.device)
+    # The (row, k) assignments in expert order, unassigned ones (-1) last under key E.
+    expert = aten.view.default(topk_idx, [-1])
+    key = aten.where.self(aten.ge.Scalar(expert, 0), expert, none)
+    ordered = aten.sort.default(key)
+    sorted_key, order = ordered[0], ordered[1]
+    row = aten.floor_divide.default(order, top_k)
+    rows = aten.index_select.default(x, 0, row)
+    weight = aten.index_select.default(aten.view.default(topk_weight, [-1]), 0, order)
+    counts = aten.sum.dim_IntList(
+        aten.eq.Tensor(aten.unsqueeze.default(sorted_key, 1), experts), [0]
+    )  # rows per expert: the groups
+    gate = cast(_grouped(rows, w1, counts), dtype, torch.float32)
+    up = cast(_grouped(rows, w3, counts), dtype, torch.float32)
+    h = aten.mul.Tensor(clamped_swiglu(gate, up, swiglu_limit), aten.unsqueeze.default(weight, 1))
+    y = cast(_grouped(cast(h, torch.float32, dtype), w2, counts), dtype, torch.float32)
+    # rows past the last group (unassigned) are not defined by the kernel: zeroed, never read
+    assigned = aten.unsqueeze.default(aten.lt.Scalar(sorted_key, n_experts), 1)
+    zero = emit.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32, device=val.device)
+    y = aten.where.self(assigned, y, zero)
+    # each row's outputs added in fp32 in expert order (the order they come in): the kernel's
+    return aten.index_add.default(aten.zeros_like.default(x, dtype=torch.float32), 0, row, y)
+
+
+def _grouped(x: Proxy, weights: Proxy, counts: Proxy) -> Proxy:
+    """`F.linear(x[group e], weights[e])` for consecutive row groups of sizes `counts`."""
+    op = grouped_matmul()
+    return op(
+        [x],
+        [aten.transpose.int(weights, 1, 2)],
+        group_list=counts,
+        split_item=3,  # one output tensor
+        group_type=0,  # groups along x's rows
+        group_list_type=1,  # counts, not cumulative
+    )[0]
+
+
+def grouped_matmul() -> Any:
+    """torch_npu's `npu_grouped_matmul` (registered when torch_npu is imported; on CPU by
+    `testing.torchair_standin.register_npu_ops`)."""
+    if not hasattr(torch.ops.npu, "npu_grouped_matmul"):
+        raise ValueError(
+            "graph mode computes the routed experts with torch_npu's npu_grouped_matmul, which "
+            "is not registered: import torch_npu first (lowering='torchair' does), or on CPU "
+            "call dsv41_compile.testing.torchair_standin.register_npu_ops()"
+        )
+    return torch.ops.npu.npu_grouped_matmul.default

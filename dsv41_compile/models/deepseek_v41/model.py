@@ -1,0 +1,159 @@
+"""The single-device DeepSeek V4.1 model: embedding -> delayed-mHC decoder blocks -> terminal
+collapse -> norm -> untied head.
+
+Single-device code: no ranks, no collectives, no `.item()` / `.tolist()` in `forward`. Sharding
+lives in the compiler, never here.
+
+Legend: T tokens, N mHC streams, D hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dsv41_compile.models.deepseek_v41.attention import Attention, AttentionState
+from dsv41_compile.models.deepseek_v41.cache import KVCache
+from dsv41_compile.models.deepseek_v41.config import LayerRole, ModelConfig, layer_plan
+from dsv41_compile.models.deepseek_v41.layers import (
+    HyperConnection,
+    RMSNorm,
+    hc_collapse,
+    hc_expand,
+)
+from dsv41_compile.models.deepseek_v41.moe import MoE
+
+
+class Block(nn.Module):
+    """One V4.1 decoder layer with *delayed* mHC pre: the `pre` mix computed at one sublayer
+    collapses the input of the next sublayer (the incoming `pre_TN` collapses this attention's
+    input; this attention site's `pre` collapses the FFN input; the FFN site's `pre` goes out)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, role: LayerRole) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.hc_attn = HyperConnection(cfg)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer_id, role)
+        self.hc_ffn = HyperConnection(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.ffn = MoE(cfg)
+
+    def forward(
+        self,
+        x_TND: Tensor,
+        pre_TN: Tensor,
+        positions_T: Tensor,
+        cache_slot_T: Tensor,
+        valid_T: Tensor,
+        cache: KVCache,
+        state: AttentionState,
+    ) -> tuple[Tensor, Tensor]:
+        attn_pre_TN, attn_post_TN, attn_comb_TNN = self.hc_attn(x_TND)
+        attn_in_TD = self.attn_norm(hc_collapse(x_TND, pre_TN))
+        attn_out_TD = self.attn(attn_in_TD, positions_T, cache_slot_T, cache, state)
+        x_TND = hc_expand(x_TND, attn_out_TD, attn_post_TN, attn_comb_TNN)
+
+        ffn_pre_TN, ffn_post_TN, ffn_comb_TNN = self.hc_ffn(x_TND)
+        ffn_in_TD = self.ffn_norm(hc_collapse(x_TND, attn_pre_TN))
+        ffn_out_TD = self.ffn(ffn_in_TD, valid_T)
+        x_TND = hc_expand(x_TND, ffn_out_TD, ffn_post_TN, ffn_comb_TNN)
+        return x_TND, ffn_pre_TN
+
+
+class DeepseekV41(nn.Module):
+    """`model(input_ids, positions, slots, cache) -> logits [T, vocab] float32`.
+
+    Inputs are packed ragged batches: int64 [T] each. `slots[t]` is token t's request (cache
+    slot), `positions[t]` its position there; a request's tokens are contiguous, with increasing
+    positions continuing what the cache holds (check with `validate_batch`). `slots[t] == -1`
+    marks a padding row: it writes no cache row, is routed to no expert, changes no other row,
+    and its logits are zero. The cache is mutated in place.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=cfg.torch_dtype)
+        self.plan = layer_plan(cfg)
+        self.layers = nn.ModuleList(Block(cfg, i, role) for i, role in enumerate(self.plan))
+        self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=cfg.torch_dtype)
+        self.reset_parameters()
+        # Inference-only: the routed-experts op has no autograd formula, and AOT would otherwise
+        # trace a joint forward/backward graph whenever the caller forgets `no_grad`.
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Deterministic under `torch.manual_seed`: fan-in-scaled normals, unit norms, and mHC /
+        router / sink parameters in ranges where every code path is exercised."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=module.in_features**-0.5)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight)
+            elif isinstance(module, HyperConnection):
+                nn.init.normal_(module.fn, std=module.fn.shape[1] ** -0.5)
+                nn.init.normal_(module.base, std=0.5)
+                nn.init.uniform_(module.scale, 0.5, 1.5)
+            elif isinstance(module, Attention):
+                nn.init.normal_(module.attn_sink)
+            elif isinstance(module, MoE):
+                experts = module.experts
+                for w in (experts.w1, experts.w3, experts.w2):
+                    nn.init.normal_(w, std=w.shape[-1] ** -0.5)
+                nn.init.normal_(module.gate.weight, std=module.gate.weight.shape[1] ** -0.5)
+                nn.init.normal_(module.gate.bias, std=0.1)
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """An empty cache for `num_slots` requests of up to `max_len` positions each."""
+        if num_slots <= 0 or max_len <= 0:
+            raise ValueError(f"num_slots and max_len must be positive, got {num_slots}, {max_len}")
+        cfg, device = self.cfg, self.embed.weight.device
+        rows = num_slots + 1  # + the scratch slot
+
+        def zeros(*shape: int, dtype: torch.dtype = cfg.torch_dtype) -> Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        sources = {i: role.ratio for i, role in enumerate(self.plan) if role.mode == "full"}
+        return KVCache(
+            num_slots=num_slots,
+            max_len=max_len,
+            lengths=zeros(num_slots, dtype=torch.int64),
+            window_kv=[zeros(rows, max_len, cfg.head_dim) for _ in range(cfg.n_layers)],
+            compressed_kv={
+                i: zeros(rows, -(-max_len // r), cfg.head_dim) for i, r in sources.items()
+            },
+            index_k={
+                i: zeros(rows, -(-max_len // r), cfg.index_head_dim) for i, r in sources.items()
+            },
+            pair_state={
+                i: zeros(rows, 2 * cfg.head_dim, dtype=torch.float32)
+                for i, r in sources.items()
+                if r == 2
+            },
+        )
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, slots: Tensor, cache: KVCache
+    ) -> Tensor:
+        valid_T = slots >= 0
+        cache_slot_T = torch.where(valid_T, slots, cache.scratch_slot)
+
+        h_TD = self.embed(input_ids)
+        x_TND = h_TD[:, None, :].expand(-1, self.cfg.hc_mult, -1)
+        # One-hot incoming pre: layer 0's attention input is exactly the embedding.
+        pre_TN = F.one_hot(torch.zeros_like(input_ids), self.cfg.hc_mult).float()
+        state = AttentionState()
+        for layer in self.layers:
+            x_TND, pre_TN = layer(x_TND, pre_TN, positions, cache_slot_T, valid_T, cache, state)
+
+        # The last FFN site's pre collapses the streams (V4.1 has no learned hc_head).
+        y_TD = self.norm(hc_collapse(x_TND, pre_TN))
+        logits_TV = self.head(y_TD).float().masked_fill(~valid_T[:, None], 0.0)
+
+        held = torch.where(valid_T, positions + 1, 0)
+        cache.lengths.scatter_reduce_(0, cache_slot_T.clamp(max=cache.num_slots - 1), held, "amax")
+        return logits_TV

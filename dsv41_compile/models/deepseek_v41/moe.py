@@ -1,0 +1,84 @@
+"""V4.1 MoE: sqrt-softplus gate with a selection-only bias, routed experts (one custom op),
+one shared expert.
+
+Legend: T tokens, D hidden, E routed experts, K top-k, I expert intermediate width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dsv41_compile.models.deepseek_v41.config import ModelConfig
+from dsv41_compile.models.deepseek_v41.ops import routed_experts, swiglu_expert
+
+
+class Gate(nn.Module):
+    """Router (fp32): `s = sqrt(softplus(x Wg^T))`; experts = top-k of `s + bias`; weights =
+    the picked `s` normalised to sum 1, times `routed_scaling_factor`. The bias (aux-loss-free
+    balancing) changes which experts are picked, never the weights' formula."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.topk = cfg.n_activated_experts
+        self.route_scale = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x_TD: Tensor, valid_T: Tensor) -> tuple[Tensor, Tensor]:
+        """Returns `topk_idx [T, K]` (int64, -1 on invalid rows) and `topk_weight [T, K]` fp32."""
+        scores_TE = torch.sqrt(F.softplus(F.linear(x_TD.float(), self.weight)))
+        topk_idx_TK = torch.topk(scores_TE + self.bias, self.topk, dim=-1).indices
+        topk_weight_TK = scores_TE.gather(1, topk_idx_TK)
+        topk_weight_TK = topk_weight_TK / (topk_weight_TK.sum(-1, keepdim=True) + 1e-20)
+        topk_weight_TK = topk_weight_TK * self.route_scale
+        # Padding rows are routed nowhere: no assignment reaches any expert.
+        topk_idx_TK = torch.where(valid_T[:, None], topk_idx_TK, -1)
+        topk_weight_TK = torch.where(valid_T[:, None], topk_weight_TK, 0.0)
+        return topk_idx_TK, topk_weight_TK
+
+
+class RoutedExperts(nn.Module):
+    """The E routed experts' weights, stacked on a leading expert dim (the EP shard dim)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E, I, D, dtype = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim, cfg.torch_dtype
+        self.swiglu_limit = cfg.swiglu_limit
+        self.w1 = nn.Parameter(torch.empty(E, I, D, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(E, D, I, dtype=dtype))
+        self.w3 = nn.Parameter(torch.empty(E, I, D, dtype=dtype))
+
+    def forward(self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor) -> Tensor:
+        return routed_experts(
+            x_TD, topk_idx_TK, topk_weight_TK, self.w1, self.w2, self.w3, self.swiglu_limit
+        )
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        D, I, dtype = cfg.dim, cfg.moe_inter_dim, cfg.torch_dtype
+        self.swiglu_limit = cfg.swiglu_limit
+        self.w1 = nn.Linear(D, I, bias=False, dtype=dtype)
+        self.w2 = nn.Linear(I, D, bias=False, dtype=dtype)
+        self.w3 = nn.Linear(D, I, bias=False, dtype=dtype)
+
+    def forward(self, x_TD: Tensor) -> Tensor:
+        return swiglu_expert(
+            x_TD, self.w1.weight, self.w2.weight, self.w3.weight, self.swiglu_limit
+        )
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Gate(cfg)
+        self.experts = RoutedExperts(cfg)
+        self.shared_expert = SharedExpert(cfg)
+
+    def forward(self, x_TD: Tensor, valid_T: Tensor) -> Tensor:
+        topk_idx_TK, topk_weight_TK = self.gate(x_TD, valid_T)
+        routed_TD = self.experts(x_TD, topk_idx_TK, topk_weight_TK)  # fp32 accumulation
+        return (routed_TD + self.shared_expert(x_TD).float()).to(x_TD.dtype)

@@ -1,0 +1,96 @@
+"""Custom ops of the model: the routed experts as one opaque node `dsv41::routed_experts`.
+
+The compiler sees one node with a declared sharding rule instead of a data-dependent loop over
+experts. Contract (global, single-device view):
+
+    routed_experts(x [T, D], topk_idx [T, K] int64, topk_weight [T, K] fp32,
+                   w1 [E, I, D], w2 [E, D, I], w3 [E, I, D], swiglu_limit) -> [T, D] fp32
+
+`out[t] = sum_k topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t])`, accumulated in fp32.
+`topk_idx == -1` marks "no assignment" (padding rows): it contributes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+aten = torch.ops.aten
+
+
+def clamped_swiglu(gate_TI: Tensor, up_TI: Tensor, swiglu_limit: float) -> Tensor:
+    """`silu(min(gate, L)) * clamp(up, -L, L)` (no clamp when L = 0), in the inputs' dtype.
+    Written with ATen ops so that graph mode builds the same arithmetic into its graph
+    (`graph_mode.routed_experts_grouped` calls it on FX proxies)."""
+    if swiglu_limit > 0:
+        up_TI = aten.clamp.default(up_TI, -swiglu_limit, swiglu_limit)
+        gate_TI = aten.clamp.default(gate_TI, None, swiglu_limit)
+    return aten.mul.Tensor(aten.silu.default(gate_TI), up_TI)
+
+
+def swiglu_expert(
+    x_TD: Tensor,
+    w1_ID: Tensor,
+    w2_DI: Tensor,
+    w3_ID: Tensor,
+    swiglu_limit: float,
+    weight_T: Tensor | None = None,
+) -> Tensor:
+    """Clamped SwiGLU expert: `w2((silu(clamp(w1 x)) * clamp(w3 x)) * weight)`.
+
+    Gate and up are taken to fp32; the up projection is clamped to [-L, L] and the gate from
+    above only. The routing weight multiplies the hidden activation in fp32, before `w2`.
+    Output in the activation dtype.
+    """
+    gate_TI = F.linear(x_TD, w1_ID).float()
+    up_TI = F.linear(x_TD, w3_ID).float()
+    h_TI = clamped_swiglu(gate_TI, up_TI, swiglu_limit)
+    if weight_T is not None:
+        h_TI = h_TI * weight_T[:, None]
+    return F.linear(h_TI.to(x_TD.dtype), w2_DI)
+
+
+@torch.library.custom_op("dsv41::routed_experts", mutates_args=())
+def routed_experts(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weight: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Tensor,
+    swiglu_limit: float,
+) -> Tensor:
+    """Reference kernel: sort the (token, k) assignments by expert, run each expert on its
+    contiguous group, scatter-add the weighted outputs back to their tokens in fp32."""
+    T, K = topk_idx.shape
+    n_experts = w1.shape[0]
+    expert_A = topk_idx.reshape(-1)
+    token_A = torch.arange(T, device=x.device).repeat_interleave(K)
+    weight_A = topk_weight.reshape(-1).float()
+
+    assigned = expert_A >= 0
+    expert_A, token_A, weight_A = expert_A[assigned], token_A[assigned], weight_A[assigned]
+    order = torch.argsort(expert_A, stable=True)
+    expert_A, token_A, weight_A = expert_A[order], token_A[order], weight_A[order]
+    counts = torch.bincount(expert_A, minlength=n_experts).tolist()
+
+    out_TD = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    x_AD = x[token_A]
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = slice(start, start + count)
+            y = swiglu_expert(x_AD[rows], w1[e], w2[e], w3[e], swiglu_limit, weight_A[rows])
+            out_TD.index_add_(0, token_A[rows], y.float())
+        start += count
+    return out_TD
+
+
+@routed_experts.register_fake
+def _(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit):
+    torch._check(topk_idx.shape == topk_weight.shape, lambda: "topk_idx / topk_weight mismatch")
+    torch._check(topk_idx.shape[0] == x.shape[0], lambda: "topk_idx rows must match x rows")
+    torch._check(w1.shape[2] == x.shape[1], lambda: "w1 must be [E, I, D]")
+    torch._check(w2.shape[1] == x.shape[1], lambda: "w2 must be [E, D, I]")
+    return x.new_empty(x.shape, dtype=torch.float32)

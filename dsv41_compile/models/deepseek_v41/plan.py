@@ -1,0 +1,56 @@
+"""DeepSeek V4.1's sharding plan: which parameters are sharded, and the placement activations
+have where they enter and leave its modules (the rest is propagated by the op rules)."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from dsv41_compile.spmd.placements import ExpertShard
+from dsv41_compile.spmd.plan import ShardingPlan
+
+__all__ = ["deepseek_v41_plan"]
+
+
+def deepseek_v41_plan(
+    *, embedding: str = "replicated", ep: int = 1, layout: str = "sp"
+) -> ShardingPlan:
+    """`layout="sp"` (docs/backend.md, "The layout"): heads and output groups sharded over tp, latents /
+    compressor / indexer replicated, row-parallel `wo_b` (a partial sum, reduce-scattered),
+    everything per-token sharded by token; with ep > 1 the routed experts' weights are sharded
+    on the expert dim over the world.
+
+    `layout="replicated"` (the baseline): the same parameter placements, but every
+    activation outside attention is replicated over the TP group: the `wo_b` partial is
+    all-reduced, mHC / norms / gate / shared expert run on all T tokens. With ep > 1 each token
+    is dispatched by exactly one TP rank (the routed-experts rule takes token shards) and the
+    MoE's output leaves the MoE replicated (one AllGather)."""
+    params: list[tuple[str, Placement]] = [
+        ("layers.*.attn.wq_b.weight", Shard(0)),  # [H*d, q_lora]: heads
+        ("layers.*.attn.attn_sink", Shard(0)),  # [H]
+        ("layers.*.attn.wo_a.weight", Shard(0)),  # [G*o_lora, H/G*d]: output groups
+        ("layers.*.attn.wo_b.weight", Shard(1)),  # [D, G*o_lora]: row-parallel
+    ]
+    if embedding == "vocab_sharded":
+        params.append(("embed.weight", Shard(0)))
+    if ep > 1:
+        params += [(f"layers.*.ffn.experts.{w}", ExpertShard(0)) for w in ("w1", "w2", "w3")]
+    if layout == "replicated":
+        return ShardingPlan(
+            params=tuple(params),
+            # Every anchor replicated; they still name the regions (attention / MoE half).
+            anchors=tuple(
+                (path, Replicate())
+                for path in ("layers.*", "layers.*.attn", "layers.*.ffn", "head")
+            ),
+            exits=(("layers.*.ffn", Replicate()),),
+            partial_to=Replicate(),
+        )
+    if layout != "sp":
+        raise ValueError(f"layout={layout!r}: the plans are 'sp' and 'replicated'")
+    anchors: tuple[tuple[str, Placement], ...] = (
+        ("layers.*", Shard(0)),
+        ("layers.*.attn", Replicate()),
+        ("layers.*.ffn", Shard(0)),
+        ("head", Replicate()),
+    )
+    return ShardingPlan(params=tuple(params), anchors=anchors)

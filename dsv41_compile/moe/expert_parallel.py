@@ -1,0 +1,322 @@
+"""expert_parallel: a routed-experts op over expert-sharded weights becomes dispatch -> local
+experts -> combine over the EP group (the whole world).
+
+The ops are the model adapter's `routed_experts` (`core.adapter.RoutedExperts`, whose contract
+this pass relies on: token rows, top-k expert ids with -1 for none, fp32 routing weights, then
+the stacked expert weights and constants).
+
+Requires: localize (the op's token tensors are this rank's token shard, `[Tl, ...]`; its expert
+weights are this rank's E/ep experts). Ensures: no routed-experts node with expert-sharded
+weights is left. In its place, on every rank (no `tp_rank`, no token owners: a rank routes the
+rows it holds):
+
+    dispatch  every valid (token, k) assignment goes to the rank holding its expert, with its
+              token's row, its local expert index and its routing weight     all-to-all(ep)
+    experts   the same op on the received rows and the local weights, one assignment per row
+    combine   the weighted outputs go back to their source rank                all-to-all(ep)
+    sum       each token's k outputs are added in fp32 at the source
+
+plus one `[2, ep]` int64 output per MoE layer -- the assignments this rank sent to and received
+from each rank -- appended to the graph's outputs and described by `ctx.ep_layers`.
+
+`ep_dispatch` chooses how the all-to-all is sized:
+- "exact": exchange the per-destination counts (an all-to-all of ep integers), read them on the
+  host, send exactly the valid assignments, in expert order (so a token's outputs are added in
+  the single-device kernel's order). Padding rows (SP padding, `slots == -1`) have
+  `topk_idx == -1`: no assignment, no row.
+- "padded": no host read in the graph, no data-dependent size. Every rank sends every rank a
+  buffer of C = Tl_max * min(K, E/ep) rows, the most one source can route to one destination
+  (a token's K experts are distinct), so nothing is ever dropped; unused rows carry expert
+  index -1 and cost bytes but no expert compute. Tl_max, the largest token-shard length over
+  the EP group (DP groups serve different T), is the graph input `ep_tokens`: the runtime
+  agrees on it with one all-reduce(max) of an integer before the call, outside the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node, Proxy
+
+from dsv41_compile.core.adapter import RoutedExperts
+from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.emitter import Emitter, cast
+from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REASON, REGION, SYMBOL, replace_node
+from dsv41_compile.moe.stats import EP_TOKENS, EpLayer
+from dsv41_compile.spmd.placements import ExpertShard
+
+__all__ = ["expert_parallel", "sharded_routed_experts"]
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def sharded_routed_experts(
+    gm: GraphModule, ctx: CompileContext
+) -> list[tuple[Node, RoutedExperts]]:
+    """The routed-experts nodes whose expert weights are expert-sharded, with their spec."""
+    found = []
+    for node in gm.graph.nodes:
+        spec = ctx.adapter.routed_experts_op(node.target)
+        placements = node.meta.get(IN)
+        if spec and placements and isinstance(placements[spec.weight_args()[0]], ExpertShard):
+            found.append((node, spec))
+    return found
+
+
+def expert_parallel(gm: GraphModule, *, ctx: CompileContext) -> None:
+    graph = gm.graph
+    targets = sharded_routed_experts(gm, ctx)
+    ep_tokens = (
+        _ep_tokens_input(graph, ctx) if targets and ctx.options.ep_dispatch == "padded" else None
+    )
+    stats = [_rewrite(graph, node, spec, ctx, ep_tokens) for node, spec in targets]
+    if stats and ctx.options.ep_dispatch == "exact":
+        # The split sizes are read on the host: fake propagation (validate, inductor) must give
+        # them unbacked symbols rather than refuse.
+        ctx.fake_mode.allow_scalar_outputs = True
+    if stats:
+        output = graph.output_node()
+        output.args = (tuple(output.args[0]) + tuple(stats),)
+    graph.lint()
+    gm.recompile()
+
+
+class _Emitter(Emitter):
+    """An `Emitter` for the EP lowerings: `arange` on the activations' device, and the
+    all-to-all over the EP group."""
+
+    def __init__(self, graph: Graph, group: str, device: torch.device) -> None:
+        super().__init__(graph)
+        self.group, self.device = group, device
+
+    def arange(self, end: Any) -> Proxy:
+        return self.call(aten.arange.default, end, dtype=torch.int64, device=self.device)
+
+    def a2a(self, value: Proxy, out_splits: list[Any], in_splits: list[Any]) -> Proxy:
+        sent = c10d.all_to_all_single.default(value, out_splits, in_splits, self.group)
+        return c10d.wait_tensor.default(sent)
+
+
+@dataclass(frozen=True)
+class _Routed:
+    """The replaced op's arguments, as proxies: this rank's token shard and its experts."""
+
+    op: torch._ops.OpOverload
+    x: Proxy  # [Tl, D]
+    topk_idx: Proxy  # [Tl, K] int64, -1: no assignment
+    topk_weight: Proxy  # [Tl, K] fp32
+    experts: tuple[Proxy, ...]  # this rank's E/ep experts of each stacked weight
+    constants: tuple[Any, ...]
+    dtype: torch.dtype  # of x, the activation dtype
+    dim: int  # D
+
+
+def _rewrite(
+    graph: Graph, node: Node, spec: RoutedExperts, ctx: CompileContext, ep_tokens: Node | None
+) -> Node:
+    x, idx, w = node.args[:3]
+    weights = [node.args[i] for i in spec.weight_args()]
+    constants = node.args[3 + spec.n_weights :]
+    x_val, w_val = x.meta[GLOBAL_VAL], weights[0].meta[GLOBAL_VAL]
+    ep, n_experts = ctx.mesh.ep, w_val.shape[0]
+    region = node.meta.get(REGION, "")
+    info = EpLayer(
+        layer=ctx.adapter.site(region).layer,
+        region=region,
+        dispatch=ctx.options.ep_dispatch,
+        ep=ep,
+        experts_per_rank=n_experts // ep,
+        top_k=idx.meta[GLOBAL_VAL].shape[1],
+        token_row_bytes=x_val.shape[1] * x_val.element_size(),
+    )
+    emit = _Emitter(graph, ctx.mesh.ep_group_name, x_val.device)
+    with emit.inserting_before(node) as added:
+        p = emit.proxy
+        routed = _Routed(
+            spec.op, p(x), p(idx), p(w), tuple(p(v) for v in weights), tuple(constants),
+            x_val.dtype, x_val.shape[1],
+        )  # fmt: skip
+        if ep_tokens is None:
+            out, stats = _exact(emit, routed, info)
+        else:
+            out, stats = _padded(emit, routed, info, p(ep_tokens))
+    replace_node(node, out.node, added)
+    ctx.ep_layers.append(info)
+    return stats.node
+
+
+def _ep_tokens_input(graph: Graph, ctx: CompileContext) -> Node:
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        node = graph.placeholder(EP_TOKENS)
+    # A size only the runtime knows: a fresh unbacked symbol (>= 1) for fake propagation.
+    shape_env = ctx.fake_mode.shape_env
+    with shape_env.ignore_fresh_unbacked_symbols():  # an input, not an op's output
+        value = shape_env.create_unbacked_symint()
+    torch._check(value >= 1)
+    node.meta["val"] = value
+    node.meta[OUT] = None
+    node.meta[SYMBOL] = "Tl_max"
+    node.meta[REASON] = "max token-shard length over the EP group (agreed before the call)"
+    return node
+
+
+def _exact(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, Proxy]:
+    ep, per_rank, K = info.ep, info.experts_per_rank, info.top_k
+    expert = aten.view.default(op.topk_idx, [-1])  # [A = Tl*K]
+    # Expert order, unassigned last: their key E maps to destination ep, which is never sent.
+    key = aten.where.ScalarOther(aten.ge.Scalar(expert, 0), expert, ep * per_rank)
+    sorted_key, order = aten.sort.stable(key, stable=True)
+    dest = emit.named(aten.floor_divide.default(sorted_key, per_rank), "ep_dest")
+    to_rank = aten.eq.Tensor(aten.unsqueeze.default(dest, 1), emit.arange(ep))  # [A, ep]
+    sent = emit.named(aten.sum.dim_IntList(to_rank, [0]), "ep_sent")
+    received = emit.named(
+        emit.a2a(sent, [1] * ep, [1] * ep),
+        "ep_received",
+        "EP count exchange: how many assignments each rank sends this rank",
+    )
+    counts = aten.unbind.int(aten.cat.default([sent, received]))
+    splits = []
+    for i in range(2 * ep):
+        name = f"ep_send_{i}" if i < ep else f"ep_recv_{i - ep}"
+        count = emit.named(aten._local_scalar_dense.default(counts[i]), name)  # host read
+        aten.sym_constrain_range_for_size.default(count)
+        splits.append(count)
+    send_splits, recv_splits = splits[:ep], splits[ep:]
+    n_send = send_splits[0]
+    for count in send_splits[1:]:
+        n_send = n_send + count
+    assignment = emit.named(aten.narrow.default(order, 0, 0, n_send), "ep_assignment")
+    token = emit.named(aten.floor_divide.default(assignment, K), "ep_token")
+    local = aten.remainder.Scalar(aten.narrow.default(sorted_key, 0, 0, n_send), per_rank)
+    weight = aten.index_select.default(aten.view.default(op.topk_weight, [-1]), 0, assignment)
+    route = aten.stack.default([aten._to_copy.default(local, dtype=torch.float32), weight], 1)
+    x_send = aten.index_select.default(op.x, 0, token)
+    y_back = _exchange(emit, op, x_send, route, send_splits, recv_splits, _EXACT_WHY)
+    zeros = aten.zeros_like.default(op.x, dtype=torch.float32)
+    out = aten.index_add.default(zeros, 0, token, cast(y_back, op.dtype, torch.float32))
+    return emit.named(out, "ep_routed_out"), _stats(emit, sent, received)
+
+
+def _padded(emit: _Emitter, op: _Routed, info: EpLayer, ep_tokens: Proxy) -> tuple[Proxy, Proxy]:
+    ep, per_rank, K = info.ep, info.experts_per_rank, info.top_k
+    capacity = ep_tokens * info.rows_per_token  # C rows per peer, the same on every rank
+    n_rows = capacity * ep
+    expert = aten.view.default(op.topk_idx, [-1])  # [A = Tl*K]
+    assigned = aten.ge.Scalar(expert, 0)
+    dest = emit.named(
+        aten.floor_divide.default(aten.where.ScalarOther(assigned, expert, 0), per_rank),
+        "ep_dest",
+    )
+    to_rank = aten.logical_and.default(
+        aten.eq.Tensor(aten.unsqueeze.default(dest, 1), emit.arange(ep)),
+        aten.unsqueeze.default(assigned, 1),
+    )  # [A, ep]
+    sent = emit.named(aten.sum.dim_IntList(to_rank, [0]), "ep_sent")
+    # Each assignment's row in the send buffer: its destination's block, in (token, k) order;
+    # unassigned entries go to a scratch row past the end, which is never sent.
+    arrival = aten.gather.default(
+        aten.cumsum.default(to_rank, 0), 1, aten.unsqueeze.default(dest, 1)
+    )
+    within = aten.sub.Tensor(aten.squeeze.dim(arrival, 1), 1)
+    slot = emit.named(
+        aten.where.ScalarOther(
+            assigned, aten.add.Tensor(aten.mul.Tensor(dest, capacity), within), n_rows
+        ),
+        "ep_slot",
+    )
+    token = emit.named(
+        aten.floor_divide.default(emit.arange(aten.sym_size.int(expert, 0)), K), "ep_token"
+    )
+    x_buf = aten.index_put.default(
+        aten.new_zeros.default(op.x, [n_rows + 1, op.dim]),
+        [slot],
+        aten.index_select.default(op.x, 0, token),
+    )
+    local = aten._to_copy.default(aten.remainder.Scalar(expert, per_rank), dtype=torch.float32)
+    route = aten.stack.default([local, aten.view.default(op.topk_weight, [-1])], 1)
+    empty = emit.call(
+        aten.full.default, [n_rows + 1, 2], -1.0, dtype=torch.float32, device=emit.device
+    )
+    route_buf = aten.index_put.default(empty, [slot], route)
+    splits = [capacity] * ep
+    x_send = aten.split_with_sizes.default(x_buf, [n_rows, 1])[0]
+    route_send = aten.split_with_sizes.default(route_buf, [n_rows, 1])[0]
+    y_back, routes = _exchange(emit, op, x_send, route_send, splits, splits, _PADDED_WHY, True)
+    y_back = aten.cat.default([y_back, aten.new_zeros.default(y_back, [1, op.dim])])
+    contributions = cast(aten.index_select.default(y_back, 0, slot), op.dtype, torch.float32)
+    zeros = aten.zeros_like.default(op.x, dtype=torch.float32)
+    out = aten.index_add.default(zeros, 0, token, contributions)
+    filled = aten.ge.Scalar(aten.select.int(routes, 1, 0), 0)
+    received = aten.sum.dim_IntList(aten.view.default(filled, [ep, -1]), [1])
+    return emit.named(out, "ep_routed_out"), _stats(emit, sent, received)
+
+
+_EXACT_WHY = (
+    "EP dispatch: each assignment's token row to the rank of its expert",
+    "EP dispatch: each assignment's local expert index and routing weight",
+    "EP combine: weighted expert outputs back to their source rank",
+)
+_PADDED_WHY = (
+    "EP dispatch (padded): C = Tl_max*min(K, E/ep) token rows to every rank",
+    "EP dispatch (padded): local expert index (-1: empty row) and routing weight",
+    "EP combine (padded): expert outputs back to their source rank",
+)
+
+
+def _exchange(
+    emit: _Emitter,
+    op: _Routed,
+    x_send: Proxy,
+    route_send: Proxy,
+    send_splits: list[Any],
+    recv_splits: list[Any],
+    why: tuple[str, str, str],
+    with_routes: bool = False,
+) -> Any:
+    """Dispatch the token rows and routes, run the local experts, combine: the expert outputs
+    of the sent rows, back in send order (and the received routes, if asked)."""
+    rows = emit.named(
+        emit.a2a(x_send, recv_splits, send_splits),
+        "ep_rows",
+        why[0],
+    )
+    routes = emit.named(
+        emit.a2a(route_send, recv_splits, send_splits),
+        "ep_routes",
+        why[1],
+    )
+    y = _local_experts(emit, op, rows, routes)
+    y_back = emit.named(
+        # the expert outputs in the activation dtype: computed in it, so the cast is exact
+        emit.a2a(cast(y, torch.float32, op.dtype), send_splits, recv_splits),
+        "ep_combined",
+        why[2],
+    )
+    return (y_back, routes) if with_routes else y_back
+
+
+def _local_experts(emit: _Emitter, op: _Routed, rows: Proxy, routes: Proxy) -> Proxy:
+    """The routed-experts op on the received rows: one assignment per row, this rank's experts;
+    rows with expert index -1 contribute nothing."""
+    local = aten._to_copy.default(aten.select.int(routes, 1, 0), dtype=torch.int64)
+    weight = aten.select.int(routes, 1, 1)
+    y = op.op(
+        rows,
+        aten.unsqueeze.default(local, 1),
+        aten.unsqueeze.default(weight, 1),
+        *op.experts,
+        *op.constants,
+    )
+    return emit.named(y, "ep_local_experts", "this rank's experts on the received rows")
+
+
+def _stats(emit: _Emitter, sent: Proxy, received: Proxy) -> Proxy:
+    return emit.named(
+        aten.stack.default([sent, received]),
+        "ep_stats",
+        "EP statistics output: assignments sent to / received from each rank",
+    )

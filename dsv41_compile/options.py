@@ -1,0 +1,127 @@
+"""The options of the `dsv41_sp` backend: `torch.compile(..., options={...})`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BackendOptions"]
+
+_LAYOUTS = ("sp", "replicated")
+_LOWERINGS = ("auto", "eager", "inductor", "torchair")
+_EMBEDDINGS = ("replicated", "vocab_sharded")
+_EP_DISPATCH = ("exact", "padded")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendOptions:
+    tp: int = 1
+    """Tensor-parallel (and sequence-parallel) group size; the world splits into world/tp DP
+    groups of consecutive ranks."""
+    ep: int = 1
+    """Expert-parallel group size: the world size (rank r holds routed experts
+    [r*E/ep, (r+1)*E/ep) and the routed-experts op becomes an all-to-all dispatch / combine
+    over the world), or 1 (every rank holds every routed expert)."""
+    ep_dispatch: str = "exact"
+    """How the EP all-to-all is sized: "exact" (exchange per-destination counts, then send
+    exactly the valid assignments; data-dependent sizes) or "padded" (every rank sends a
+    worst-case buffer of ceil(T/tp) * min(top-k, E/ep) rows to every rank; no host sync, the
+    form graph-mode compilers run)."""
+    layout: str = "sp"
+    """"sp": token-sharded residuals, AllGather in / ReduceScatter out of attention.
+    "replicated": the baseline sp replaces: residuals replicated over the TP group, attention
+    output all-reduced, with ep > 1 each token dispatched by one TP rank and the MoE output
+    all-gathered back (docs/backend.md)."""
+    lowering: str = "auto"
+    """"eager", "inductor", "torchair" (Ascend NPU graph mode; needs torch_npu and
+    ep_dispatch="padded"), or "auto" (inductor on CPU / GPU, torchair on NPU)."""
+    dump_dir: str | None = None
+    """Where to write `rank{r}/graph.py` and `rank{r}/comm.json` at compile time."""
+    dump_after: tuple[str, ...] = ()
+    """Pass names (`dsv41_compile.pipeline.PASS_NAMES`) after which the graph is written to
+    `dump_dir/rank{r}/after_{pass}.py` (or a temporary folder the log names)."""
+    embedding: str = "replicated"
+    """"replicated" (local lookup of the token shard) or "vocab_sharded" (rows sharded over
+    tp; the partial lookups are reduce-scattered to the token shards)."""
+    check_inputs: bool = False
+    """Debugging aid: before every call, check that the ranks of each TP group received the
+    same token inputs (one all-gather of the token count and one of the inputs over the TP
+    group, and a host read); a mismatch raises a ValueError naming the ranks and the first row
+    that differs, where otherwise it would give wrong logits."""
+    share_compile: bool = True
+    """One rank per host compiles a per-rank program; the host's other ranks load it
+    (`runtime.host_cache`, under inductor's cache directory). False: every rank compiles."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be a positive int, got {self.tp!r}")
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep must be a positive int, got {self.ep!r}")
+        for name, allowed in (
+            ("layout", _LAYOUTS),
+            ("lowering", _LOWERINGS),
+            ("embedding", _EMBEDDINGS),
+            ("ep_dispatch", _EP_DISPATCH),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not supported; choose one of {allowed}"
+                )
+        from dsv41_compile.pipeline import PASS_NAMES
+
+        unknown = sorted(set(self.dump_after) - set(PASS_NAMES))
+        if unknown:
+            raise ValueError(f"dump_after names no pass: {unknown}; the passes are {PASS_NAMES}")
+        self._check_target(self.lowering)
+
+    def _check_target(self, lowering: str) -> None:
+        if lowering == "torchair" and self.ep > 1 and self.ep_dispatch == "exact":
+            how = (
+                "lowering='auto' chose torchair (NPU tensors)"
+                if self.lowering == "auto"
+                else ("lowering='torchair'")
+            )
+            raise ValueError(
+                f"{how} needs ep_dispatch='padded' with ep > 1: the exact EP lowering reads "
+                "the assignment counts on the host (data-dependent sizes), which torchair's GE "
+                "graphs cannot run"
+            )
+
+    @staticmethod
+    def from_dict(options: dict[str, Any] | None) -> BackendOptions:
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(BackendOptions)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown dsv41_sp option(s) {unknown}; the options are {sorted(known)}"
+            )
+        if isinstance(options.get("dump_after"), (list, str)):
+            after = options["dump_after"]
+            options["dump_after"] = (after,) if isinstance(after, str) else tuple(after)
+        return BackendOptions(**options)
+
+    def target(self, device_type: str) -> str:
+        """The lowering for tensors on `device_type` ("auto" resolved), checked against the
+        other options."""
+        lowering = self.lowering
+        if lowering == "auto":
+            if device_type in ("cpu", "cuda"):
+                lowering = "inductor"
+            elif device_type == "npu":
+                lowering = "torchair"
+            else:
+                raise ValueError(
+                    f"lowering='auto' has no compiler for device {device_type!r}; pass "
+                    "lowering='eager'"
+                )
+        self._check_target(lowering)
+        return lowering
+
+    def cache_key(self) -> tuple[tuple[str, Any], ...]:
+        """The options that change the per-rank program (not where it is dumped)."""
+        skip = {"dump_dir", "dump_after", "check_inputs", "share_compile"}
+        return tuple(
+            (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in skip
+        )

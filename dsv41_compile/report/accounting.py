@@ -1,0 +1,194 @@
+"""What one rank moves and computes per call, read from its rewritten graph.
+
+Every cost is a node of the per-rank graph:
+
+- bytes: each collective's bytes sent and received by this rank (`report.comm.collective_bytes`:
+  ring all-gather / reduce-scatter / all-reduce, pairwise all-to-all), from its local shapes;
+- FLOPs: `2*M*N*K` per `mm` / `addmm`, `2*B*M*N*K` per `bmm` / `baddbmm`, and, per row handed
+  to a routed-experts op and route, two FLOPs per element of one expert's weights (DeepSeek's
+  SwiGLU expert: `6*D*I`; the kernel computes only valid routes, a static-shape kernel would
+  compute every row it is given -- this counts the rows given). Elementwise work is not counted.
+
+Each cost belongs to one part of the model: `entry` (before layer 0: embedding, masks),
+`attention` (a layer's attention half: its mHC pre, norm, attention, mHC post and the
+collectives around them), `moe` (the MoE half: mHC pre, norm, gate, experts, dispatch / combine,
+mHC post) or `exit` (final collapse, norm, head, output gather).
+
+Sizes are formulas in T, the DP group's token count (sympy), for the rank with the fullest
+token shard. Two kinds of size are not functions of T alone and are replaced, stated here:
+`Tl_max` (the padded EP lowering's largest shard over the EP group) is ceil(T/tp), i.e. every
+DP group serves T tokens; the exact EP lowering's data-dependent counts (`ep_send_j`,
+`ep_recv_j`) take their expectation under balanced routing, K*ceil(T/tp)/ep assignments per
+(source, destination) pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch.fx import GraphModule, Node
+from torch.utils._sympy.functions import FloorDiv
+
+from dsv41_compile.core.adapter import PARTS
+from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.errors import InternalError
+from dsv41_compile.core.meta import module_paths
+from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols
+from dsv41_compile.report.comm import collective_bytes, collective_kind
+
+__all__ = ["PARTS", "Cost", "graph_costs", "per_layer_formulas", "summarize"]
+
+aten = torch.ops.aten
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+@dataclass(frozen=True)
+class Cost:
+    node: str
+    part: str
+    """One of PARTS."""
+    layer: int | None
+    kind: str
+    """A collective kind ("all_gather", "reduce_scatter", "all_reduce", "all_to_all") or "matmul"."""
+    axis: str | None
+    """"tp" / "ep" for a collective."""
+    bytes_sent: sympy.Expr
+    bytes_received: sympy.Expr
+    flops: sympy.Expr
+
+
+def graph_costs(gm: GraphModule, ctx: CompileContext) -> list[Cost]:
+    """Every collective and matmul-like node of the rewritten graph `gm`, with its part, layer,
+    bytes and FLOPs as formulas in T (see the module docstring for the substitutions)."""
+    names = _substitutions(gm, ctx)
+    costs = []
+    moe_started: set[int] = set()
+    seen_layer = False
+    zero = sympy.Integer(0)
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        # The part: the enclosing layer's half, in graph order (a layer's own nodes between its
+        # halves -- the mHC collapse / expand -- belong to the MoE half once it has started).
+        site = ctx.adapter.innermost_site(module_paths(node))
+        here = site.layer
+        if here is not None:
+            seen_layer = True
+            if site.part == "moe":
+                moe_started.add(here)
+            part = "moe" if here in moe_started else "attention"
+        else:
+            part = "exit" if seen_layer else "entry"
+        kind = collective_kind(node)
+        if kind is not None:
+            axis, _, sent, received = collective_bytes(node, ctx)
+            sent, received = (_in_t(e, names, node) for e in (sent, received))
+            flops = zero
+        elif node.target in _MATMULS or ctx.adapter.routed_experts_op(node.target) is not None:
+            axis, sent, received, kind = None, zero, zero, "matmul"
+            flops = _in_t(_flops(node, ctx), names, node)
+        else:
+            continue
+        costs.append(Cost(node.name, part, here, kind, axis, sent, received, flops))
+    return costs
+
+
+def summarize(costs: list[Cost], tokens: int) -> dict[str, object]:
+    """The costs at T = `tokens`: bytes sent / received and FLOPs per part, per decoder layer
+    (averaged over the layers) and per collective kind and axis (per layer)."""
+    layers = sorted({c.layer for c in costs if c.layer is not None})
+    n_layers = max(len(layers), 1)
+
+    def at(expr: sympy.Expr) -> int:
+        return int(sympy.ceiling(expr.subs(T, tokens)))
+
+    parts = {p: {"bytes_sent": 0, "bytes_received": 0, "flops": 0} for p in PARTS}
+    collectives: dict[str, dict[str, int]] = {}
+    for c in costs:
+        sent, received, flops = at(c.bytes_sent), at(c.bytes_received), at(c.flops)
+        entry = parts[c.part]
+        entry["bytes_sent"] += sent
+        entry["bytes_received"] += received
+        entry["flops"] += flops
+        if c.kind != "matmul" and c.layer is not None:
+            key = f"{c.kind}({c.axis})"
+            record = collectives.setdefault(key, {"count": 0, "bytes_sent": 0, "bytes_received": 0})
+            record["count"] += 1
+            record["bytes_sent"] += sent
+            record["bytes_received"] += received
+    per_layer = {p: {k: v / n_layers for k, v in parts[p].items()} for p in ("attention", "moe")}
+    return {
+        "tokens_per_dp_group": tokens,
+        "bytes_per_layer_per_rank": (
+            per_layer["attention"]["bytes_sent"] + per_layer["moe"]["bytes_sent"]
+        ),
+        "flops_per_layer_per_rank": per_layer["attention"]["flops"] + per_layer["moe"]["flops"],
+        "moe_flops_per_layer_per_rank": per_layer["moe"]["flops"],
+        "attention_flops_per_layer_per_rank": per_layer["attention"]["flops"],
+        "collectives": {
+            k: {f: v / n_layers for f, v in record.items()}
+            for k, record in sorted(collectives.items())
+        },
+        "parts": parts,
+        "layers": n_layers,
+    }
+
+
+def per_layer_formulas(costs: list[Cost]) -> dict[str, str]:
+    """Bytes sent per decoder layer (averaged over the layers) by collective kind and axis, and
+    FLOPs per layer of each half, as formulas in T."""
+    layers = {c.layer for c in costs if c.layer is not None}
+    n_layers = max(len(layers), 1)
+    sums: dict[str, sympy.Expr] = {}
+    for c in costs:
+        if c.layer is None:
+            continue
+        key = f"{c.kind}({c.axis}) bytes" if c.kind != "matmul" else f"{c.part} flops"
+        value = c.flops if c.kind == "matmul" else c.bytes_sent
+        sums[key] = sums.get(key, sympy.Integer(0)) + value
+    return {k: str(sympy.simplify(v / n_layers)) for k, v in sorted(sums.items())}
+
+
+def _flops(node: Node, ctx: CompileContext) -> sympy.Expr:
+    shape = [_size(s) for s in node.meta["val"].shape]
+    spec = ctx.adapter.routed_experts_op(node.target)
+    if spec is not None:
+        x, topk_idx = node.args[:2]
+        rows = _size(x.meta["val"].shape[0])
+        routes = _size(topk_idx.meta["val"].shape[1])
+        per_expert = sum(
+            sympy.Mul(*(_size(s) for s in node.args[i].meta["val"].shape[1:]))
+            for i in spec.weight_args()
+        )
+        return 2 * rows * routes * per_expert
+    if node.target in (aten.mm.default, aten.addmm.default):
+        a = node.args[-2].meta["val"]
+        return 2 * shape[0] * shape[1] * _size(a.shape[1])
+    a = node.args[-2].meta["val"]  # bmm / baddbmm: [B, M, K] @ [B, K, N]
+    return 2 * shape[0] * shape[1] * shape[2] * _size(a.shape[2])
+
+
+def _size(s: object) -> sympy.Expr:
+    return sympy.sympify(s.node.expr) if isinstance(s, torch.SymInt) else sympy.Integer(s)
+
+
+def _substitutions(gm: GraphModule, ctx: CompileContext) -> dict[object, sympy.Expr]:
+    tl = FloorDiv(T + ctx.mesh.tp - 1, ctx.mesh.tp)  # ceil(T/tp), printed as the graph does
+    names = {k: (tl if v == TL_MAX else v) for k, v in graph_symbols(gm).items()}
+    by_layer = {info.region: info for info in ctx.ep_layers}
+    for node in gm.graph.nodes:
+        if node.target is aten._local_scalar_dense.default:
+            info = next((i for r, i in by_layer.items() if r in module_paths(node)), None)
+            if info is None:
+                raise InternalError("a host read outside an expert-parallel MoE", node)
+            names[node.meta["val"].node.expr] = info.top_k * tl / info.ep
+    return names
+
+
+def _in_t(expr: sympy.Expr, names: dict[object, sympy.Expr], node: Node) -> sympy.Expr:
+    out = sympy.sympify(expr).xreplace(names)
+    if not out.free_symbols <= {T}:
+        raise InternalError(f"size {expr} is not a function of T", node)
+    return out

@@ -1,0 +1,143 @@
+"""The collectives of a per-rank graph: their kind, axis and the bytes they move, as formulas in
+the graph's named sizes (`core.symbols`: T, Tl_max), and the communication records `comm.json`
+holds.
+
+Bytes are what this rank sends and receives, from the local shapes: ring all-gather /
+reduce-scatter ((tp-1) shards each way), ring all-reduce (a reduce-scatter then an all-gather:
+2(tp-1)/tp of the buffer each way), pairwise all-to-all (every chunk but the rank's own).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import sympy
+import torch
+from torch.fx import GraphModule, Node
+
+from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.errors import InternalError
+from dsv41_compile.core.meta import REASON, REGION
+from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols, in_named_symbols, size_expr
+
+__all__ = [
+    "COLLECTIVES",
+    "EXAMPLE_TOKEN_COUNTS",
+    "collective_axis",
+    "collective_bytes",
+    "collective_kind",
+    "comm_records",
+    "format_size",
+]
+
+c10d = torch.ops._c10d_functional
+COLLECTIVES = {
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_reduce.default: "all_reduce",
+    c10d.all_to_all_single.default: "all_to_all",
+}
+EXAMPLE_TOKEN_COUNTS = (1, 8, 2048)
+
+
+def collective_kind(node: Node) -> str | None:
+    return COLLECTIVES.get(node.target) if node.op == "call_function" else None
+
+
+def collective_axis(node: Node, ctx: CompileContext) -> str:
+    group = node.args[-1]
+    if group == ctx.mesh.tp_group_name:
+        return "tp"
+    if group == ctx.mesh.ep_group_name:
+        return "ep"
+    raise InternalError(f"a collective runs on an unknown process group {group!r}", node)
+
+
+def _numel(val: torch.Tensor) -> sympy.Expr:
+    return sympy.Mul(*(size_expr(s) for s in val.shape))
+
+
+def _a2a_bytes(splits: list[object], val: torch.Tensor, rank: int) -> sympy.Expr:
+    """Bytes of the chunks for the other ranks (the chunk at `rank` stays)."""
+    exprs = [size_expr(s) for s in splits]
+    row = val.element_size() * math.prod(int(d) for d in val.shape[1:])
+    return (sum(exprs, sympy.Integer(0)) - exprs[rank]) * row
+
+
+def collective_bytes(node: Node, ctx: CompileContext) -> tuple[str, int, sympy.Expr, sympy.Expr]:
+    """(axis, group size, bytes this rank sends, bytes it receives) of a collective node, in the
+    graph's own symbols (data-dependent all-to-all splits stay unbacked symbols)."""
+    kind, axis = collective_kind(node), collective_axis(node, ctx)
+    inp, out = node.args[0].meta["val"], node.meta["val"]
+    tp = ctx.mesh.tp
+    if kind == "all_to_all":
+        rank = ctx.mesh.axis_rank(axis)
+        group_size = ctx.mesh.ep if axis == "ep" else tp
+        return (
+            axis,
+            group_size,
+            _a2a_bytes(node.args[2], inp, rank),
+            _a2a_bytes(node.args[1], out, rank),
+        )
+    if kind == "all_reduce":
+        moved = sympy.Rational(2 * (tp - 1), tp) * _numel(inp) * inp.element_size()
+    else:
+        shard = inp if kind == "all_gather" else out
+        moved = (tp - 1) * _numel(shard) * shard.element_size()
+    return axis, tp, moved, moved
+
+
+def format_size(size: object, names: dict[sympy.Expr, sympy.Symbol]) -> str:
+    """A size in the graph's named symbols (`((T + 3)//4)`)."""
+    if isinstance(size, torch.SymInt):
+        return str(sympy.sympify(size.node.expr).xreplace(names))
+    return str(size)
+
+
+def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
+    """One record per collective: kind, axis, group size, dtype, local shapes, bytes this rank
+    sends and receives as a formula in T and at a few token counts, layer, region, reason. A
+    padded EP all-to-all's formula is in Tl_max (its values at T assume every DP group serves T
+    tokens); an exact one's sizes are data-dependent ("data-dependent": `comm.json`'s
+    `ep_steps` has each call's bytes)."""
+    names = graph_symbols(gm)
+    records = []
+    for node in gm.graph.nodes:
+        kind = collective_kind(node)
+        if kind is None:
+            continue
+        axis, group_size, sent, received = collective_bytes(node, ctx)
+        sent, received = (in_named_symbols(e, names) for e in (sent, received))
+        inp, out = node.args[0].meta["val"], node.meta["val"]
+        region = node.meta.get(REGION, "")
+        records.append(
+            {
+                "node": node.name,
+                "kind": kind,
+                "axis": axis,
+                "group_size": group_size,
+                "dtype": str(inp.dtype).removeprefix("torch."),
+                "input_shape": [format_size(s, names) for s in inp.shape],
+                "output_shape": [format_size(s, names) for s in out.shape],
+                "bytes_sent": _format_bytes(sent),
+                "bytes_received": _format_bytes(received),
+                "bytes_sent_at": _bytes_at(sent, ctx.mesh.tp),
+                "bytes_received_at": _bytes_at(received, ctx.mesh.tp),
+                "layer": ctx.adapter.site(region).layer,
+                "region": region,
+                "reason": node.meta.get(REASON, ""),
+            }
+        )
+    return records
+
+
+def _format_bytes(expr: sympy.Expr | None) -> str:
+    return "data-dependent" if expr is None else str(expr)
+
+
+def _bytes_at(expr: sympy.Expr | None, tp: int) -> dict[str, int] | None:
+    """`expr` at a few T, every DP group serving T tokens (so Tl_max = ceil(T/tp))."""
+    if expr is None:
+        return None
+    return {f"T={t}": int(expr.xreplace({T: t, TL_MAX: -(-t // tp)})) for t in EXAMPLE_TOKEN_COUNTS}

@@ -1,0 +1,123 @@
+"""What a compile writes for people: `dump_dir/rank{r}/graph.py` (the per-rank graph) and
+`dump_dir/rank{r}/comm.json` (its collectives; with expert parallelism `ep_steps` grows by one
+entry per call, `EpStepLog`), plus the graph after a named pass (`dump_after`) or after a pass
+that broke an invariant (`write_graph`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.mesh import Mesh
+from dsv41_compile.moe.stats import EpLayer
+from dsv41_compile.report.graph_printer import format_graph
+
+__all__ = ["EpStepLog", "graph_labels", "graph_text", "rank_dir", "write_dump", "write_graph"]
+
+
+def graph_labels(ctx: CompileContext) -> tuple[dict[str, str], dict[str, str]]:
+    """Placeholder labels (parameter FQNs, input names) and group-name -> axis-name map."""
+    labels = dict(ctx.param_fqns)
+    labels.update(ctx.input_sources)
+    groups = {ctx.mesh.tp_group_name: "tp"}
+    if ctx.mesh.ep > 1:
+        groups.setdefault(ctx.mesh.ep_group_name, "ep")
+    return labels, groups
+
+
+def graph_text(gm: GraphModule, ctx: CompileContext) -> str:
+    """The graph as `graph.py` shows it: its inputs in order, then one line per node. The same
+    on every rank (the rank enters as the `tp_rank` input)."""
+    labels, groups = graph_labels(ctx)
+    inputs = [
+        f"#   {labels.get(n.name, n.name)}"
+        + (f"  (local shard {ctx.param_shards[i].placement})" if i in ctx.param_shards else "")
+        for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+    ]
+    body = format_graph(gm, labels=labels, groups=groups)
+    return "# inputs, in order:\n" + "\n".join(inputs) + "\n\n" + body + "\n"
+
+
+def rank_dir(dump_dir: str | None, rank: int) -> Path:
+    """`dump_dir/rank{r}`, or a new temporary folder when there is no dump_dir."""
+    base = Path(dump_dir) if dump_dir is not None else Path(tempfile.mkdtemp(prefix="dsv41_sp_"))
+    out = base / f"rank{rank}"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def write_graph(gm: GraphModule, ctx: CompileContext, name: str) -> Path:
+    """`name.py` in this rank's dump folder: the graph as it is now (during the pipeline)."""
+    path = rank_dir(ctx.options.dump_dir, ctx.mesh.rank) / f"{name}.py"
+    labels, groups = graph_labels(ctx)
+    path.write_text(format_graph(gm, labels=labels, groups=groups) + "\n")
+    return path
+
+
+def write_dump(
+    dump_dir: str,
+    mesh: Mesh,
+    options: object,
+    text: str,
+    comm: list[dict[str, Any]],
+    ep_layers: list[EpLayer],
+) -> Path:
+    """`graph.py` and `comm.json` of this rank; returns its folder."""
+    out = rank_dir(dump_dir, mesh.rank)
+    header = (
+        f'"""dsv41_sp per-rank graph: rank {mesh.rank} (tp_rank {mesh.tp_rank} of TP group '
+        f"{mesh.dp_rank}), tp={mesh.tp}, world={mesh.world_size}, options={options}.\n\n"
+        "Each line is one node: `name = op(args)  # placement dtype[local shape]`. Placements\n"
+        "are on the tp axis: S(d) sharded on dim d, R replicated, P partial sum. T is the DP\n"
+        "group's token count; Tl = (T + tp - 1) // tp rows per rank. Inserted collectives end in\n"
+        '`<- why`: which consumer needed which placement.\n"""\n\n'
+    )
+    (out / "graph.py").write_text(header + text)
+    (out / "comm.json").write_text(
+        json.dumps(
+            {
+                "rank": mesh.rank,
+                "tp_rank": mesh.tp_rank,
+                "dp_rank": mesh.dp_rank,
+                "tp": mesh.tp,
+                "world_size": mesh.world_size,
+                "ep": mesh.ep,
+                "collectives": comm,
+                "ep_layers": [dataclasses.asdict(layer) for layer in ep_layers],
+                "ep_steps": [],
+            },
+            indent=2,
+        )  # fmt: skip
+        + "\n"
+    )
+    return out
+
+
+class EpStepLog:
+    """Appends each call's EP traffic to `comm.json`'s `ep_steps`: per MoE layer, the valid
+    assignments this rank sent and received and the dispatch / combine bytes it sent
+    (`EpLayer.step_record`). A debugging aid: it reads the counts on the host every call."""
+
+    def __init__(self, path: Path, layers: list[EpLayer], rank: int) -> None:
+        self.path, self.layers, self.rank = path, list(layers), rank
+
+    def __call__(self, stats: list[torch.Tensor], ep_tokens: int) -> None:
+        doc = json.loads(self.path.read_text())
+        doc["ep_steps"].append(
+            {
+                "call": len(doc["ep_steps"]),
+                "ep_tokens": ep_tokens,
+                "layers": [
+                    layer.step_record(s, ep_tokens, self.rank)
+                    for layer, s in zip(self.layers, stats)
+                ],
+            }
+        )
+        self.path.write_text(json.dumps(doc, indent=2) + "\n")

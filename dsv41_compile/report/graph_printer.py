@@ -1,0 +1,162 @@
+"""A rank-independent text form of a rewritten graph: one line per node with its placement and
+local shape; sizes in the graph's named symbols (T, Tl_max); process group names replaced by
+their mesh axis; parameters and inputs by their model names.
+
+`stable_names=True` also replaces FX's counter names (`mul_1438`), which change whenever any
+earlier part of the graph does, by positions in the printed text: `v0, v1, ...` for the
+printed nodes and `in0, in1, ...` for values from outside the printed region. Names the passes
+gave on purpose (`ep_rows`, `tp_rank`) stay. The expect snapshots use it, so they pin the
+structure, not the counters.
+
+Used by `graph.py` dumps, `tools/explain.py` and the expect tests.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import sympy
+import torch
+from torch.fx import GraphModule, Node
+
+from dsv41_compile.core.meta import NAMED, OUT, REASON, REGION
+from dsv41_compile.core.symbols import graph_symbols
+from dsv41_compile.spmd.placements import format_placement
+
+__all__ = ["format_graph"]
+
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int64: "i64", torch.bool: "b8",
+           torch.float64: "f64", torch.int32: "i32"}  # fmt: skip
+_OPS = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.floordiv: "//"}
+_WORD = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
+
+
+def _size(s: object, names: dict[sympy.Expr, sympy.Symbol]) -> str:
+    if isinstance(s, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return str(sympy.sympify(s.node.expr).xreplace(names)).replace(" ", "")
+    return str(s)
+
+
+def _value(val: object, names: dict[sympy.Expr, sympy.Symbol]) -> str:
+    if isinstance(val, torch.Tensor):
+        dims = ", ".join(_size(s, names) for s in val.shape)
+        return f"{_DTYPES.get(val.dtype, str(val.dtype))}[{dims}]"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(_value(v, names) for v in val) + ")"
+    if val is None:
+        return ""
+    return _size(val, names)
+
+
+def _placement(out: object) -> str:
+    if isinstance(out, tuple):
+        return "(" + ", ".join(format_placement(p) for p in out) + ")"
+    return format_placement(out) if out is not None else ""
+
+
+def _target(node: Node) -> str:
+    if node.target in _OPS:
+        return _OPS[node.target]
+    if isinstance(node.target, torch._ops.OpOverload):
+        ns = node.target.namespace
+        return f"{'' if ns == 'aten' else ns + '.'}{node.target._opname}"
+    return getattr(node.target, "__name__", str(node.target))
+
+
+class _Printer:
+    def __init__(
+        self,
+        gm: GraphModule,
+        labels: dict[str, str],
+        groups: dict[str, str],
+        printed: list[Node],
+        stable_names: bool,
+    ) -> None:
+        self.labels, self.groups = labels, groups
+        self.symbols = graph_symbols(gm)
+        self.stable = stable_names
+        kept = [n for n in printed if not n.meta.get(NAMED)]
+        self.names = {n: f"v{i}" for i, n in enumerate(kept)} if stable_names else {}
+        self.external: dict[Node, str] = {}
+        self.by_name = {n.name: n for n in gm.graph.nodes}
+
+    def name(self, node: Node) -> str:
+        if node.name in self.labels:
+            return self.labels[node.name]
+        if node in self.names:
+            return self.names[node]
+        if self.stable and not node.meta.get(NAMED) and node.op != "placeholder":
+            return self.external.setdefault(node, f"in{len(self.external)}")
+        return node.name
+
+    def reason(self, text: str) -> str:
+        """A reason names nodes: with stable names, by theirs."""
+        if not self.stable:
+            return text
+        return _WORD.sub(
+            lambda m: (
+                self.name(self.by_name[m.group()]) if m.group() in self.by_name else m.group()
+            ),
+            text,
+        )
+
+    def arg(self, a: object) -> str:
+        if isinstance(a, Node):
+            return self.name(a)
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(self.arg(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner})"
+        if isinstance(a, str):
+            return repr(self.groups.get(a, a))
+        if isinstance(a, torch.dtype):
+            return _DTYPES.get(a, str(a))
+        if isinstance(a, int) and a >= 2**62:
+            return "end"
+        return repr(a)
+
+    def line(self, node: Node) -> str:
+        if node.op == "output":
+            return f"return {self.arg(node.args[0])}"
+        args = [self.arg(a) for a in node.args]
+        args += [f"{k}={self.arg(v)}" for k, v in node.kwargs.items() if k != "device"]
+        if node.target in _OPS and len(args) == 2:
+            call = f"{args[0]} {_target(node)} {args[1]}"
+        else:
+            call = f"{_target(node)}({', '.join(args)})"
+        comment = " ".join(
+            x
+            for x in (_placement(node.meta.get(OUT)), _value(node.meta.get("val"), self.symbols))
+            if x
+        )
+        text = f"{self.name(node)} = {call}"
+        collective = getattr(node.target, "namespace", None) == "_c10d_functional"
+        if node.meta.get(REASON) and collective:
+            comment += f"  <- {self.reason(node.meta[REASON])}"
+        return f"{text}  # {comment}" if comment else text
+
+
+def format_graph(
+    gm: GraphModule,
+    *,
+    labels: dict[str, str] | None = None,
+    groups: dict[str, str] | None = None,
+    region: str | None = None,
+    stable_names: bool = False,
+) -> str:
+    """The graph as text. `labels` renames placeholders (e.g. to parameter FQNs), `groups` maps
+    process group names to axis names; `region` keeps only the nodes of one module (e.g.
+    "layers.1") and its submodules; `stable_names` (see the module docstring)."""
+    printed = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if region is not None:
+            node_region = node.meta.get(REGION, "")
+            if node.op == "output" or (
+                node_region != region and not node_region.startswith(region + ".")
+            ):
+                continue
+        printed.append(node)
+    printer = _Printer(gm, dict(labels or {}), dict(groups or {}), printed, stable_names)
+    return "\n".join(printer.line(node) for node in printed)

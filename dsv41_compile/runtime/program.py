@@ -1,0 +1,112 @@
+"""The per-rank program as AOTAutograd calls it, once per call of the compiled model.
+
+`ProgramSpec` is what a call needs besides the compiled graph -- which inputs are parameter
+shards, where the token count is, the EP layers -- and is the same on every rank (the host
+compile cache stores it, `runtime.host_cache`). `ShardedProgram` binds it to this rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsv41_compile.core.context import ParamShard
+from dsv41_compile.core.mesh import Mesh
+from dsv41_compile.moe.stats import EpLayer
+
+__all__ = ["ProgramSpec", "ShardedProgram"]
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    param_shards: dict[int, ParamShard]
+    """Input index -> the shard of that parameter the graph takes."""
+    token_index: int
+    """Input index of the token input (its length is T)."""
+    ep_layers: tuple[EpLayer, ...] = ()
+    """One per MoE layer lowered over the EP group: the graph's trailing statistics outputs."""
+    ep_tokens_input: bool = False
+    """The graph takes `ep_tokens` (padded EP dispatch) after `tp_rank`."""
+
+
+class ShardedProgram:
+    """The compiled per-rank graph as AOT calls it: full parameters in, local shards to the
+    graph. Each sharded parameter is sliced once and reused until it is replaced or modified in
+    place (its version counter moves). Appends the inputs the rewrite added: `tp_rank`, and for
+    padded EP dispatch `ep_tokens` (the largest token-shard length over the EP group, agreed
+    with one all-reduce(max) of an integer, outside the graph). The graph's trailing
+    EP-statistics outputs are kept in `ep_stats`, not returned; `on_ep_stats`, when set,
+    receives them with the call's `ep_tokens` (or Tl)."""
+
+    _boxed_call = True
+
+    def __init__(
+        self,
+        compiled: Callable[..., Any],
+        spec: ProgramSpec,
+        *,
+        tp: int,
+        tp_rank: int,
+        rank: int,
+        device_type: str = "cpu",
+        on_ep_stats: Callable[[list[torch.Tensor], int], None] | None = None,
+    ) -> None:
+        self.compiled, self.spec = compiled, spec
+        self.tp, self.tp_rank, self.rank, self.device_type = tp, tp_rank, rank, device_type
+        self.on_ep_stats = on_ep_stats
+        self.tp_rank_tensor: torch.Tensor | None = None  # made at the first call, not under
+        # the compile-time fake mode
+        self._shards: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.ep_stats: list[torch.Tensor] = []
+        self.ep_tokens = 0  # of the last call
+
+    @staticmethod
+    def for_mesh(
+        compiled: Callable[..., Any], spec: ProgramSpec, mesh: Mesh, **kw: Any
+    ) -> ShardedProgram:
+        return ShardedProgram(
+            compiled, spec, tp=mesh.tp, tp_rank=mesh.tp_rank, rank=mesh.rank,
+            device_type=mesh.device_type, **kw,
+        )  # fmt: skip
+
+    def local_shard(self, index: int, full: torch.Tensor) -> torch.Tensor:
+        cached = self._shards.get(index)
+        if cached is not None and cached[0] is full and cached[1] == full._version:
+            return cached[2]
+        shard = self.spec.param_shards[index]
+        part = self.tp_rank if shard.axis == "tp" else self.rank
+        local = full.chunk(shard.parts, shard.dim)[part].contiguous()
+        self._shards[index] = (full, full._version, local)
+        return local
+
+    def agree_ep_tokens(self, tokens: int) -> int:
+        """The largest ceil(T/tp) over the EP group (the world)."""
+        local = torch.tensor([-(-tokens // self.tp)], dtype=torch.int64, device=self.device_type)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        return int(local.item())
+
+    def __call__(self, args: list[Any]) -> Any:
+        args = list(args)
+        tokens = args[self.spec.token_index].shape[0]
+        for index in self.spec.param_shards:
+            args[index] = self.local_shard(index, args[index])
+        if self.tp_rank_tensor is None:
+            self.tp_rank_tensor = torch.tensor(self.tp_rank, dtype=torch.int64)
+        args.append(self.tp_rank_tensor)
+        ep_tokens = -(-tokens // self.tp)
+        if self.spec.ep_tokens_input:
+            ep_tokens = self.agree_ep_tokens(tokens)
+            args.append(ep_tokens)
+        self.ep_tokens = ep_tokens
+        outputs = self.compiled(*args)
+        n_stats = len(self.spec.ep_layers)
+        if not n_stats:
+            return outputs
+        self.ep_stats = list(outputs[-n_stats:])
+        if self.on_ep_stats is not None:
+            self.on_ep_stats(self.ep_stats, ep_tokens)
+        return type(outputs)(outputs[:-n_stats])

@@ -1,0 +1,70 @@
+"""insert: make every value arrive with the placement its consumer needs.
+
+Requires: annotate (every node has `meta[IN]` / `meta[OUT]`).
+Ensures: for every node, each tensor input's placement equals the one in `meta[IN]`; the
+inserted nodes (collectives, pads, local slices) carry `meta[OUT]`, `meta[REASON]` and the
+consumer's module and source line; one redistribution per (value, placement), shared by every
+consumer after the first; a `tp_rank` placeholder and the token-size nodes exist. A value
+redistributed because it leaves a module with an exit placement is redistributed in that module
+(the inserted nodes carry the producer's module and source line).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Placement
+from torch.fx import GraphModule, Node
+
+from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REGION, RULE
+from dsv41_compile.spmd.annotate import exit_placement
+from dsv41_compile.spmd.placements import format_placement
+from dsv41_compile.spmd.transitions import TokenSizes, pad_value, redistribute
+
+__all__ = ["insert_collectives"]
+
+
+def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> None:
+    graph = gm.graph
+    token_input = next(n for n in graph.nodes if n.name == ctx.token_input)
+    sizes = ctx.sizes = TokenSizes.create(graph, token_input, ctx.mesh.tp, ctx.mesh.tp_group_name)
+    done: dict[tuple[Node, Placement, int], Node] = {}
+    for node in list(graph.nodes):
+        needed: tuple[Placement, ...] | None = node.meta.get(IN)
+        if not needed:
+            continue
+        placements = iter(enumerate(needed))
+
+        def fix(arg: Node, consumer: Node = node, placements=placements) -> Node:
+            if not isinstance(arg, Node) or not isinstance(arg.meta.get(GLOBAL_VAL), torch.Tensor):
+                return arg
+            position, dst = next(placements)
+            src = arg.meta[OUT]
+            if src == dst:
+                return arg
+            fill = pad_value(consumer, position, ctx.adapter)
+            key = (arg, dst, fill)
+            if key not in done:
+                why = _why(arg, consumer, dst)
+                site = arg if exit_placement(arg, consumer, ctx) == dst else consumer
+                with graph.inserting_before(consumer):
+                    out = redistribute(graph, arg, src, dst, sizes, site=site, why=why, fill=fill)
+                out.meta[OUT] = dst
+                out.meta[GLOBAL_VAL] = arg.meta[GLOBAL_VAL]  # same global value, new placement
+                done[key] = out
+            return done[key]
+
+        node.args = torch.fx.node.map_arg(node.args, fix)
+        node.kwargs = torch.fx.node.map_arg(node.kwargs, fix)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _why(value: Node, consumer: Node, dst: Placement) -> str:
+    region = consumer.meta.get(REGION) or "the graph output"
+    rule = consumer.meta.get(RULE, "")
+    if rule.startswith("replicated") or rule.startswith("graph outputs"):
+        rule = ""
+    return f"{consumer.name} in {region} needs {value.name} as {format_placement(dst)}" + (
+        f" ({rule})" if rule else ""
+    )

@@ -1,0 +1,178 @@
+"""localize: global shapes -> per-rank shapes.
+
+Requires: annotate and insert (placements on every node, collectives in place).
+Ensures: sharded parameters are recorded in `ctx.param_shards` (the runtime hands the graph the
+local shard, sliced once: a tp shard by `tp_rank`, an expert shard by the world rank); every size argument that names a sharded dim is the local size (a
+`-1` where the op can infer it, the token-shard length `Tl`, or `size // tp`); a vocab-sharded
+embedding looks up only its own rows and leaves zeros elsewhere (its partial sum). Ops that
+would create a sharded tensor from a global size are refused.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from dsv41_compile.core.context import CompileContext, ParamShard
+from dsv41_compile.core.meta import GLOBAL_VAL, OUT, REASON, describe
+from dsv41_compile.moe.stats import EP_TOKENS
+from dsv41_compile.spmd.placements import ExpertShard
+
+__all__ = ["local_inputs", "localize"]
+
+aten = torch.ops.aten
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_FACTORIES = {
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
+    aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.new_zeros.default,
+    aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
+}  # fmt: skip
+
+
+def localize(gm: GraphModule, *, ctx: CompileContext) -> None:
+    mesh = ctx.mesh
+    tp = mesh.tp
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for index, node in enumerate(placeholders):
+        placement = node.meta.get(OUT)
+        fqn = ctx.param_fqns.get(node.name)
+        if fqn is not None and isinstance(placement, Shard):
+            ctx.param_shards[index] = ParamShard(fqn, placement, placement.dim, tp, "tp")
+        elif fqn is not None and isinstance(placement, ExpertShard):
+            ctx.param_shards[index] = ParamShard(fqn, placement, placement.dim, mesh.ep, "ep")
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        out = node.meta.get(OUT)
+        if node.target in _VIEWS and isinstance(out, Shard):
+            node.args = (node.args[0], _local_view_sizes(node, list(node.args[1]), out.dim, tp))
+        elif node.target is aten.expand.default and isinstance(out, Shard):
+            node.args = (node.args[0], _local_expand_sizes(node, out.dim, ctx))
+        elif node.target is aten.slice.Tensor and isinstance(out, Shard):
+            _check_full_slice(node, out.dim)
+        elif node.target is aten.embedding.default and isinstance(node.args[0].meta[OUT], Shard):
+            _localize_vocab_sharded_embedding(gm, node, ctx)
+        elif node.target in _FACTORIES and isinstance(out, Shard):
+            raise NotImplementedError(
+                f"{describe(node)} creates a {out} tensor from a global size; compute it from a "
+                f"token-sharded input instead"
+            )
+    gm.graph.lint()
+    gm.recompile()
+
+
+def local_inputs(gm: GraphModule, ctx: CompileContext) -> list[Any]:
+    """Fake values of the per-rank graph's inputs: local parameter shards, `tp_rank`, and the
+    (unchanged) model inputs."""
+    inputs = []
+    for index, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        if node.name == "tp_rank":
+            with ctx.fake_mode:
+                inputs.append(torch.zeros((), dtype=torch.int64))
+            continue
+        if node.name == EP_TOKENS:
+            inputs.append(node.meta["val"])
+            continue
+        val = node.meta.get(GLOBAL_VAL, node.meta.get("val"))
+        if index in ctx.param_shards:
+            shape = ctx.param_shards[index].local_shape(list(val.shape))
+            with ctx.fake_mode:
+                val = torch.empty(shape, dtype=val.dtype, device=val.device)
+        inputs.append(val)
+    return inputs
+
+
+def _local_view_sizes(node: Node, sizes: list[object], dim: int, tp: int) -> list[object]:
+    # A static sharded dim gets its local size written out, and so does a -1 beside it whose
+    # global size is static: a view keeps at most one -1, on a dim whose neighbours are never
+    # 0 (with T = 0 tokens a -1 next to a T dim would be ambiguous).
+    out = node.meta[GLOBAL_VAL].shape
+    sizes = [out[i] if s == -1 and isinstance(out[i], int) else s for i, s in enumerate(sizes)]
+    size = sizes[dim]
+    if isinstance(size, int):
+        if size % tp:
+            raise ValueError(
+                f"{describe(node)} splits a dim of size {size} that is sharded over tp={tp}; "
+                f"choose a tp that divides it (for attention: n_heads and o_groups)"
+            )
+        sizes[dim] = size // tp
+    elif -1 not in sizes:
+        sizes[dim] = -1  # a token-sharded dim: the local numel fixes it
+    else:
+        raise NotImplementedError(
+            f"{describe(node)} views a token-sharded tensor with two symbolic sizes {sizes}"
+        )
+    return sizes
+
+
+def _local_expand_sizes(node: Node, dim: int, ctx: CompileContext) -> list[object]:
+    sizes = list(node.args[1])
+    source = node.args[0].meta[GLOBAL_VAL]
+    offset = len(sizes) - source.dim()
+    if sizes[dim] == -1:
+        return sizes
+    if dim >= offset and not statically_known_true(source.shape[dim - offset] == 1):
+        sizes[dim] = -1  # expand keeps a non-broadcast dim: the input's local size
+        return sizes
+    size = sizes[dim]
+    if isinstance(size, int) and size % ctx.mesh.tp == 0:
+        sizes[dim] = size // ctx.mesh.tp
+    elif isinstance(size, Node) and size.meta.get("val") == ctx.sizes.T.meta.get("val"):
+        sizes[dim] = ctx.sizes.Tl
+    else:
+        raise NotImplementedError(f"{describe(node)}: cannot localize a broadcast to a sharded dim")
+    return sizes
+
+
+def _check_full_slice(node: Node, dim: int) -> None:
+    _, slice_dim, start, end, *step = node.args
+    val = node.args[0].meta[GLOBAL_VAL]
+    if slice_dim % val.dim() != dim:
+        return
+    if start != 0 or (step and step[0] != 1):
+        raise NotImplementedError(f"{describe(node)} slices a sharded dim")
+    size = val.shape[dim]
+    end_val = end.meta.get("val") if isinstance(end, Node) else end
+    if not (end_val == sys.maxsize or statically_known_true(end_val == size)):
+        raise NotImplementedError(f"{describe(node)} slices a sharded dim")
+    node.args = (node.args[0], slice_dim, 0, sys.maxsize, *step)
+
+
+def _localize_vocab_sharded_embedding(gm: GraphModule, node: Node, ctx: CompileContext) -> None:
+    # Rank k holds rows [k*Vl, (k+1)*Vl): it looks up the ids in its range and contributes zeros
+    # for the rest, so the sum over the TP group (the entry ReduceScatter) is the embedding.
+    weight, ids = node.args[:2]
+    rows = weight.meta[GLOBAL_VAL].shape[0] // ctx.mesh.tp
+    g = gm.graph
+    with g.inserting_before(node):
+        offset = g.call_function(aten.mul.Tensor, (ctx.sizes.tp_rank, rows))
+        local = g.call_function(aten.sub.Tensor, (ids, offset))
+        mine = g.call_function(
+            aten.bitwise_and.Tensor,
+            (
+                g.call_function(aten.ge.Scalar, (local, 0)),
+                g.call_function(aten.lt.Scalar, (local, rows)),
+            ),
+        )
+        safe = g.call_function(aten.mul.Tensor, (local, mine))
+    with g.inserting_after(node):
+        keep = g.call_function(aten.unsqueeze.default, (mine, -1))
+    with g.inserting_after(keep):
+        masked = g.call_function(aten.mul.Tensor, (node, keep))
+    node.replace_all_uses_with(masked, delete_user_cb=lambda user: user is not masked)
+    node.args = (weight, safe, *node.args[2:])
+    for n in (offset, local, mine, safe, keep, masked, *mine.args):
+        n.meta[OUT] = Partial() if n is masked else Replicate()
+        n.meta[REASON] = (
+            "vocab-sharded embedding: zeros for other ranks' rows (a partial sum)"
+            if n is masked
+            else "vocab-sharded embedding: look up this rank's rows only"
+        )
+        for key in ("stack_trace", "nn_module_stack"):
+            if key in node.meta:
+                n.meta[key] = node.meta[key]

@@ -1,0 +1,36 @@
+"""Placements on a mesh axis: DTensor's `Shard` / `Replicate` / `Partial`, plus `ExpertShard`
+for expert weights, and their short printed forms (`S(0)`, `R`, `P`, `E(0)`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+__all__ = ["ExpertShard", "format_placement"]
+
+
+@dataclass(frozen=True)
+class ExpertShard(Placement):
+    """Sharded on the expert dim over the ep axis (the whole world, not the tp axis): rank r
+    holds experts `[r*E/ep, (r+1)*E/ep)`. Only a routed-experts op consumes such a value; the
+    expert_parallel pass turns that op into dispatch -> local experts -> combine."""
+
+    dim: int = 0
+
+    def __repr__(self) -> str:
+        return f"E({self.dim})"
+
+
+def format_placement(placement: Placement | None) -> str:
+    """Short form: `S(0)`, `R`, `P` (`P(max)` for a non-sum partial), `-` for no tensor; other
+    placements (`E(0)`) by their repr."""
+    if placement is None:
+        return "-"
+    if isinstance(placement, Shard):
+        return f"S({placement.dim})"
+    if isinstance(placement, Replicate):
+        return "R"
+    if isinstance(placement, Partial):
+        return "P" if placement.reduce_op == "sum" else f"P({placement.reduce_op})"
+    return str(placement)

@@ -1,0 +1,166 @@
+"""The transition table: every placement change on the tp axis and the graph nodes that do it.
+No collective is chosen anywhere else.
+
+    src   -> dst    what                                                    communication
+    S(0)  -> R      all_gather_into_tensor + wait, split off the tail padding AllGather(tp)
+    P     -> S(0)   pad the token dim to tp*Tl, reduce_scatter_tensor(sum)  ReduceScatter(tp)
+    R     -> S(d)   pad, view as [tp, n/tp] on dim d, take row tp_rank      none
+    P     -> R      all_reduce(sum) + wait (the replicated baseline only)   AllReduce(tp)
+    S(a)  -> S(b)   all-to-all: in neither layout                           (error)
+    R     -> P      never needed                                            (error)
+
+Which of P -> S(0) and P -> R runs is the plan's choice (`ShardingPlan.partial_to`).
+
+Token shards are contiguous chunks of Tl = ceil(T/tp) rows of the token dim, with padding only
+at the global tail (torch.chunk / DTensor `Shard` order). Padding rows are zeros (False for
+masks): the model's `valid` mask is False there, so they are routed nowhere and dropped at exit.
+The one exception is a routing table sliced for a routed-experts op (the replicated baseline's
+token owners): its padding rows are the op's "routed nowhere" value (`pad_value`).
+The graph is the same on every rank: the rank enters as the `tp_rank` input, never as a constant.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.fx import Graph, Node
+
+from dsv41_compile.core.adapter import ModelAdapter
+from dsv41_compile.core.meta import OUT, REASON, REGION, SYMBOL, describe
+from dsv41_compile.spmd.placements import format_placement
+
+__all__ = ["TokenSizes", "redistribute"]
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+@dataclass
+class TokenSizes:
+    """Graph nodes for the token count T (the length of `input_ids`), the shard length
+    Tl = ceil(T/tp), the padding Tpad - T, and the `tp_rank` input; created once after the
+    placeholders."""
+
+    T: Node
+    Tl: Node
+    pad: Node
+    tp_rank: Node
+    tp: int
+    group_name: str
+
+    @staticmethod
+    def create(graph: Graph, token_input: Node, tp: int, group_name: str) -> TokenSizes:
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        with graph.inserting_after(placeholders[-1]):
+            tp_rank = graph.placeholder("tp_rank")
+        with graph.inserting_after(tp_rank):
+            T = graph.call_function(aten.sym_size.int, (token_input, 0))
+        with graph.inserting_after(T):
+            up = graph.call_function(operator.add, (T, tp - 1))
+        with graph.inserting_after(up):
+            Tl = graph.call_function(operator.floordiv, (up, tp))
+        with graph.inserting_after(Tl):
+            Tpad = graph.call_function(operator.mul, (Tl, tp))
+        with graph.inserting_after(Tpad):
+            pad = graph.call_function(operator.sub, (Tpad, T))
+        for n, why in ((T, "T"), (Tl, "Tl = ceil(T/tp)"), (Tpad, "tp*Tl"), (pad, "tp*Tl - T")):
+            n.meta[REASON] = why
+        T.meta[SYMBOL] = "T"
+        tp_rank.meta[REASON] = "this rank's index in its TP group"
+        for n in (tp_rank, T, up, Tl, Tpad, pad):
+            n.meta[OUT] = None
+        return TokenSizes(T, Tl, pad, tp_rank, tp, group_name)
+
+
+def pad_value(consumer: Node, position: int, adapter: ModelAdapter) -> int:
+    """The value of the padding rows of the `position`-th tensor input of `consumer`: a routed-
+    experts op's own value for "no assignment" in its top-k ids (a padding row is routed
+    nowhere), else 0."""
+    spec = adapter.routed_experts_op(consumer.target)
+    return spec.pad_value(position) if spec is not None else 0
+
+
+def _pad_tokens(graph: Graph, value: Node, ndim: int, sizes: TokenSizes, fill: int = 0) -> Node:
+    # constant_pad_nd pads from the last dim backwards: the last pair is dim 0's (before, after).
+    return graph.call_function(
+        aten.constant_pad_nd.default, (value, [0, 0] * (ndim - 1) + [0, sizes.pad], fill)
+    )
+
+
+def redistribute(
+    graph: Graph,
+    value: Node,
+    src: Placement,
+    dst: Placement,
+    sizes: TokenSizes,
+    *,
+    site: Node,
+    why: str,
+    fill: int = 0,
+) -> Node:
+    """Nodes turning `value` (placed `src`) into `dst`, inserted at the graph's current insert
+    point; they carry the module and source line of `site` (the consumer, or the producer when
+    the value leaves a module with an exit placement). Padding rows are `fill`. Returns the new
+    value."""
+    val = value.meta["val"]
+    ndim = val.dim()
+    tp, group = sizes.tp, sizes.group_name
+    if src == dst:
+        return value
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        if src.dim != 0:
+            raise NotImplementedError(
+                f"{describe(value)} is {format_placement(src)} and a consumer needs it replicated; "
+                f"only token shards (S(0)) are gathered in the sp layout ({why})"
+            )
+        gathered = graph.call_function(c10d.all_gather_into_tensor.default, (value, tp, group))
+        waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
+        # split (not slice) into [T, pad]: the sizes add up to the gathered size exactly, which
+        # compilers can see even when T is an unbacked symbol.
+        parts = graph.call_function(aten.split_with_sizes.default, (waited, [sizes.T, sizes.pad]))
+        out = graph.call_function(operator.getitem, (parts, 0))
+        nodes = [gathered, waited, parts, out]
+    elif isinstance(src, Partial) and dst == Shard(0):
+        if src.reduce_op != "sum":
+            raise NotImplementedError(f"{describe(value)}: only sum partials are reduce-scattered")
+        padded = _pad_tokens(graph, value, ndim, sizes)
+        scattered = graph.call_function(
+            c10d.reduce_scatter_tensor.default, (padded, "sum", tp, group)
+        )
+        out = graph.call_function(c10d.wait_tensor.default, (scattered,))
+        nodes = [padded, scattered, out]
+    elif isinstance(src, Partial) and isinstance(dst, Replicate):
+        if src.reduce_op != "sum":
+            raise NotImplementedError(f"{describe(value)}: only sum partials are all-reduced")
+        reduced = graph.call_function(c10d.all_reduce.default, (value, "sum", group))
+        out = graph.call_function(c10d.wait_tensor.default, (reduced,))
+        nodes = [reduced, out]
+    elif isinstance(src, Replicate) and isinstance(dst, Shard):
+        d = dst.dim
+        nodes = []
+        if d == 0:  # the token dim: padded to tp*Tl rows, Tl per rank
+            value = _pad_tokens(graph, value, ndim, sizes, fill)
+            nodes.append(value)
+            chunk: object = sizes.Tl
+        else:
+            size = val.shape[d]
+            chunk = size // tp if isinstance(size, int) else -1
+        # explicit chunk sizes: a -1 next to a symbolic dim is not always inferable
+        split = graph.call_function(aten.unflatten.int, (value, d, [tp, chunk]))
+        out = graph.call_function(aten.index.Tensor, (split, [None] * d + [sizes.tp_rank]))
+        nodes += [split, out]
+    else:
+        raise NotImplementedError(
+            f"{describe(value)}: no {format_placement(src)} -> {format_placement(dst)} transition "
+            f"({why}); a tp all-to-all here means the plan or a rule put a value on the wrong "
+            f"side of a layer boundary"
+        )
+    for n in nodes:
+        n.meta[REASON] = f"{format_placement(src)} -> {format_placement(dst)}: {why}"
+        for key in ("stack_trace", "nn_module_stack", REGION):
+            if key in site.meta:
+                n.meta[key] = site.meta[key]
+    return out

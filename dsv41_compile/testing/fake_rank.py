@@ -1,0 +1,87 @@
+"""One rank of a fake world: the rewritten graph a rank compiles, without other processes.
+
+`compile_on_fake_rank(rank, options)` compiles a model (tiny-swa by default) with `dsv41_sp` as
+rank `rank` of a `fake` process group of 8 ranks (collectives move no data) and runs it once:
+it returns that rank's rewritten graph, its compile context and the logits (which mean
+nothing: no data moved). Results are kept for the process, keyed by the arguments: a test
+session compiles each configuration once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch._dynamo
+from torch.fx import GraphModule
+
+import dsv41_compile
+from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.mesh import clear_mesh_cache
+from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.report.dump import graph_labels
+from dsv41_compile.report.graph_printer import format_graph
+from dsv41_compile.testing.batches import Request, pack
+from dsv41_compile.testing.capture import capture_programs
+from dsv41_compile.testing.torch_shims import fake_process_group
+
+__all__ = ["REQUESTS", "compile_on_fake_rank", "layer_text"]
+
+REQUESTS = (Request(0, (1, 2, 3), 0), Request(1, (4, 5), 0), Request(2, (6, 7, 8), 0))
+"""The requirement's example batch of one DP group: requests of 3, 2 and 3 tokens."""
+
+_COMPILED: dict[tuple, tuple[GraphModule, CompileContext, torch.Tensor]] = {}
+
+
+def compile_on_fake_rank(
+    rank: int,
+    options: dict[str, Any],
+    cfg: ModelConfig | None = None,
+    requests: Sequence[Request] = REQUESTS,
+    *,
+    mark: bool = True,
+    world_size: int = 8,
+) -> tuple[GraphModule, CompileContext, torch.Tensor]:
+    """Rank `rank`'s rewritten graph of `cfg` (tiny-swa) under `options` (eager lowering unless
+    given), its context and its logits on `requests`; `mark`: the token count is marked
+    (`mark_token_dim`), else Dynamo traces it as it does a first call."""
+    cfg = cfg or ModelConfig.from_name("tiny-swa")
+    requests = tuple(Request(r.slot, tuple(r.ids), r.start) for r in requests)
+    key = (rank, tuple(sorted(options.items())), cfg, requests, mark, world_size)
+    if key not in _COMPILED:
+        _COMPILED[key] = _compile(rank, options, cfg, requests, mark, world_size)
+    return _COMPILED[key]
+
+
+def _compile(
+    rank: int,
+    options: dict[str, Any],
+    cfg: ModelConfig,
+    requests: Sequence[Request],
+    mark: bool,
+    world_size: int,
+) -> tuple[GraphModule, CompileContext, torch.Tensor]:
+    torch.manual_seed(0)
+    model = DeepseekV41(cfg)
+    torch._dynamo.reset()
+    with fake_process_group(world_size=world_size, rank=rank), capture_programs() as programs:
+        clear_mesh_cache()
+        ids, positions, slots = pack(list(requests))
+        if mark:
+            dsv41_compile.mark_token_dim(ids, positions, slots)
+        compiled = torch.compile(
+            model, backend="dsv41_sp", options={"lowering": "eager", **options}, fullgraph=True
+        )
+        try:
+            logits = compiled(ids, positions, slots, model.new_cache(4, 32))
+        finally:
+            clear_mesh_cache()
+    (gm, ctx), *_ = programs
+    return gm, ctx, logits
+
+
+def layer_text(gm: GraphModule, ctx: CompileContext, region: str) -> str:
+    """One region of the graph (e.g. "layers.1.attn") as snapshot text: stable names."""
+    labels, groups = graph_labels(ctx)
+    return format_graph(gm, labels=labels, groups=groups, region=region, stable_names=True)

@@ -1,0 +1,133 @@
+"""Accounting read from the rewritten graph, against bytes and FLOPs computed by hand; the
+replicated baseline's collectives against sp's.
+
+tiny-swa (2 decoder layers, D = 64 fp32, 16 routed experts of width I = 32, top-6, shared
+expert of width 32, N = 4 mHC streams), planned on meta tensors for rank 0 of a fake world of 8
+(tp = 4, ep = 8), at T = 8 tokens per DP group: Tl = 2 rows per rank. Costs are per layer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from dsv41_compile.core.meta import REGION
+from dsv41_compile.model import ModelConfig
+from dsv41_compile.report.accounting import graph_costs, summarize
+from dsv41_compile.spmd.verify import collective_kind
+
+WORLD, TP, EP, T = 8, 4, 8, 8
+LAYERS = 2
+D, E, K, I, N = 64, 16, 6, 32, 4
+TL = T // TP
+F32 = 4
+ROUTE = 8  # (local expert index, weight) per dispatched row
+
+
+@pytest.fixture
+def plan(plan_once):
+    """(layout, EP dispatch) -> (gm, ctx); the options and cache size are comm_report's, so
+    its test reuses these plans."""
+
+    def planned(layout: str, dispatch: str):
+        options = {"tp": TP, "ep": EP, "ep_dispatch": dispatch, "layout": layout}
+        options["lowering"] = "eager"
+        cfg = ModelConfig.from_name("tiny-swa")
+        gm, ctx, _ = plan_once(cfg, options, world_size=WORLD, max_len=4096)
+        return gm, ctx
+
+    return planned
+
+
+@pytest.fixture(params=["sp", "replicated"])
+def planned(request, plan):
+    return request.param, *plan(request.param, "padded")
+
+
+def test_bytes_per_collective_by_hand(planned):
+    layout, gm, ctx = planned
+    summary = summarize(graph_costs(gm, ctx), T)
+    ring = (TP - 1) * TL * D * F32  # (tp-1) shards of [Tl, D] fp32 each way
+    # padded EP: every peer gets C = Tl * min(K, E/ep) rows of tokens, routes, outputs
+    C = TL * min(K, E // EP)
+    ep = (EP - 1) * C * (D * F32 + ROUTE + D * F32)
+    if layout == "sp":
+        expected = {"all_gather(tp)": ring, "reduce_scatter(tp)": ring}
+    else:
+        all_reduce = 2 * (TP - 1) * T * D * F32 // TP  # ring: reduce-scatter + all-gather
+        expected = {"all_reduce(tp)": all_reduce, "all_gather(tp)": ring}
+    expected["all_to_all(ep)"] = ep
+    got = {kind: c["bytes_sent"] for kind, c in summary["collectives"].items()}
+    assert got == expected
+    assert summary["bytes_per_layer_per_rank"] == sum(expected.values())
+    # parts are per call: both layers' MoE halves
+    moe = ep + (ring if layout == "replicated" else 0)
+    assert summary["parts"]["moe"]["bytes_sent"] == LAYERS * moe
+
+
+def test_moe_flops_by_hand(planned):
+    layout, gm, ctx = planned
+    summary = summarize(graph_costs(gm, ctx), T)
+    rows = TL if layout == "sp" else T  # per-token work: local rows or all T
+    mhc_pre = 2 * rows * (N * D) * (2 * N + N * N)  # streams -> (pre, post, comb) coefficients
+    gate = 2 * rows * D * E
+    shared = 3 * 2 * rows * D * I
+    routed = 3 * 2 * (EP * TL * min(K, E // EP)) * D * I  # every padded row handed to the kernel
+    mhc_post = 2 * rows * N * N * D  # comb mixes the N streams
+    assert summary["moe_flops_per_layer_per_rank"] == mhc_pre + gate + shared + routed + mhc_post
+
+
+def test_exact_dispatch_counts_take_their_balanced_expectation(plan):
+    gm, ctx = plan("sp", "exact")
+    summary = summarize(graph_costs(gm, ctx), T)
+    # K*Tl assignments leave the rank, 1/ep of them to itself: 7/8 of 12 rows each way
+    moved = K * TL * (EP - 1) / EP
+    counts = (EP - 1) * 8
+    expected = counts + moved * (D * F32 + ROUTE) + moved * D * F32
+    assert summary["collectives"]["all_to_all(ep)"]["bytes_sent"] == pytest.approx(expected)
+    routed = 3 * 2 * K * TL * D * I  # K*Tl rows received in expectation, one route each
+    mhc = 2 * TL * (N * D) * (2 * N + N * N) + 2 * TL * N * N * D
+    assert summary["moe_flops_per_layer_per_rank"] == mhc + 2 * TL * D * E + 6 * TL * D * I + routed
+
+
+def test_sp_has_no_all_reduce_and_replicated_one_per_layer(plan):
+    cfg = ModelConfig.from_name("tiny-swa")
+    kinds = {}
+    for layout in ("sp", "replicated"):
+        gm, ctx = plan(layout, "exact")
+        kinds[layout] = Counter(
+            (n.meta[REGION], collective_kind(n)) for n in gm.graph.nodes if collective_kind(n)
+        )
+    for layer in range(cfg.n_layers):
+        sp = {k: n for k, n in kinds["sp"].items() if k[0].startswith(f"layers.{layer}")}
+        rep = {k: n for k, n in kinds["replicated"].items() if k[0].startswith(f"layers.{layer}")}
+        assert sp == {
+            (f"layers.{layer}.attn", "all_gather"): 1,
+            (f"layers.{layer}", "reduce_scatter"): 1,
+            (f"layers.{layer}.ffn", "all_to_all"): 4,
+        }
+        # the MoE output is shared back to the TP group after each token's owner combined it
+        assert rep == {
+            (f"layers.{layer}", "all_reduce"): 1,
+            (f"layers.{layer}.ffn", "all_gather"): 1,
+            (f"layers.{layer}.ffn", "all_to_all"): 4,
+        }
+    assert not any(kind == "all_reduce" for _, kind in kinds["sp"])
+
+
+def test_replicated_baseline_routes_each_token_from_one_owner(plan):
+    """The routed experts see the TP rank's token shard (its unique owners), padded with -1
+    routes; the shared expert and gate see all T rows."""
+    gm, ctx = plan("replicated", "exact")
+    pads = [
+        n
+        for n in gm.graph.nodes
+        if n.target is torch.ops.aten.constant_pad_nd.default
+        and n.meta.get(REGION) == "layers.0.ffn"
+    ]
+    fills = sorted(n.args[2] for n in pads)
+    # topk_idx (-1: routed nowhere); x, topk_weight, and the shared expert's output, added to
+    # the routed output on the owned rows before the MoE output is gathered back
+    assert fills == [-1, 0, 0, 0]

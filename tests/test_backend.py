@@ -1,0 +1,322 @@
+"""Tier 2: the rewritten per-rank graph on a fake process group (no communication happens)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import expecttest
+import pytest
+import torch
+import torch._dynamo
+
+import dsv41_compile
+from dsv41_compile.core.mesh import clear_mesh_cache
+from dsv41_compile.core.meta import REASON, REGION
+from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.report.comm import collective_kind
+from dsv41_compile.report.dump import graph_labels
+from dsv41_compile.report.graph_printer import format_graph
+from dsv41_compile.testing.batches import Request, pack
+from dsv41_compile.testing.fake_rank import compile_on_fake_rank, layer_text
+from dsv41_compile.testing.torch_shims import fake_process_group
+
+
+@pytest.fixture(scope="module")
+def rank1():
+    return compile_on_fake_rank(1, {"tp": 4})
+
+
+def collectives(gm) -> list:
+    return [n for n in gm.graph.nodes if collective_kind(n)]
+
+
+def test_one_all_gather_of_the_2d_attention_input_and_one_fp32_reduce_scatter_per_layer(rank1):
+    gm, ctx, logits = rank1
+    assert logits.shape == (8, 512)
+    per_layer = Counter()
+    for node in collectives(gm):
+        region = node.meta[REGION]
+        per_layer[
+            (
+                region.split(".")[1] if region.startswith("layers.") else region,
+                collective_kind(node),
+            )
+        ] += 1
+        source = node.args[0].meta["val"]
+        if collective_kind(node) == "all_gather" and region.startswith("layers."):
+            assert region.endswith(".attn") and source.dim() == 2 and source.shape[1] == 64
+        if collective_kind(node) == "reduce_scatter":
+            assert source.dtype == torch.float32
+        assert ".ffn" not in region, "the MoE half has no TP collective"
+    assert per_layer == {
+        ("0", "all_gather"): 1,
+        ("0", "reduce_scatter"): 1,
+        ("1", "all_gather"): 1,
+        ("1", "reduce_scatter"): 1,
+        ("head", "all_gather"): 1,  # the exit gather of the normed [Tl, D] hidden
+    }
+    assert not any(collective_kind(n) == "all_reduce" for n in gm.graph.nodes)
+
+
+def test_graph_text_is_identical_on_every_rank(rank1):
+    gm1, ctx1, _ = rank1
+    text1 = format_graph(gm1, labels=graph_labels(ctx1)[0], groups=graph_labels(ctx1)[1])
+    for rank in (0, 6):  # another tp_rank of the same DP group, and the other DP group
+        gm, ctx, _ = compile_on_fake_rank(rank, {"tp": 4})
+        labels, groups = graph_labels(ctx)
+        assert format_graph(gm, labels=labels, groups=groups) == text1
+
+
+def test_vocab_sharded_embedding_enters_with_one_reduce_scatter():
+    gm, _, _ = compile_on_fake_rank(2, {"tp": 4, "embedding": "vocab_sharded"})
+    first, *rest = collectives(gm)
+    assert collective_kind(first) == "reduce_scatter"
+    partials = first.args[0].meta["val"]
+    assert partials.dim() == 2 and partials.shape[1] == 64  # [T, D], not the [T, 4, D] streams
+    assert partials.dtype == torch.float32
+    assert [collective_kind(n) for n in rest] == ["all_gather", "reduce_scatter"] * 2 + [
+        "all_gather"
+    ]
+
+
+def test_dump_writes_graph_and_comm_records(tmp_path):
+    compile_on_fake_rank(5, {"tp": 4, "dump_dir": str(tmp_path)})
+    graph = (tmp_path / "rank5" / "graph.py").read_text()
+    assert "_c10d_functional.all_gather_into_tensor(" in graph and "<- S(0) -> R" in graph
+    comm = json.loads((tmp_path / "rank5" / "comm.json").read_text())
+    assert (comm["rank"], comm["tp_rank"], comm["dp_rank"]) == (5, 1, 1)
+    kinds = [c["kind"] for c in comm["collectives"]]
+    assert kinds == ["all_gather", "reduce_scatter"] * 2 + ["all_gather"]
+    first = comm["collectives"][0]
+    assert first["layer"] == 0 and first["axis"] == "tp" and first["group_size"] == 4
+    assert first["input_shape"] == ["((T + 3)//4)", "64"]
+    # ring all-gather: 3 of the 4 shards of Tl x 64 fp32 go out and come in
+    assert first["bytes_sent"] == first["bytes_received"] == "768*(((T + 3)//4))"
+    assert first["bytes_sent_at"] == {
+        "T=1": 3 * 64 * 4,
+        "T=8": 3 * 2 * 64 * 4,
+        "T=2048": 3 * 512 * 64 * 4,
+    }
+
+
+def test_bf16_rounding_boundaries_are_the_single_device_ones():
+    cfg = ModelConfig.from_name("tiny-swa", dtype="bfloat16")
+    gm, _, _ = compile_on_fake_rank(3, {"tp": 4}, cfg=cfg)
+    inserted = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and REASON in n.meta
+        and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    assert inserted
+    for node in inserted:  # collectives, pads and slices never change a dtype
+        source = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
+        assert source is not None, node.format_node()
+        source_val = source.meta["val"]
+        if isinstance(source_val, torch.Tensor):
+            assert node.meta["val"].dtype == source_val.dtype, node.name
+    scatters = [n for n in collectives(gm) if collective_kind(n) == "reduce_scatter"]
+    assert [n.args[0].meta["val"].dtype for n in scatters] == [torch.float32] * 2
+    gathers = [n for n in collectives(gm) if collective_kind(n) == "all_gather"]
+    assert [n.args[0].meta["val"].dtype for n in gathers] == [torch.bfloat16] * 3
+
+
+def test_one_compile_serves_every_token_count():
+    torch.manual_seed(0)
+    model = DeepseekV41(ModelConfig.from_name("tiny-swa"))
+    torch._dynamo.reset()
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return dsv41_compile.dsv41_sp(gm, example_inputs, options={"tp": 4, "lowering": "eager"})
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    cache = model.new_cache(16, 32)
+    with fake_process_group(world_size=8, rank=0):
+        clear_mesh_cache()
+        for slot, T in enumerate((1, 3, 8, 13, 2)):  # includes T < tp and T % tp != 0
+            ids, positions, slots = pack([Request(slot, list(range(1, T + 1)), 0)])
+            dsv41_compile.mark_token_dim(ids, positions, slots)
+            assert compiled(ids, positions, slots, cache).shape == (T, 512)
+        clear_mesh_cache()
+    assert len(frames) == 1
+
+
+def test_backend_is_listed_through_the_entry_point_without_importing_the_package():
+    code = "import torch._dynamo, sys; sys.exit(0 if 'dsv41_sp' in torch._dynamo.list_backends() else 1)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+class TestLayerSnapshot(expecttest.TestCase):
+    def test_attention_of_layer_1_of_tiny_swa_tp4(self):
+        """The attention block of one decoder layer: all-gathered input, head-sharded queries,
+        sink and output groups, replicated latent KV and cache, the fp32 partial of wo_b. (The
+        rest of the layer -- mHC with its Sinkhorn iterations, norms, MoE -- is ~400 token-sharded
+        pointwise nodes; the counts test above pins its collectives.)"""
+        gm, ctx, _ = compile_on_fake_rank(1, {"tp": 4})
+        self.assertExpectedInline(
+            layer_text(gm, ctx, "layers.1.attn"),
+            """\
+v0 = t(layers.1.attn.wq_a.weight)  # R f32[64, 32]
+v1 = _c10d_functional.all_gather_into_tensor(in0, 4, 'tp')  # f32[4*(((T+3)//4)), 64]  <- S(0) -> R: v5 in layers.1.attn needs in0 as R
+v2 = _c10d_functional.wait_tensor(v1)  # f32[4*(((T+3)//4)), 64]  <- S(0) -> R: v5 in layers.1.attn needs in0 as R
+v3 = split_with_sizes(v2, [in1, in2])  # (f32[T, 64], f32[-T+4*(((T+3)//4)), 64])
+v4 = getitem(v3, 0)  # R f32[T, 64]
+v5 = mm(v4, v0)  # R f32[T, 32]
+v6 = pow(v5, 2)  # R f32[T, 32]
+v7 = mean(v6, [-1], True)  # R f32[T, 1]
+v8 = add(v7, 1e-06)  # R f32[T, 1]
+v9 = rsqrt(v8)  # R f32[T, 1]
+v10 = mul(v5, v9)  # R f32[T, 32]
+v11 = mul(layers.1.attn.q_norm.weight, v10)  # R f32[T, 32]
+v12 = t(layers.1.attn.wq_b.weight)  # S(1) f32[32, 64]
+v13 = mm(v11, v12)  # S(1) f32[T, 64]
+v14 = view(v13, [positions.size()[0], 2, 32])  # S(1) f32[T, 2, 32]
+v15 = _to_copy(positions, dtype=f32)  # R f32[T]
+v16 = slice(v15, 0, 0, end)  # R f32[T]
+v17 = unsqueeze(v16, 1)  # R f32[T, 1]
+v18 = unsqueeze(layers.1.attn.rope_inv_freq, 0)  # R f32[1, 4]
+v19 = mul(v17, v18)  # R f32[T, 4]
+v20 = view(v19, [positions.size()[0], 1, 4])  # R f32[T, 1, 4]
+v21 = cos(v20)  # R f32[T, 1, 4]
+v22 = sin(v20)  # R f32[T, 1, 4]
+v23 = slice(v14, 2, -8, end)  # S(1) f32[T, 2, 8]
+v24 = view(v23, [positions.size()[0], 2, 4, 2])  # S(1) f32[T, 2, 4, 2]
+v25 = unbind(v24, -1)  # (S(1), S(1)) (f32[T, 2, 4], f32[T, 2, 4])
+v26 = getitem(v25, 0)  # S(1) f32[T, 2, 4]
+v27 = getitem(v25, 1)  # S(1) f32[T, 2, 4]
+v28 = mul(v26, v21)  # S(1) f32[T, 2, 4]
+v29 = mul(v27, v22)  # S(1) f32[T, 2, 4]
+v30 = sub(v28, v29)  # S(1) f32[T, 2, 4]
+v31 = mul(v26, v22)  # S(1) f32[T, 2, 4]
+v32 = mul(v27, v21)  # S(1) f32[T, 2, 4]
+v33 = add(v31, v32)  # S(1) f32[T, 2, 4]
+v34 = stack([v30, v33], -1)  # S(1) f32[T, 2, 4, 2]
+v35 = view(v34, [positions.size()[0], 2, 8])  # S(1) f32[T, 2, 8]
+v36 = slice(v14, 2, 0, -8)  # S(1) f32[T, 2, 24]
+v37 = cat([v36, v35], -1)  # S(1) f32[T, 2, 32]
+v38 = t(layers.1.attn.wkv.weight)  # R f32[64, 32]
+v39 = mm(v4, v38)  # R f32[T, 32]
+v40 = pow(v39, 2)  # R f32[T, 32]
+v41 = mean(v40, [-1], True)  # R f32[T, 1]
+v42 = add(v41, 1e-06)  # R f32[T, 1]
+v43 = rsqrt(v42)  # R f32[T, 1]
+v44 = mul(v39, v43)  # R f32[T, 32]
+v45 = mul(layers.1.attn.kv_norm.weight, v44)  # R f32[T, 32]
+v46 = _to_copy(positions, dtype=f32)  # R f32[T]
+v47 = slice(v46, 0, 0, end)  # R f32[T]
+v48 = unsqueeze(v47, 1)  # R f32[T, 1]
+v49 = unsqueeze(layers.1.attn.rope_inv_freq, 0)  # R f32[1, 4]
+v50 = mul(v48, v49)  # R f32[T, 4]
+v51 = view(v50, [positions.size()[0], 4])  # R f32[T, 4]
+v52 = cos(v51)  # R f32[T, 4]
+v53 = sin(v51)  # R f32[T, 4]
+v54 = slice(v45, 1, -8, end)  # R f32[T, 8]
+v55 = view(v54, [positions.size()[0], 4, 2])  # R f32[T, 4, 2]
+v56 = unbind(v55, -1)  # (R, R) (f32[T, 4], f32[T, 4])
+v57 = getitem(v56, 0)  # R f32[T, 4]
+v58 = getitem(v56, 1)  # R f32[T, 4]
+v59 = mul(v57, v52)  # R f32[T, 4]
+v60 = mul(v58, v53)  # R f32[T, 4]
+v61 = sub(v59, v60)  # R f32[T, 4]
+v62 = mul(v57, v53)  # R f32[T, 4]
+v63 = mul(v58, v52)  # R f32[T, 4]
+v64 = add(v62, v63)  # R f32[T, 4]
+v65 = stack([v61, v64], -1)  # R f32[T, 4, 2]
+v66 = view(v65, [positions.size()[0], 8])  # R f32[T, 8]
+v67 = slice(v45, 1, 0, -8)  # R f32[T, 24]
+v68 = cat([v67, v66], -1)  # R f32[T, 32]
+v69 = index_put(cache.window_kv[1], [in3, positions], v68)  # R f32[5, 32, 32]
+v70 = slice(positions, 0, 0, end)  # R i64[T]
+v71 = unsqueeze(v70, 1)  # R i64[T, 1]
+v72 = sub(v71, 3)  # R i64[T, 1]
+v73 = arange(4, pin_memory=False)  # R i64[4]
+v74 = add(v72, v73)  # R i64[T, 4]
+v75 = slice(in3, 0, 0, end)  # R i64[T]
+v76 = unsqueeze(v75, 1)  # R i64[T, 1]
+v77 = clamp(v74, 0)  # R i64[T, 4]
+v78 = index(v69, [v76, v77])  # R f32[T, 4, 32]
+v79 = ge(v74, 0)  # R b8[T, 4]
+v80 = unsqueeze(v37, 3)  # S(1) f32[T, 2, 32, 1]
+v81 = permute(v80, [0, 1, 3, 2])  # S(1) f32[T, 2, 1, 32]
+v82 = unsqueeze(v78, 3)  # R f32[T, 4, 32, 1]
+v83 = permute(v82, [0, 3, 1, 2])  # R f32[T, 1, 4, 32]
+v84 = permute(v81, [0, 1, 3, 2])  # S(1) f32[T, 2, 32, 1]
+v85 = view(v84, [positions.size()[0], 2, 32])  # S(1) f32[T, 2, 32]
+v86 = permute(v83, [0, 3, 2, 1])  # R f32[T, 32, 4, 1]
+v87 = view(v86, [positions.size()[0], 32, 4])  # R f32[T, 32, 4]
+v88 = bmm(v85, v87)  # S(1) f32[T, 2, 4]
+v89 = view(v88, [positions.size()[0], 2, 1, 4])  # S(1) f32[T, 2, 1, 4]
+v90 = permute(v89, [0, 1, 3, 2])  # S(1) f32[T, 2, 4, 1]
+v91 = view(v90, [positions.size()[0], 2, 4])  # S(1) f32[T, 2, 4]
+v92 = mul(v91, 0.1767766952966369)  # S(1) f32[T, 2, 4]
+v93 = slice(v79, 0, 0, end)  # R b8[T, 4]
+v94 = unsqueeze(v93, 1)  # R b8[T, 1, 4]
+v95 = bitwise_not(v94)  # R b8[T, 1, 4]
+v96 = masked_fill(v92, v95, -inf)  # S(1) f32[T, 2, 4]
+v97 = unsqueeze(layers.1.attn.attn_sink, 0)  # S(1) f32[1, 2]
+v98 = unsqueeze(v97, 2)  # S(1) f32[1, 2, 1]
+v99 = expand(v98, [positions.size()[0], -1, 1])  # S(1) f32[T, 2, 1]
+v100 = cat([v96, v99], -1)  # S(1) f32[T, 2, 5]
+v101 = _softmax(v100, -1, False)  # S(1) f32[T, 2, 5]
+v102 = slice(v101, 2, 0, -1)  # S(1) f32[T, 2, 4]
+v103 = unsqueeze(v102, 3)  # S(1) f32[T, 2, 4, 1]
+v104 = permute(v103, [0, 1, 3, 2])  # S(1) f32[T, 2, 1, 4]
+v105 = unsqueeze(v78, 3)  # R f32[T, 4, 32, 1]
+v106 = permute(v105, [0, 3, 2, 1])  # R f32[T, 1, 32, 4]
+v107 = permute(v104, [0, 1, 3, 2])  # S(1) f32[T, 2, 4, 1]
+v108 = view(v107, [positions.size()[0], 2, 4])  # S(1) f32[T, 2, 4]
+v109 = permute(v106, [0, 3, 2, 1])  # R f32[T, 4, 32, 1]
+v110 = view(v109, [positions.size()[0], 4, 32])  # R f32[T, 4, 32]
+v111 = bmm(v108, v110)  # S(1) f32[T, 2, 32]
+v112 = view(v111, [positions.size()[0], 2, 1, 32])  # S(1) f32[T, 2, 1, 32]
+v113 = permute(v112, [0, 1, 3, 2])  # S(1) f32[T, 2, 32, 1]
+v114 = view(v113, [positions.size()[0], 2, 32])  # S(1) f32[T, 2, 32]
+v115 = _to_copy(positions, dtype=f32)  # R f32[T]
+v116 = slice(v115, 0, 0, end)  # R f32[T]
+v117 = unsqueeze(v116, 1)  # R f32[T, 1]
+v118 = unsqueeze(layers.1.attn.rope_inv_freq, 0)  # R f32[1, 4]
+v119 = mul(v117, v118)  # R f32[T, 4]
+v120 = view(v119, [positions.size()[0], 1, 4])  # R f32[T, 1, 4]
+v121 = cos(v120)  # R f32[T, 1, 4]
+v122 = sin(v120)  # R f32[T, 1, 4]
+v123 = neg(v122)  # R f32[T, 1, 4]
+v124 = slice(v114, 2, -8, end)  # S(1) f32[T, 2, 8]
+v125 = view(v124, [positions.size()[0], 2, 4, 2])  # S(1) f32[T, 2, 4, 2]
+v126 = unbind(v125, -1)  # (S(1), S(1)) (f32[T, 2, 4], f32[T, 2, 4])
+v127 = getitem(v126, 0)  # S(1) f32[T, 2, 4]
+v128 = getitem(v126, 1)  # S(1) f32[T, 2, 4]
+v129 = mul(v127, v121)  # S(1) f32[T, 2, 4]
+v130 = mul(v128, v123)  # S(1) f32[T, 2, 4]
+v131 = sub(v129, v130)  # S(1) f32[T, 2, 4]
+v132 = mul(v127, v123)  # S(1) f32[T, 2, 4]
+v133 = mul(v128, v121)  # S(1) f32[T, 2, 4]
+v134 = add(v132, v133)  # S(1) f32[T, 2, 4]
+v135 = stack([v131, v134], -1)  # S(1) f32[T, 2, 4, 2]
+v136 = view(v135, [positions.size()[0], 2, 8])  # S(1) f32[T, 2, 8]
+v137 = slice(v114, 2, 0, -8)  # S(1) f32[T, 2, 24]
+v138 = cat([v137, v136], -1)  # S(1) f32[T, 2, 32]
+v139 = view(layers.1.attn.wo_a.weight, [1, 16, 64])  # S(0) f32[1, 16, 64]
+v140 = view(v138, [positions.size()[0], 1, 64])  # S(1) f32[T, 1, 64]
+v141 = unsqueeze(v140, 3)  # S(1) f32[T, 1, 64, 1]
+v142 = permute(v141, [0, 1, 3, 2])  # S(1) f32[T, 1, 1, 64]
+v143 = unsqueeze(v139, 3)  # S(0) f32[1, 16, 64, 1]
+v144 = permute(v143, [3, 0, 1, 2])  # S(1) f32[1, 1, 16, 64]
+v145 = permute(v142, [1, 0, 3, 2])  # S(0) f32[1, T, 64, 1]
+v146 = view(v145, [1, positions.size()[0], 64])  # S(0) f32[1, T, 64]
+v147 = permute(v144, [1, 3, 2, 0])  # S(0) f32[1, 64, 16, 1]
+v148 = view(v147, [1, 64, 16])  # S(0) f32[1, 64, 16]
+v149 = bmm(v146, v148)  # S(0) f32[1, T, 16]
+v150 = view(v149, [1, positions.size()[0], 1, 16])  # S(0) f32[1, T, 1, 16]
+v151 = permute(v150, [1, 0, 3, 2])  # S(1) f32[T, 1, 16, 1]
+v152 = view(v151, [positions.size()[0], 1, 16])  # S(1) f32[T, 1, 16]
+v153 = clone(v152, memory_format=torch.contiguous_format)  # S(1) f32[T, 1, 16]
+v154 = _unsafe_view(v153, [positions.size()[0], 16])  # S(1) f32[T, 16]
+v155 = t(layers.1.attn.wo_b.weight)  # S(0) f32[16, 64]
+v156 = mm(v154, v155)  # P f32[T, 64]""",
+        )
