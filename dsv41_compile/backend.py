@@ -12,14 +12,17 @@ host compiles it and the others load it (`runtime.host_cache`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch._dynamo.backends.registry import register_backend
 from torch._functorch.aot_autograd import aot_module_simplified
-from torch._guards import detect_fake_mode
+from torch._guards import TracingContext, detect_fake_mode
+from torch._subclasses.fake_tensor import is_fake
 from torch.fx import GraphModule
 
+from dsv41_compile.core.adapter import ModelAdapter
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.hooks import active
@@ -32,12 +35,14 @@ from dsv41_compile.frontend import (
     read_inputs,
 )
 from dsv41_compile.models import adapter_for
+from dsv41_compile.moe.stats import EP_TOKENS
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.pipeline import PIPELINE
 from dsv41_compile.report.comm import comm_records
 from dsv41_compile.report.dump import EpStepLog, graph_text, write_dump, write_graph
-from dsv41_compile.runtime.program import ProgramSpec, ShardedProgram
-from dsv41_compile.targets import compile_graph
+from dsv41_compile.runtime.host_cache import Artifact, load_graph, program_key, save_graph, shared
+from dsv41_compile.runtime.program import ProgramReport, ProgramSpec, ShardedProgram
+from dsv41_compile.targets import Handoff, compile_graph
 
 __all__ = ["BackendOptions", "dsv41_sp", "mark_token_dim"]
 
@@ -78,6 +83,31 @@ def dsv41_sp(
         import_torchair()  # fail before compiling when torch_npu is missing
     mesh = build_mesh(tp=opts.tp, ep=opts.ep, device_type="cpu" if planning else device_type)
     gm, example_inputs = generalize_token_count(gm, example_inputs, inputs, adapter)
+    key = None if planning else _shared_key(gm, example_inputs, opts, mesh, adapter.name, target)
+    if key is None:
+        return _compile(gm, example_inputs, inputs, opts, mesh, adapter, target)
+    with shared(key) as slot:
+        if slot.artifact is not None:
+            program = _load(slot.artifact, example_inputs, opts, mesh, target)
+            return lambda *args: program(list(args))
+        saved: list[Artifact] = []
+        compiled = _compile(gm, example_inputs, inputs, opts, mesh, adapter, target, saved.append)
+        slot.store(saved[0])
+        return compiled
+
+
+def _compile(
+    gm: GraphModule,
+    example_inputs: list[Any],
+    inputs: GraphInputs,
+    opts: BackendOptions,
+    mesh: Mesh,
+    adapter: ModelAdapter,
+    target: str,
+    save: Callable[[Artifact], None] | None = None,
+) -> Any:
+    """AOTAutograd, the pipeline and the target, on this rank; `save` receives the result
+    for the host's other ranks."""
 
     def compile_rank(aten_gm: GraphModule, aten_inputs: list[Any]) -> Any:
         ctx = _context(aten_gm, aten_inputs, inputs, opts, mesh, adapter, target)
@@ -85,15 +115,79 @@ def dsv41_sp(
         for hooks in active():
             if hooks.on_pipeline is not None:
                 hooks.on_pipeline(aten_gm, ctx)
-        program = _lower(aten_gm, ctx)
-        for hooks in active():
-            if hooks.on_program is not None:
-                hooks.on_program(program, ctx)
-        return program
+        spec, report = _program(aten_gm, ctx)
+        if save is not None:
+            save(Artifact(save_graph(aten_gm), spec, report))
+        return _bind(compile_graph(aten_gm, Handoff.of(aten_gm, ctx)), spec, report, opts, mesh)
 
     return aot_module_simplified(
-        gm, example_inputs, fw_compiler=compile_rank, inference_compiler=compile_rank
+        gm,
+        example_inputs,
+        fw_compiler=compile_rank,
+        inference_compiler=compile_rank,
+        keep_inference_input_mutations=True,  # the cache writes stay in the graph
     )
+
+
+def _shared_key(
+    gm: GraphModule,
+    example_inputs: list[Any],
+    opts: BackendOptions,
+    mesh: Mesh,
+    adapter: str,
+    target: str,
+) -> str | None:
+    """The host cache key of this compile, or None when it is not shared
+    (`runtime.host_cache`)."""
+    hooks = active()
+    tags = tuple(p.cache_tag for h in hooks for p in h.extra_passes)
+    watched = any(h.stop_after or h.after_pass or h.on_pipeline for h in hooks)
+    if not opts.share_compile or opts.dump_after or None in tags or watched:
+        return None  # the pipeline must run here
+    parts = (opts.cache_key(), mesh.world_size, mesh.tp, mesh.ep, mesh.device_type, target)
+    return program_key(gm, _fakes(example_inputs), (*parts, adapter, tags))
+
+
+def _fakes(example_inputs: list[Any]) -> list[Any]:
+    """Dynamo's fake values of the inputs (the real ones it was given map to them)."""
+    fake_mode = TracingContext.get().fake_mode
+    return [
+        fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not is_fake(x) else x
+        for x in example_inputs
+    ]
+
+
+def _load(
+    artifact: Artifact, example_inputs: list[Any], opts: BackendOptions, mesh: Mesh, target: str
+) -> ShardedProgram:
+    """The program another rank of the host compiled, bound to this rank: no AOTAutograd, no
+    pipeline; inductor finds its kernels in its caches. The graph keeps the model's cache
+    writes (AOTAutograd's `keep_inference_input_mutations`) and aliases no input, so the
+    program is called with Dynamo's inputs as they are."""
+    gm = load_graph(artifact.graph)
+    fakes = _local_fakes(artifact.spec, example_inputs)
+    handoff = Handoff(
+        target, fakes, artifact.spec.param_indices, TracingContext.get().fake_mode, opts, mesh.rank
+    )
+    return _bind(compile_graph(gm, handoff), artifact.spec, artifact.report, opts, mesh)
+
+
+def _local_fakes(spec: ProgramSpec, example_inputs: list[Any]) -> list[Any]:
+    """Fake values of the per-rank graph's inputs: Dynamo's, with parameter shards at their
+    local shape, then `tp_rank` (and `ep_tokens`)."""
+    fake_mode = TracingContext.get().fake_mode
+    fakes = _fakes(example_inputs)
+    for index, shard in spec.param_shards.items():
+        full = fakes[index]
+        with fake_mode:
+            fakes[index] = torch.empty(shard.local_shape(list(full.shape)), dtype=full.dtype)
+    with fake_mode:
+        fakes.append(torch.zeros((), dtype=torch.int64))
+    if spec.ep_tokens_input:
+        shape_env = fake_mode.shape_env
+        with shape_env.ignore_fresh_unbacked_symbols():
+            fakes.append(shape_env.create_unbacked_symint())
+    return fakes
 
 
 def _context(
@@ -102,7 +196,7 @@ def _context(
     inputs: GraphInputs,
     opts: BackendOptions,
     mesh: Mesh,
-    adapter: Any,
+    adapter: ModelAdapter,
     target: str,
 ) -> CompileContext:
     placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
@@ -131,20 +225,41 @@ def _context(
     )
 
 
-def _lower(gm: GraphModule, ctx: CompileContext) -> ShardedProgram:
+def _program(gm: GraphModule, ctx: CompileContext) -> tuple[ProgramSpec, ProgramReport]:
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    names = {name: placeholder for placeholder, name in ctx.input_sources.items()}
     spec = ProgramSpec(
         param_shards=dict(ctx.param_shards),
         token_index=placeholders.index(ctx.token_input),
+        token_inputs=tuple(
+            (placeholders.index(names[name]), name) for name in ctx.adapter.token_inputs
+        ),
+        param_indices=frozenset(i for i, n in enumerate(placeholders) if n in ctx.param_fqns),
         ep_layers=tuple(ctx.ep_layers),
-        ep_tokens_input="ep_tokens" in placeholders,
+        ep_tokens_input=EP_TOKENS in placeholders,
     )
+    report = ProgramReport(graph_text(gm, ctx), ctx.comm or comm_records(gm, ctx))
+    return spec, report
+
+
+def _bind(
+    compiled: Callable[..., Any],
+    spec: ProgramSpec,
+    report: ProgramReport,
+    opts: BackendOptions,
+    mesh: Mesh,
+) -> ShardedProgram:
+    """The program of this rank: its dumps written, its hooks called."""
     on_ep_stats = None
-    if ctx.options.dump_dir is not None:
-        comm = ctx.comm or comm_records(gm, ctx)
-        out = write_dump(
-            ctx.options.dump_dir, ctx.mesh, ctx.options, graph_text(gm, ctx), comm, ctx.ep_layers
-        )
-        if ctx.ep_layers:
-            on_ep_stats = EpStepLog(out / "comm.json", ctx.ep_layers, ctx.mesh.rank)
-    return ShardedProgram.for_mesh(compile_graph(gm, ctx), spec, ctx.mesh, on_ep_stats=on_ep_stats)
+    if opts.dump_dir is not None:
+        out = write_dump(opts.dump_dir, mesh, opts, report.text, report.comm, list(spec.ep_layers))
+        if spec.ep_layers:
+            on_ep_stats = EpStepLog(out / "comm.json", list(spec.ep_layers), mesh.rank)
+    program = ShardedProgram.for_mesh(
+        compiled, spec, mesh, report=report, on_ep_stats=on_ep_stats,
+        check_inputs=opts.check_inputs,
+    )  # fmt: skip
+    for hooks in active():
+        if hooks.on_program is not None:
+            hooks.on_program(program)
+    return program

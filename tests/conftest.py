@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dsv41_compile.model import ModelConfig
-from dsv41_compile.planning import plan_rank
+# A cold compile cache per session (inductor's and the host program cache beside it), shared by
+# the ranks the session starts: the tests see what a fresh machine sees.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsv41_test_cache_")
+
+from dsv41_compile.model import ModelConfig  # noqa: E402
+from dsv41_compile.planning import plan_rank  # noqa: E402
 
 
 def _load_tool(name: str) -> Any:

@@ -95,7 +95,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
         with capture_lowered() as lowered:
             compiled[config](ids, positions, slots, caches[config])
         compile_s[config] = time.perf_counter() - start
-        ((programs[config], _ctx),) = lowered
+        (programs[config],) = lowered
         tick(f"compiled {layout}/{dispatch}")
     out: dict[str, Any] = {"compile_s": compile_s, "cases": {}}
     for name, batches in cases.items():
@@ -118,8 +118,10 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
                 "T": int(ids.numel()),
                 "median_s": statistics.median(times[config]),
                 "ep": [
-                    layer.step_record(stats, programs[config].ep_tokens)
-                    for layer, stats in zip(programs[config].ep_layers, programs[config].ep_stats)
+                    layer.step_record(stats, programs[config].ep_tokens, rank)
+                    for layer, stats in zip(
+                        programs[config].spec.ep_layers, programs[config].ep_stats
+                    )
                 ],
             }
             for config in CONFIGS

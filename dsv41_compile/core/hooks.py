@@ -4,7 +4,9 @@
         compiled(input_ids, positions, slots, cache)
 
 Hooks are process-wide while installed (every graph `dsv41_sp` compiles in the block sees them)
-and stack: an inner block adds to the outer one.
+and stack: an inner block adds to the outer one. A hook that watches the pipeline
+(`after_pass`, `on_pipeline`, `stop_after`) or adds a pass without a cache tag makes the compiles
+it sees run the pipeline on this rank (no program is loaded from the host's cache).
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ class Hooks:
     """Passes run after the pipeline (probes that add nodes, e.g. `testing.capture`)."""
     stop_after: str | None = None
     """Raise `PipelineStopped` once this pass has run."""
-    on_program: Callable[[Any, CompileContext], None] | None = None
-    """Called with each lowered per-rank program (`runtime.program.ShardedProgram`)."""
+    on_program: Callable[[Any], None] | None = None
+    """Called with each per-rank program, compiled here or loaded from the host's cache
+    (`runtime.program.ShardedProgram`: its `spec`, `report`, and after a call its
+    `ep_stats`)."""
     torchair: Any = None
     """A module to use as `torch_npu.dynamo.torchair` (`testing.torchair_standin` on a machine
     without NPUs: the graph torchair would get then runs on CPU)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -87,11 +88,22 @@ def build_mesh(*, tp: int, ep: int, device_type: str) -> Mesh:
     if key not in _MESHES:
         grid = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
         _MESHES[key] = grid["tp"]
+        _inherit_timeout(grid["tp"].get_group(), device_type)
         _alias(tp_group_name(tp), grid["tp"].get_group())
     return Mesh(
         world, rank, tp, ep, device_type, _MESHES[key], tp_group_name(tp),
         dist.group.WORLD.group_name,
     )  # fmt: skip
+
+
+def _inherit_timeout(group: dist.ProcessGroup, device_type: str) -> None:
+    """Give the TP group the world's timeout. c10d creates subgroups with its default (30
+    minutes for gloo) whatever `init_process_group(timeout=...)` said; a rank waiting on a dead
+    TP peer would then hang that long instead of failing at the user's timeout."""
+    device = torch.device(device_type)
+    world = dist.group.WORLD._get_backend(device)
+    if group is not dist.group.WORLD and hasattr(world, "options"):
+        dist.distributed_c10d._set_pg_timeout(world.options._timeout, group)
 
 
 def _alias(name: str, group: dist.ProcessGroup) -> None:

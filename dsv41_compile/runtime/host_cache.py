@@ -1,15 +1,64 @@
-"""What the ranks of one host share when they compile: a directory beside inductor's cache, and
-host-wide locks in it."""
+"""Ranks on one host compile once.
+
+Every rank of a world compiles the same per-rank graph: the rank enters as the `tp_rank` input,
+the TP group is named alike on every rank (`core.mesh`), parameter shards are sliced by the
+runtime. So the first rank of a host to reach a graph compiles it -- AOTAutograd, the pipeline,
+and for inductor its compile -- and saves the result; the others wait for it and load it,
+skipping everything after Dynamo's trace. Inductor's own compile runs under a host-wide lock
+(`host_lock`), so that no two ranks write the same kernel at once, and its caches then serve
+the loading ranks.
+
+The key is Dynamo's graph (after `frontend.generalize_token_count`), its inputs' dtypes and
+shapes (symbols numbered by first appearance, not by the rank's compile history), the options
+that change the program, the mesh's shape, the target, the installed hook passes, and the
+versions of torch and of this package's source. The cache lives beside inductor's
+(`TORCHINDUCTOR_CACHE_DIR` moves both), so it also serves the next start of the same job (a
+warm start).
+
+With torchair, the ranks share everything before torchair: its own compile (GE) happens on
+every rank's device.
+
+Not shared: graphs with a backed symbol among their inputs (`dynamic=True` makes the cache's
+sizes backed; AOTAutograd may add guards on them that a loading rank would not have), compiles
+whose hooks watch the pipeline or add passes without a cache tag, and `dump_after` (its graphs
+exist only where the passes ran). Those compile on every rank, as with `share_compile=False`.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import os
+import pickle
+import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from typing import Any
 
+import sympy
+import torch
 from filelock import FileLock
+from torch.fx import GraphModule
+from torch.fx._graph_pickler import GraphPickler, Options
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-__all__ = ["cache_dir", "host_lock"]
+__all__ = [
+    "STATS",
+    "Artifact",
+    "cache_dir",
+    "host_lock",
+    "load_graph",
+    "program_key",
+    "save_graph",
+    "shared",
+]
+
+STATS: Counter[str] = Counter()
+"""This process's shared compiles: "compiled" (saved for the host) and "loaded"."""
 
 
 def cache_dir() -> Path:
@@ -26,3 +75,107 @@ def host_lock(name: str) -> Iterator[None]:
     """Hold the host-wide lock `name` (one process of the host at a time)."""
     with FileLock(str(cache_dir() / f"{name}.lock")):
         yield
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A compiled per-rank program as saved for the host's other ranks: the rewritten graph
+    (`save_graph`), what the runtime needs to call it, and what the dumps show."""
+
+    graph: bytes
+    spec: Any
+    """`runtime.program.ProgramSpec`."""
+    report: Any
+    """`runtime.program.ProgramReport`."""
+
+
+def save_graph(gm: GraphModule) -> bytes:
+    """The graph's structure (nodes, targets, arguments, names), without node meta."""
+    saved = {node: node.meta for node in gm.graph.nodes}
+    try:
+        for node in saved:
+            node.meta = {}
+        return GraphPickler.dumps(gm, Options(ops_filter=None))
+    finally:
+        for node, meta in saved.items():
+            node.meta = meta
+
+
+def load_graph(data: bytes) -> GraphModule:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gm = GraphPickler.loads(data, FakeTensorMode())
+    gm.recompile()
+    return gm
+
+
+@cache
+def _source_version() -> str:
+    """A hash of this package's source: a changed pass never loads an old program."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _input_description(x: object, symbols: dict[sympy.Symbol, str]) -> str:
+    def size(s: object) -> str:
+        if not isinstance(s, torch.SymInt):
+            return str(s)
+        expr = s.node.expr
+        for symbol in sorted(expr.free_symbols, key=str):
+            symbols.setdefault(symbol, f"s{len(symbols)}")
+        return str(expr.xreplace({k: sympy.Symbol(v) for k, v in symbols.items()}))
+
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype}[{','.join(size(s) for s in x.shape)}]{x.device.type}"
+    if isinstance(x, torch.SymInt):
+        return f"int:{size(x)}"
+    return repr(x)
+
+
+def program_key(gm: GraphModule, fake_inputs: list[Any], parts: tuple[Any, ...]) -> str | None:
+    """The cache key of compiling `gm` on `fake_inputs` (Dynamo's fakes) with `parts` (options,
+    mesh shape, target, hook tags, ...); None when the graph must not be shared (a backed
+    symbol among its inputs)."""
+    symbols: dict[sympy.Symbol, str] = {}
+    described = [_input_description(x, symbols) for x in fake_inputs]
+    if any(not free_unbacked_symbols(s) for s in symbols):
+        return None
+    digest = hashlib.sha256(_source_version().encode())
+    digest.update(gm.code.encode())
+    digest.update("\n".join(described).encode())
+    digest.update(repr(parts).encode())
+    return digest.hexdigest()[:32]
+
+
+class _Slot:
+    """One key's entry while its lock is held: the saved artifact, if any, and how to save."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.artifact: Artifact | None = None
+        if path.exists():
+            self.artifact = pickle.loads(path.read_bytes())
+
+    def store(self, artifact: Artifact) -> None:
+        buffer = io.BytesIO()
+        pickle.dump(artifact, buffer)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name)
+        with os.fdopen(fd, "wb") as f:
+            f.write(buffer.getvalue())
+        os.replace(tmp, self.path)  # readers see the whole file or none
+
+
+@contextmanager
+def shared(key: str) -> Iterator[_Slot]:
+    """The entry of `key`, with the key's host-wide lock held: a rank that finds no artifact
+    compiles and stores one before the next rank looks."""
+    folder = cache_dir() / "programs"
+    folder.mkdir(exist_ok=True)
+    with FileLock(str(folder / f"{key}.lock")):
+        slot = _Slot(folder / f"{key}.pkl")
+        STATS["loaded" if slot.artifact is not None else "compiled"] += 1
+        yield slot

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from dsv41_compile.core.context import ParamShard
 from dsv41_compile.core.mesh import Mesh
 from dsv41_compile.moe.stats import EpLayer
+from dsv41_compile.runtime.checks import check_same_inputs, collective_failure
 
-__all__ = ["ProgramSpec", "ShardedProgram"]
+__all__ = ["ProgramReport", "ProgramSpec", "ShardedProgram"]
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,23 @@ class ProgramSpec:
     """Input index -> the shard of that parameter the graph takes."""
     token_index: int
     """Input index of the token input (its length is T)."""
+    token_inputs: tuple[tuple[int, str], ...] = ()
+    """(input index, name) of every input whose dim 0 is the token count."""
+    param_indices: frozenset[int] = frozenset()
+    """The inputs that are the model's weights (sharded or not)."""
     ep_layers: tuple[EpLayer, ...] = ()
     """One per MoE layer lowered over the EP group: the graph's trailing statistics outputs."""
     ep_tokens_input: bool = False
     """The graph takes `ep_tokens` (padded EP dispatch) after `tp_rank`."""
+
+
+@dataclass(frozen=True)
+class ProgramReport:
+    """What the program's dumps show, the same on every rank: the graph as text
+    (`report.dump.graph_text`) and one record per collective (`report.comm.comm_records`)."""
+
+    text: str
+    comm: list[dict[str, Any]]
 
 
 class ShardedProgram:
@@ -49,15 +63,20 @@ class ShardedProgram:
         compiled: Callable[..., Any],
         spec: ProgramSpec,
         *,
+        report: ProgramReport | None = None,
         tp: int,
         tp_rank: int,
         rank: int,
         device_type: str = "cpu",
         on_ep_stats: Callable[[list[torch.Tensor], int], None] | None = None,
+        check_inputs: dist.ProcessGroup | None = None,
     ) -> None:
-        self.compiled, self.spec = compiled, spec
+        self.compiled, self.spec, self.report = compiled, spec, report
         self.tp, self.tp_rank, self.rank, self.device_type = tp, tp_rank, rank, device_type
         self.on_ep_stats = on_ep_stats
+        self.check_inputs = check_inputs
+        """The TP group, when the `check_inputs` option asks for the check before each call."""
+        self.calls = 0
         self.tp_rank_tensor: torch.Tensor | None = None  # made at the first call, not under
         # the compile-time fake mode
         self._shards: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
@@ -66,11 +85,17 @@ class ShardedProgram:
 
     @staticmethod
     def for_mesh(
-        compiled: Callable[..., Any], spec: ProgramSpec, mesh: Mesh, **kw: Any
+        compiled: Callable[..., Any],
+        spec: ProgramSpec,
+        mesh: Mesh,
+        *,
+        check_inputs: bool = False,
+        **kw: Any,
     ) -> ShardedProgram:
         return ShardedProgram(
             compiled, spec, tp=mesh.tp, tp_rank=mesh.tp_rank, rank=mesh.rank,
-            device_type=mesh.device_type, **kw,
+            device_type=mesh.device_type,
+            check_inputs=mesh.tp_mesh.get_group() if check_inputs else None, **kw,
         )  # fmt: skip
 
     def local_shard(self, index: int, full: torch.Tensor) -> torch.Tensor:
@@ -90,7 +115,21 @@ class ShardedProgram:
         return int(local.item())
 
     def __call__(self, args: list[Any]) -> Any:
-        args = list(args)
+        self.calls += 1
+        try:
+            return self._call(list(args))
+        except RuntimeError as error:
+            failure = collective_failure(error, self.rank, self.calls)
+            if failure is None:
+                raise
+            raise failure from error
+
+    def _call(self, args: list[Any]) -> Any:
+        if self.check_inputs is not None:
+            indices, names = zip(*self.spec.token_inputs)
+            check_same_inputs(
+                [args[i] for i in indices], names, self.check_inputs, self.rank // self.tp
+            )
         tokens = args[self.spec.token_index].shape[0]
         for index in self.spec.param_shards:
             args[index] = self.local_shard(index, args[index])

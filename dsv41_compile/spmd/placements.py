@@ -21,6 +21,9 @@ class ExpertShard(Placement):
     def __repr__(self) -> str:
         return f"E({self.dim})"
 
+    def __reduce__(self) -> tuple:  # Placement is a C++ class: pickle by constructor
+        return ExpertShard, (self.dim,)
+
 
 def format_placement(placement: Placement | None) -> str:
     """Short form: `S(0)`, `R`, `P` (`P(max)` for a non-sum partial), `-` for no tensor; other

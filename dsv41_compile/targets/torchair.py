@@ -20,14 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.fx import GraphModule
 
-from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.hooks import active
-from dsv41_compile.spmd.localize import local_inputs
+from dsv41_compile.options import BackendOptions
+
+if TYPE_CHECKING:
+    from dsv41_compile.targets import Handoff
 
 __all__ = ["compiler_config", "import_torchair", "lower_torchair"]
 
@@ -52,30 +54,29 @@ def import_torchair() -> Any:
     return torchair
 
 
-def compiler_config(torchair: Any, ctx: CompileContext) -> Any:
+def compiler_config(torchair: Any, options: BackendOptions, rank: int) -> Any:
     """torchair's `CompilerConfig` from our options: GE graph mode ("max-autotune"), the
     parameters frozen into the graph (they are sliced once and reused, `ShardedProgram`), and
     with `dump_dir` torchair's own graph dump (`py`) in `dump_dir/rank{r}/torchair`."""
     config = torchair.CompilerConfig()
     config.mode = "max-autotune"
     config.experimental_config.frozen_parameter = True
-    if ctx.options.dump_dir is not None:
-        path = Path(ctx.options.dump_dir) / f"rank{ctx.mesh.rank}" / "torchair"
+    if options.dump_dir is not None:
+        path = Path(options.dump_dir) / f"rank{rank}" / "torchair"
         path.mkdir(parents=True, exist_ok=True)
         config.debug.graph_dump.type = "py"
         config.debug.graph_dump.path = str(path)
     return config
 
 
-def lower_torchair(gm: GraphModule, ctx: CompileContext) -> Callable[..., Any]:
+def lower_torchair(gm: GraphModule, handoff: Handoff) -> Callable[..., Any]:
     """The per-rank graph compiled by torchair. With ep > 1 the EP lowering is the padded one
     (`BackendOptions` refuses the exact one: it reads counts on the host)."""
     torchair = import_torchair()
-    backend = torchair.get_npu_backend(compiler_config=compiler_config(torchair, ctx))
-    inputs = local_inputs(gm, ctx)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    with ctx.fake_mode:  # weights as nn.Parameter: what torchair freezes into the graph
-        for index, node in enumerate(placeholders):
-            if node.name in ctx.param_fqns:
-                inputs[index] = torch.nn.Parameter(inputs[index], requires_grad=False)
+    config = compiler_config(torchair, handoff.options, handoff.rank)
+    backend = torchair.get_npu_backend(compiler_config=config)
+    inputs = list(handoff.example_inputs)
+    with handoff.fake_mode:  # weights as nn.Parameter: what torchair freezes into the graph
+        for index in handoff.param_indices:
+            inputs[index] = torch.nn.Parameter(inputs[index], requires_grad=False)
     return backend(gm, inputs)

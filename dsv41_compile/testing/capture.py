@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
@@ -37,22 +38,29 @@ def capture_programs() -> Iterator[list[tuple[GraphModule, CompileContext]]]:
 
 
 @contextmanager
-def capture_lowered() -> Iterator[list[tuple[Any, CompileContext]]]:
-    """Within the context, every program dsv41_sp lowers is appended, with its compile context,
-    to the yielded list: `(ShardedProgram, ctx)`."""
-    lowered: list[tuple[Any, CompileContext]] = []
-    with installed(Hooks(on_program=lambda program, ctx: lowered.append((program, ctx)))):
+def capture_lowered() -> Iterator[list[Any]]:
+    """Within the context, every per-rank program dsv41_sp makes (`ShardedProgram`, compiled
+    here or loaded from the host's cache) is appended to the yielded list."""
+    lowered: list[Any] = []
+    with installed(Hooks(on_program=lowered.append)):
         yield lowered
 
 
 _STORE: dict[str, list[Tensor]] = {}
 
 
+@torch.library.custom_op("dsv41_testing::record", mutates_args=())
 def record(module: str, value: Tensor) -> None:
-    """Called by the probe nodes of `capture_compiled` (a module-level function, so that a
-    probed graph can be saved and loaded by name)."""
+    """The probe node of `capture_compiled`: keeps `value` for `module`. An op, not a Python
+    function, so that a probed graph can be saved for the host's other ranks and loaded there
+    (`runtime.host_cache`)."""
     if module in _STORE:
         _STORE[module].append(value.detach().clone())
+
+
+@record.register_fake
+def _(module: str, value: Tensor) -> None:
+    return None
 
 
 @contextmanager
@@ -68,7 +76,7 @@ def capture_compiled(modules: Sequence[str]) -> Iterator[dict[str, list[Tensor]]
         for module in modules:
             node = _first_entering(gm, module, ctx)
             with gm.graph.inserting_before(node[0]):
-                gm.graph.call_function(record, (module, node[1]))
+                gm.graph.call_function(torch.ops.dsv41_testing.record.default, (module, node[1]))
         gm.graph.lint()
         gm.recompile()
 

@@ -2,8 +2,18 @@
 multi-rank tests and the demo.
 
 Every rank builds the same model (same seed), serves its DP group's batches with the compiled
-model and, on the same inputs, with the plain model; it returns both logits of every step and,
-optionally, the values entering chosen modules on both sides (`testing.capture`).
+model and, on the same inputs, with the plain model; it returns both logits of every step,
+the collectives of every program it compiled and, optionally, the values entering chosen
+modules on both sides (`testing.capture`).
+
+A case runs in one or more compile modes, each a fresh `torch.compile` of the model with its
+own cache, the way a user calls it:
+
+- "marked": `mark_token_dim` before each call (one graph for every T);
+- "unmarked": plain `torch.compile(model, backend="dsv41_sp", options=...)` -- Dynamo traces the
+  first T statically, then with a dynamic T, and T = 0 / 1 statically;
+- "dynamic": `torch.compile(..., dynamic=True)`;
+- "static": `torch.compile(..., dynamic=False)`: a static graph per T.
 """
 
 from __future__ import annotations
@@ -20,17 +30,27 @@ from typing import Any
 
 import torch
 import torch._dynamo
+from torch._dynamo.utils import counters
 
 from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.hooks import Hooks, installed
 from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.runtime.host_cache import STATS
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.capture import capture_compiled, capture_reference
 
-__all__ = ["SERVING_STEPS", "SERVING_STEP_NAMES", "CaseSpec", "compare_on_rank", "model_config"]
+__all__ = [
+    "MODES",
+    "SERVING_STEPS",
+    "SERVING_STEP_NAMES",
+    "CaseSpec",
+    "compare_on_rank",
+    "layer_collectives",
+    "model_config",
+]
 
 Step = tuple[tuple[Request, ...], ...]
-"""One step: the requests of each DP group (index = dp rank)."""
+"""One step: the requests of each DP group (index = dp rank); () is an idle group (T = 0)."""
 
 # Two DP groups through the cache: (group 0 requests, group 1 requests) per step.
 SERVING_STEPS: tuple[Step, ...] = (
@@ -52,8 +72,15 @@ SERVING_STEPS: tuple[Step, ...] = (
         (Request(3, list(range(40, 53)), 0), Request(-1, [0, 0], 0), Request(0, [32], 6)),
         (Request(3, list(range(60, 80)), 0), Request(2, [33], 3)),
     ),
+    # An idle DP group: group 0 has no token (T = 0) while group 1 decodes; its ranks still
+    # take part in the EP all-to-alls.
+    (
+        (),
+        (Request(0, [34], 6), Request(1, [35], 6), Request(2, [36], 4), Request(3, [37], 20)),
+    ),
 )
-SERVING_STEP_NAMES = ("prefill", "decode", "multi-token decode", "prefill + decode")
+SERVING_STEP_NAMES = ("prefill", "decode", "multi-token decode", "prefill + decode", "idle group")
+MODES = ("marked", "unmarked", "dynamic", "static")
 
 
 @dataclass(frozen=True)
@@ -62,12 +89,15 @@ class CaseSpec:
     preset: str = "tiny-swa"
     overrides: tuple[tuple[str, Any], ...] = ()
     options: tuple[tuple[str, Any], ...] = (("tp", 4),)
+    modes: tuple[str, ...] = ("marked",)
+    """Compile modes (`MODES`), each a fresh compile of the model with its own cache."""
     capture: tuple[str, ...] = ()
+    """Modules whose entering values are captured on both sides (first mode only)."""
     num_slots: int = 4
     max_len: int = 32
     dump: bool = False
     """Compile with a temporary `dump_dir` and return this rank's `comm.json` (with the EP
-    traffic of every call in `ep_steps`)."""
+    traffic of every call in `ep_steps`), first mode only."""
     torchair_standin: bool = False
     """With `lowering="torchair"`: torchair replaced by `testing.torchair_standin` (its AOT
     step, then the graph run eagerly), so the graph torchair would get runs on CPU."""
@@ -77,16 +107,36 @@ def model_config(spec: CaseSpec) -> ModelConfig:
     return ModelConfig.from_name(spec.preset, **dict(spec.overrides))
 
 
-def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any]:
-    """Run every step of `spec` on this rank, compiled and single-device. Returns
-    `{"steps": [{"T", "sp", "ref"}], "captures": {module: (sp values, ref values)},
-    "frames": graphs compiled, "cache_diff": max |sp cache - ref cache|, "comm": comm.json or
-    None, "torchair_ops": with the torchair stand-in, the ops of the graphs after torchair's AOT
-    step (name -> count), else None}`."""
-    import dsv41_compile  # noqa: F401  (registers the backend in the spawned process)
+def layer_collectives(comm: list[dict[str, Any]]) -> dict[int, list[str]]:
+    """Per decoder layer, the sorted `kind(axis)` of its collectives (from `comm.json` records
+    or a program's report)."""
+    layers: dict[int, list[str]] = {}
+    for record in comm:
+        if record["layer"] is not None:
+            layers.setdefault(record["layer"], []).append(f"{record['kind']}({record['axis']})")
+    return {layer: sorted(kinds) for layer, kinds in sorted(layers.items())}
 
+
+def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any]:
+    """Run every step of `spec` on this rank, compiled (in each mode) and single-device.
+
+    Returns `{"T": tokens per step, "ref": reference logits per step, "cache": reference cache
+    tensors, "modes": {mode: {"logits": per step, "programs": [collectives per layer of each
+    program compiled], "compiles": programs compiled, "cache_diff": max |cache - ref cache|}},
+    "captures": {module: (compiled values, ref values)}, "comm": comm.json or None,
+    "torchair_ops": with the torchair stand-in, the ops after torchair's AOT step (name ->
+    count), "host_cache": this process's shared compiles (`runtime.host_cache.STATS`),
+    "inductor": inductor's FX graph cache hits and misses in this process}`."""
     options = dict(spec.options)
-    tp = options.get("tp", 1)
+    dp_rank = rank // options.get("tp", 1)
+    torch.manual_seed(0)
+    model = DeepseekV41(model_config(spec))
+    reference = copy.deepcopy(model)  # its own module objects: hooks never reach the compiled one
+    batches = [pack(step[dp_rank]) for step in spec.steps]
+    ref_cache = reference.new_cache(spec.num_slots, spec.max_len)
+    out: dict[str, Any] = {"T": [int(b[0].numel()) for b in batches], "modes": {}}
+    with capture_reference(reference, spec.capture) as ref_store:
+        out["ref"] = [reference(*batch, ref_cache) for batch in batches]
     standin = None
     stack = contextlib.ExitStack()
     if spec.torchair_standin:
@@ -95,54 +145,55 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
         standin = TorchairStandIn()
         stack.enter_context(installed(Hooks(torchair=standin)))
     dump_dir = tempfile.mkdtemp(prefix="dsv41_dump_") if spec.dump else None
+    with stack:
+        for i, mode in enumerate(spec.modes):
+            first = i == 0
+            mode_options = dict(options)
+            if first and dump_dir is not None:
+                mode_options["dump_dir"] = dump_dir
+            with capture_compiled(spec.capture if first else ()) as store:
+                out["modes"][mode] = _run_mode(model, mode, mode_options, batches, spec)
+            if first:
+                out["captures"] = {m: (store[m], ref_store[m]) for m in spec.capture}
+        for result in out["modes"].values():
+            result["cache_diff"] = max(
+                float((a.double() - b.double()).abs().max())
+                for a, b in zip(result.pop("cache").tensors(), ref_cache.tensors())
+            )
+    out["comm"] = None
     if dump_dir is not None:
-        options["dump_dir"] = dump_dir
-    dp_rank = rank // tp
-    torch.manual_seed(0)
-    model = DeepseekV41(model_config(spec))
-    reference = copy.deepcopy(model)  # its own module objects: hooks never reach the compiled one
-    sp_cache = model.new_cache(spec.num_slots, spec.max_len)
-    ref_cache = reference.new_cache(spec.num_slots, spec.max_len)
-    torch._dynamo.reset()
-    frames = 0
-
-    def counting(gm: Any, example_inputs: Any) -> Any:
-        nonlocal frames
-        frames += 1
-        return dsv41_compile.dsv41_sp(gm, example_inputs, options=options)
-
-    compiled = torch.compile(model, backend=counting, fullgraph=True)
-    steps = []
-    with (
-        stack,
-        capture_compiled(spec.capture) as sp_store,
-        capture_reference(reference, spec.capture) as ref_store,
-    ):
-        for step in spec.steps:
-            ids, positions, slots = pack(step[dp_rank])
-            mark_token_dim(ids, positions, slots)
-            sp = compiled(ids, positions, slots, sp_cache)
-            ref = reference(ids, positions, slots, ref_cache)
-            steps.append({"T": int(ids.numel()), "sp": sp, "ref": ref})
-    captures = {m: (sp_store[m], ref_store[m]) for m in spec.capture}
-    cache_diff = max(
-        float((a.double() - b.double()).abs().max())
-        for a, b in zip(sp_cache.tensors(), ref_cache.tensors())
-    )
-    comm = None
-    if dump_dir is not None:
-        comm = json.loads((Path(dump_dir) / f"rank{rank}" / "comm.json").read_text())
+        out["comm"] = json.loads((Path(dump_dir) / f"rank{rank}" / "comm.json").read_text())
         shutil.rmtree(dump_dir)
-    torchair_ops = None
+    out["torchair_ops"] = None
     if standin is not None:  # what torchair's converters would see, op name -> count
         from dsv41_compile.testing.torchair_standin import graph_ops
 
-        torchair_ops = sum((graph_ops(gm) for gm in standin.aot_graphs), Counter())
+        out["torchair_ops"] = sum((graph_ops(gm) for gm in standin.aot_graphs), Counter())
+    out["host_cache"] = dict(STATS)
+    out["inductor"] = {k: v for k, v in counters["inductor"].items() if "fxgraph" in k}
+    return out
+
+
+def _run_mode(
+    model: DeepseekV41, mode: str, options: dict[str, Any], batches: list, spec: CaseSpec
+) -> dict[str, Any]:
+    if mode not in MODES:
+        raise ValueError(f"unknown compile mode {mode!r}; the modes are {MODES}")
+    torch._dynamo.reset()  # each mode compiles afresh (and Dynamo's recompile limit is per mode)
+    dynamic = {"dynamic": True, "static": False}.get(mode)
+    compiled = torch.compile(model, backend="dsv41_sp", options=options, dynamic=dynamic)
+    cache = model.new_cache(spec.num_slots, spec.max_len)
+    programs: list[Any] = []
+    logits = []
+    with installed(Hooks(on_program=programs.append)):
+        for ids, positions, slots in batches:
+            ids, positions, slots = ids.clone(), positions.clone(), slots.clone()
+            if mode == "marked":
+                mark_token_dim(ids, positions, slots)
+            logits.append(compiled(ids, positions, slots, cache))
     return {
-        "steps": steps,
-        "captures": captures,
-        "frames": frames,
-        "cache_diff": cache_diff,
-        "comm": comm,
-        "torchair_ops": torchair_ops,
+        "logits": logits,
+        "programs": [layer_collectives(p.report.comm) for p in programs],
+        "compiles": len(programs),
+        "cache": cache,
     }

@@ -15,6 +15,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,11 +32,13 @@ def _child(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     queue: Any,
+    pg_timeout: float | None,
 ) -> None:
     torch.set_num_threads(1)
     try:
+        timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
         dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size, **timeout
         )
         result = fn(rank, world_size, *args)
         # Serialised, not shared: the child exits before the parent reads shared tensors.
@@ -67,15 +70,22 @@ def _more_failures(queue: Any, procs: list[Any], results: dict[int, Any]) -> dic
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 1800.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 1800.0,
+    pg_timeout: float | None = None,
+    may_exit: tuple[int, ...] = (),
 ) -> list[Any]:
-    """`[fn(r, world_size, *args) for r in ranks]`, each in its own process on gloo."""
+    """`[fn(r, world_size, *args) for r in ranks]`, each in its own process on gloo.
+    `pg_timeout`: the process group's timeout in seconds (torch's default otherwise); ranks in
+    `may_exit` may end without a result (their entry is None), as a rank that dies does."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_child, args=(r, world_size, store, fn, args, queue))
+            ctx.Process(target=_child, args=(r, world_size, store, fn, args, queue, pg_timeout))
             for r in range(world_size)
         ]
         for p in procs:
@@ -90,7 +100,9 @@ def run_ranks(
                 except queue_module.Empty:
                     # A child that died without reporting (a signal, an abort in the backend).
                     for r, p in enumerate(procs):
-                        if r not in results and p.exitcode not in (None, 0):
+                        if r in may_exit and p.exitcode is not None and r not in results:
+                            results[r] = None
+                        elif r not in results and p.exitcode not in (None, 0):
                             failures[r] = f"process exited with code {p.exitcode} (no report)"
                     if time.monotonic() > deadline:
                         raise TimeoutError(
