@@ -12,11 +12,13 @@ host compiles it and the others load it (`runtime.host_cache`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch._dynamo.backends.registry import register_backend
+from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import is_fake
@@ -33,6 +35,7 @@ from dsv41_compile.frontend import (
     check_whole_model,
     generalize_token_count,
     read_inputs,
+    symbolic_token_inputs,
 )
 from dsv41_compile.models import adapter_for
 from dsv41_compile.moe.stats import EP_TOKENS
@@ -40,7 +43,18 @@ from dsv41_compile.options import BackendOptions
 from dsv41_compile.pipeline import PIPELINE
 from dsv41_compile.report.comm import comm_records
 from dsv41_compile.report.dump import EpStepLog, graph_text, write_dump, write_graph
-from dsv41_compile.runtime.host_cache import Artifact, load_graph, program_key, save_graph, shared
+from dsv41_compile.runtime.host_cache import (
+    Artifact,
+    add_guards,
+    canonical_symbols,
+    load_graph,
+    program_key,
+    restart_like,
+    restart_requested,
+    save_graph,
+    saved_guards,
+    shared,
+)
 from dsv41_compile.runtime.program import ProgramReport, ProgramSpec, ShardedProgram
 from dsv41_compile.targets import Handoff, compile_graph
 
@@ -82,17 +96,33 @@ def dsv41_sp(
 
         import_torchair()  # fail before compiling when torch_npu is missing
     mesh = build_mesh(tp=opts.tp, ep=opts.ep, device_type="cpu" if planning else device_type)
-    gm, example_inputs = generalize_token_count(gm, example_inputs, inputs, adapter)
-    key = None if planning else _shared_key(gm, example_inputs, opts, mesh, adapter.name, target)
-    if key is None:
+    # The key is Dynamo's graph as traced: a rank that loads skips the generalization too.
+    fakes = _fakes(example_inputs)
+    names = canonical_symbols(fakes)
+    key = None if planning else _shared_key(gm, fakes, opts, mesh, adapter.name, target)
+    if key is None or names is None:
         return _compile(gm, example_inputs, inputs, opts, mesh, adapter, target)
     with shared(key) as slot:
+        shape_env = TracingContext.get().fake_mode.shape_env
+        if slot.artifact is not None and slot.artifact.restart is not None:
+            restart_like(slot.artifact.restart)
         if slot.artifact is not None:
-            program = _load(slot.artifact, example_inputs, opts, mesh, target)
+            add_guards(shape_env, slot.artifact.guards, names)
+            local = symbolic_token_inputs(gm, fakes, inputs, adapter)
+            program = _load(slot.artifact, local, opts, mesh, target)
             return lambda *args: program(list(args))
+        since = len(shape_env.guards)
         saved: list[Artifact] = []
-        compiled = _compile(gm, example_inputs, inputs, opts, mesh, adapter, target, saved.append)
-        slot.store(saved[0])
+        try:
+            compiled = _compile(
+                gm, example_inputs, inputs, opts, mesh, adapter, target, saved.append
+            )
+        except TensorifyScalarRestartAnalysis:
+            slot.store(Artifact(b"", None, None, restart=restart_requested()))
+            raise
+        guards = saved_guards(shape_env, since, names)
+        if guards is not None:  # else every rank compiles for itself
+            slot.store(dataclasses.replace(saved[0], guards=guards))
         return compiled
 
 
@@ -106,8 +136,9 @@ def _compile(
     target: str,
     save: Callable[[Artifact], None] | None = None,
 ) -> Any:
-    """AOTAutograd, the pipeline and the target, on this rank; `save` receives the result
-    for the host's other ranks."""
+    """The token count made symbolic, AOTAutograd, the pipeline and the target, on this rank;
+    `save` receives the result for the host's other ranks."""
+    gm, example_inputs = generalize_token_count(gm, example_inputs, inputs, adapter)
 
     def compile_rank(aten_gm: GraphModule, aten_inputs: list[Any]) -> Any:
         ctx = _context(aten_gm, aten_inputs, inputs, opts, mesh, adapter, target)
@@ -131,7 +162,7 @@ def _compile(
 
 def _shared_key(
     gm: GraphModule,
-    example_inputs: list[Any],
+    fakes: list[Any],
     opts: BackendOptions,
     mesh: Mesh,
     adapter: str,
@@ -145,7 +176,7 @@ def _shared_key(
     if not opts.share_compile or opts.dump_after or None in tags or watched:
         return None  # the pipeline must run here
     parts = (opts.cache_key(), mesh.world_size, mesh.tp, mesh.ep, mesh.device_type, target)
-    return program_key(gm, _fakes(example_inputs), (*parts, adapter, tags))
+    return program_key(gm, fakes, (*parts, adapter, tags))
 
 
 def _fakes(example_inputs: list[Any]) -> list[Any]:
@@ -158,25 +189,25 @@ def _fakes(example_inputs: list[Any]) -> list[Any]:
 
 
 def _load(
-    artifact: Artifact, example_inputs: list[Any], opts: BackendOptions, mesh: Mesh, target: str
+    artifact: Artifact, fakes: list[Any], opts: BackendOptions, mesh: Mesh, target: str
 ) -> ShardedProgram:
     """The program another rank of the host compiled, bound to this rank: no AOTAutograd, no
     pipeline; inductor finds its kernels in its caches. The graph keeps the model's cache
     writes (AOTAutograd's `keep_inference_input_mutations`) and aliases no input, so the
     program is called with Dynamo's inputs as they are."""
     gm = load_graph(artifact.graph)
-    fakes = _local_fakes(artifact.spec, example_inputs)
+    local = _local_fakes(artifact.spec, fakes)
     handoff = Handoff(
-        target, fakes, artifact.spec.param_indices, TracingContext.get().fake_mode, opts, mesh.rank
+        target, local, artifact.spec.param_indices, TracingContext.get().fake_mode, opts, mesh.rank
     )
     return _bind(compile_graph(gm, handoff), artifact.spec, artifact.report, opts, mesh)
 
 
-def _local_fakes(spec: ProgramSpec, example_inputs: list[Any]) -> list[Any]:
-    """Fake values of the per-rank graph's inputs: Dynamo's, with parameter shards at their
-    local shape, then `tp_rank` (and `ep_tokens`)."""
+def _local_fakes(spec: ProgramSpec, fakes: list[Any]) -> list[Any]:
+    """Fake values of the per-rank graph's inputs: the model's (`fakes`), with parameter shards
+    at their local shape, then `tp_rank` (and `ep_tokens`)."""
     fake_mode = TracingContext.get().fake_mode
-    fakes = _fakes(example_inputs)
+    fakes = list(fakes)
     for index, shard in spec.param_shards.items():
         full = fakes[index]
         with fake_mode:

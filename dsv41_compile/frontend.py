@@ -30,7 +30,13 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbol
 from dsv41_compile.core.adapter import ModelAdapter
 from dsv41_compile.core.meta import module_paths
 
-__all__ = ["GraphInputs", "check_whole_model", "generalize_token_count", "read_inputs"]
+__all__ = [
+    "GraphInputs",
+    "check_whole_model",
+    "generalize_token_count",
+    "read_inputs",
+    "symbolic_token_inputs",
+]
 
 _SOURCE_KEYS = re.compile(r"\['([^']+)'\]")
 
@@ -132,46 +138,72 @@ def generalize_token_count(
     """`gm` and its inputs with the token count as an unbacked symbol, when Dynamo traced it as
     a number T0 or as a backed symbol; unchanged when it is unbacked already.
 
-    Which numbers in the graph are T: every int size argument equal to T0 is a candidate. The
-    graph is run on fake tensors with the token inputs of length `u` and each candidate a
+    Which numbers in a static graph are T: every int size argument equal to T0 is a candidate.
+    The graph is run on fake tensors with the token inputs of length `u` and each candidate a
     symbol of its own; the shape checks of the ops then state which candidates equal u (a view
     of a token-sharded activation, an expand that meets it in a `cat`) and which a constant (a
     window of 4 when T0 = 4). The candidates equal to u become reads of the token input's
     length; the rest keep their value."""
-    token_indices = [inputs.index_of(name) for name in adapter.token_inputs]
-    if None in token_indices:
+    count = _traced_count(gm, inputs, adapter)
+    if count is None:
         return gm, example_inputs
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    count = placeholders[token_indices[0]].meta["example_value"].shape[0]
-    if isinstance(count, torch.SymInt) and free_unbacked_symbols(count.node.expr):
-        return gm, example_inputs  # mark_token_dim: already what the pipeline wants
-    fake_mode = TracingContext.get().fake_mode
-    shape_env = fake_mode.shape_env
-    with shape_env.ignore_fresh_unbacked_symbols():  # an input, not an op's output
-        u = shape_env.create_unbacked_symint()
-    torch._check_is_size(u)
-    generalized = list(example_inputs)
     if isinstance(count, int):
-        tokens = _token_slots(gm, example_inputs, set(token_indices), count)
-        anchor = placeholders[token_indices[0]]
+        token_indices = {inputs.index_of(name) for name in adapter.token_inputs}
+        tokens = _token_slots(gm, example_inputs, token_indices, count)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        anchor = placeholders[inputs.index_of(adapter.token_inputs[0])]
         with gm.graph.inserting_after(placeholders[-1]):
             size = gm.graph.call_method("size", (anchor, 0))
         for node, slot in tokens:
             node.args = _with(node.args, slot, size)
         gm.graph.lint()
         gm.recompile()
-    else:
+    return gm, symbolic_token_inputs(gm, example_inputs, inputs, adapter)
+
+
+def symbolic_token_inputs(
+    gm: GraphModule, example_inputs: list[Any], inputs: GraphInputs, adapter: ModelAdapter
+) -> list[Any]:
+    """The inputs with the token inputs' length a fresh unbacked symbol (and a backed token
+    symbol Dynamo passes as an int input replaced by it): what AOTAutograd and the targets
+    trace with, whatever T Dynamo traced."""
+    count = _traced_count(gm, inputs, adapter)
+    if count is None:
+        return example_inputs
+    fake_mode = TracingContext.get().fake_mode
+    shape_env = fake_mode.shape_env
+    with shape_env.ignore_fresh_unbacked_symbols():  # an input, not an op's output
+        u = shape_env.create_unbacked_symint()
+    torch._check_is_size(u)
+    generalized = list(example_inputs)
+    if isinstance(count, torch.SymInt):
         # A backed symbol (automatic dynamic, dynamic=True): the same graph, traced again with
         # an unbacked one. Backed sizes are reasoned about at their example value, and a
         # token-shard length whose example is 1 makes views of it come out wrong.
         for i, x in enumerate(example_inputs):
             if isinstance(x, torch.SymInt) and x.node.expr == count.node.expr:
                 generalized[i] = u
-    for i in token_indices:
+    for name in adapter.token_inputs:
+        i = inputs.index_of(name)
         real = example_inputs[i]
         with fake_mode:
             generalized[i] = torch.empty((u,), dtype=real.dtype, device=real.device)
-    return gm, generalized
+    return generalized
+
+
+def _traced_count(
+    gm: GraphModule, inputs: GraphInputs, adapter: ModelAdapter
+) -> int | torch.SymInt | None:
+    """The token count as Dynamo traced it: a number, a backed symbol, or None when it is
+    unbacked already (`mark_token_dim`) or the graph has no token input."""
+    indices = [inputs.index_of(name) for name in adapter.token_inputs]
+    if None in indices:
+        return None
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    count = placeholders[indices[0]].meta["example_value"].shape[0]
+    if isinstance(count, torch.SymInt) and free_unbacked_symbols(count.node.expr):
+        return None
+    return count
 
 
 def _token_slots(

@@ -100,10 +100,10 @@ def _inherit_timeout(group: dist.ProcessGroup, device_type: str) -> None:
     """Give the TP group the world's timeout. c10d creates subgroups with its default (30
     minutes for gloo) whatever `init_process_group(timeout=...)` said; a rank waiting on a dead
     TP peer would then hang that long instead of failing at the user's timeout."""
-    device = torch.device(device_type)
-    world = dist.group.WORLD._get_backend(device)
-    if group is not dist.group.WORLD and hasattr(world, "options"):
-        dist.distributed_c10d._set_pg_timeout(world.options._timeout, group)
+    world = dist.group.WORLD._get_backend(torch.device(device_type))
+    options = getattr(world, "options", None)  # a fake process group has none
+    if group is not dist.group.WORLD and options is not None:
+        dist.distributed_c10d._set_pg_timeout(options._timeout, group)
 
 
 def _alias(name: str, group: dist.ProcessGroup) -> None:

@@ -15,13 +15,21 @@ versions of torch and of this package's source. The cache lives beside inductor'
 (`TORCHINDUCTOR_CACHE_DIR` moves both), so it also serves the next start of the same job (a
 warm start).
 
+A compile that makes Dynamo restart its trace (AOTAutograd's scalar tensorification under
+`dynamic=True`) is saved as such: the other ranks restart the same way without compiling.
+
 With torchair, the ranks share everything before torchair: its own compile (GE) happens on
 every rank's device.
 
-Not shared: graphs with a backed symbol among their inputs (`dynamic=True` makes the cache's
-sizes backed; AOTAutograd may add guards on them that a loading rank would not have), compiles
-whose hooks watch the pipeline or add passes without a cache tag, and `dump_after` (its graphs
-exist only where the passes ran). Those compile on every rank, as with `share_compile=False`.
+Backed symbols among the inputs (`dynamic=True` makes every size of the cache one): what
+AOTAutograd and the pipeline assumed about them became guards of the compiling rank's Dynamo
+frame. They are saved with the program, in the inputs' canonical symbols, and a loading rank
+adds them to its own shape env, so that every rank's Dynamo reuses and recompiles the program
+under the same conditions.
+
+Not shared: compiles whose hooks watch the pipeline or add passes without a cache tag, and
+`dump_after` (its graphs exist only where the passes ran). Those compile on every rank, as
+with `share_compile=False`.
 """
 
 from __future__ import annotations
@@ -44,16 +52,21 @@ import torch
 from filelock import FileLock
 from torch.fx import GraphModule
 from torch.fx._graph_pickler import GraphPickler, Options
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 __all__ = [
     "STATS",
     "Artifact",
+    "add_guards",
     "cache_dir",
+    "canonical_symbols",
     "host_lock",
     "load_graph",
     "program_key",
+    "restart_like",
+    "restart_requested",
     "save_graph",
+    "saved_guards",
     "shared",
 ]
 
@@ -87,6 +100,12 @@ class Artifact:
     """`runtime.program.ProgramSpec`."""
     report: Any
     """`runtime.program.ProgramReport`."""
+    guards: tuple[sympy.Expr, ...] = ()
+    """The guards the compile added, over the inputs' canonical symbols (`canonical_symbols`)."""
+    restart: tuple[str, ...] | None = None
+    """Set when AOTAutograd asked Dynamo to trace the frame again with these float inputs
+    specialised (`dynamic=True` makes module float attributes symbolic): there is no program,
+    and every rank's Dynamo restarts alike (`restart_like`)."""
 
 
 def save_graph(gm: GraphModule) -> bytes:
@@ -120,14 +139,29 @@ def _source_version() -> str:
     return digest.hexdigest()
 
 
-def _input_description(x: object, symbols: dict[sympy.Symbol, str]) -> str:
+def canonical_symbols(fake_inputs: list[Any]) -> dict[sympy.Symbol, sympy.Symbol] | None:
+    """The inputs' size symbols, renamed `s0, s1, ...` in order of first appearance: the same on
+    every rank whatever names its compile history gave them. None when a size mixes two
+    symbols seen nowhere else (no order to give them)."""
+    names: dict[sympy.Symbol, sympy.Symbol] = {}
+    for x in fake_inputs:
+        sizes = (
+            x.shape if isinstance(x, torch.Tensor) else [x] if isinstance(x, torch.SymInt) else []
+        )
+        for size in sizes:
+            if not isinstance(size, torch.SymInt):
+                continue
+            new = [s for s in size.node.expr.free_symbols if s not in names]
+            if len(new) > 1:
+                return None
+            for symbol in new:
+                names[symbol] = sympy.Symbol(f"s{len(names)}", integer=True)
+    return names
+
+
+def _input_description(x: object, names: dict[sympy.Symbol, sympy.Symbol]) -> str:
     def size(s: object) -> str:
-        if not isinstance(s, torch.SymInt):
-            return str(s)
-        expr = s.node.expr
-        for symbol in sorted(expr.free_symbols, key=str):
-            symbols.setdefault(symbol, f"s{len(symbols)}")
-        return str(expr.xreplace({k: sympy.Symbol(v) for k, v in symbols.items()}))
+        return str(s.node.expr.xreplace(names)) if isinstance(s, torch.SymInt) else str(s)
 
     if isinstance(x, torch.Tensor):
         return f"{x.dtype}[{','.join(size(s) for s in x.shape)}]{x.device.type}"
@@ -138,17 +172,56 @@ def _input_description(x: object, symbols: dict[sympy.Symbol, str]) -> str:
 
 def program_key(gm: GraphModule, fake_inputs: list[Any], parts: tuple[Any, ...]) -> str | None:
     """The cache key of compiling `gm` on `fake_inputs` (Dynamo's fakes) with `parts` (options,
-    mesh shape, target, hook tags, ...); None when the graph must not be shared (a backed
-    symbol among its inputs)."""
-    symbols: dict[sympy.Symbol, str] = {}
-    described = [_input_description(x, symbols) for x in fake_inputs]
-    if any(not free_unbacked_symbols(s) for s in symbols):
+    mesh shape, target, hook tags, ...); None when its inputs' symbols have no canonical
+    names."""
+    names = canonical_symbols(fake_inputs)
+    if names is None:
         return None
     digest = hashlib.sha256(_source_version().encode())
     digest.update(gm.code.encode())
-    digest.update("\n".join(described).encode())
+    digest.update("\n".join(_input_description(x, names) for x in fake_inputs).encode())
     digest.update(repr(parts).encode())
     return digest.hexdigest()[:32]
+
+
+def saved_guards(
+    shape_env: ShapeEnv, since: int, names: dict[sympy.Symbol, sympy.Symbol]
+) -> tuple[sympy.Expr, ...] | None:
+    """The guards `shape_env` gained after its first `since`, over canonical symbols; None
+    when one involves a symbol that is not an input's size (the program is then not shared)."""
+    guards = []
+    for guard in shape_env.guards[since:]:
+        if not guard.expr.free_symbols <= set(names):
+            return None
+        guards.append(guard.expr.xreplace(names))
+    return tuple(guards)
+
+
+def add_guards(
+    shape_env: ShapeEnv, guards: tuple[sympy.Expr, ...], names: dict[sympy.Symbol, sympy.Symbol]
+) -> None:
+    """Make `guards` (over canonical symbols) guards of this rank's frame."""
+    local = {canonical: symbol for symbol, canonical in names.items()}
+    for guard in guards:
+        shape_env.evaluate_expr(guard.xreplace(local))
+
+
+def restart_requested() -> tuple[str, ...]:
+    """The float inputs AOTAutograd asked Dynamo to specialise when it raised
+    `TensorifyScalarRestartAnalysis` (Dynamo keeps them in `TensorifyState`)."""
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    return tuple(sorted(TensorifyState.force_specializations))
+
+
+def restart_like(specialized: tuple[str, ...]) -> None:
+    """Make this rank's Dynamo restart its trace as the compiling rank's did."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    for name in specialized:
+        TensorifyState.specialize(name)
+    raise TensorifyScalarRestartAnalysis
 
 
 class _Slot:

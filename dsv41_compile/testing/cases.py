@@ -23,6 +23,7 @@ import copy
 import json
 import shutil
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,6 +180,7 @@ def _run_mode(
 ) -> dict[str, Any]:
     if mode not in MODES:
         raise ValueError(f"unknown compile mode {mode!r}; the modes are {MODES}")
+    start = time.perf_counter()
     torch._dynamo.reset()  # each mode compiles afresh (and Dynamo's recompile limit is per mode)
     dynamic = {"dynamic": True, "static": False}.get(mode)
     compiled = torch.compile(model, backend="dsv41_sp", options=options, dynamic=dynamic)
@@ -193,6 +195,7 @@ def _run_mode(
             logits.append(compiled(ids, positions, slots, cache))
     return {
         "logits": logits,
+        "seconds": time.perf_counter() - start,
         "programs": [layer_collectives(p.report.comm) for p in programs],
         "compiles": len(programs),
         "cache": cache,

@@ -1,0 +1,104 @@
+"""The call a user writes first: `torch.compile(model, backend="dsv41_sp", options=...)`, with
+no `mark_token_dim`, and with `dynamic=True` and `dynamic=False`, on 8 gloo ranks (tp=4, dp=2)
+through serving steps of mixed T: a prefill (T = 8), a decode with T = 3 < tp (tp_rank 3 holds
+no token) in one DP group and T = 1 in the other, then one group idle (T = 0) while the other
+verifies 6 draft tokens.
+
+Every program each rank compiles has the requirement's per-layer collectives, whatever T
+Dynamo traced it with, and the logits and caches match the single-device model at the fp32
+bound. How many programs each rank compiles is Dynamo's choice, counted here (docs/backend.md,
+"Token counts"): without `mark_token_dim`, a static graph for the first T, one with a dynamic T
+from the next T >= 2 on, and a static one for each of T = 0 and T = 1; with `dynamic=True` the
+dynamic one from the start; with `dynamic=False` one per distinct T.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41_compile.testing.batches import Request
+from dsv41_compile.testing.cases import CaseSpec, compare_on_rank
+from dsv41_compile.testing.multirank import run_ranks
+
+pytestmark = pytest.mark.slow
+
+WORLD, TP = 8, 4
+STEPS = (
+    (
+        (Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0), Request(2, [6, 7, 8], 0)),
+        (Request(0, [9, 10, 11], 0), Request(1, [12, 13], 0), Request(2, [14, 15, 16], 0)),
+    ),
+    ((Request(0, [17], 3), Request(1, [18], 2), Request(2, [19], 3)), (Request(1, [20], 2),)),
+    ((), (Request(0, [26, 27, 28], 3), Request(1, [29, 30, 31], 3))),
+)
+MODES = ("unmarked", "dynamic", "static")
+# Programs per rank in each mode, by DP group (T: group 0 8, 3, 0; group 1 8, 1, 6).
+COMPILES = {
+    "unmarked": (3, 3),  # static 8, dynamic (at 3 / at 6), static 0 / static 1
+    "dynamic": (2, 2),  # dynamic, static 0 / static 1
+    "static": (3, 3),  # one per T
+}
+# tiny-swa with 3 Sinkhorn iterations instead of 20: the same code, a third shorter to trace;
+# the subject here is how Dynamo traces T, and each mode traces the model two or three times.
+MODEL = {"preset": "tiny-swa", "overrides": (("hc_sinkhorn_iters", 3),)}
+RUNS = {
+    # sp, experts over the world, padded dispatch: the all-to-alls need the idle group's ranks
+    "sp-ep8-padded": CaseSpec(
+        steps=STEPS,
+        options=(("tp", TP), ("ep", 8), ("ep_dispatch", "padded"), ("lowering", "eager")),
+        modes=MODES,
+        **MODEL,
+    ),
+    # the replicated baseline, every rank holding every expert
+    "replicated-ep1": CaseSpec(
+        steps=STEPS,
+        options=(("tp", TP), ("layout", "replicated"), ("lowering", "eager")),
+        modes=MODES,
+        **MODEL,
+    ),
+}
+SEED_LAYOUT = {
+    "sp-ep8-padded": ["all_gather(tp)", *["all_to_all(ep)"] * 3, "reduce_scatter(tp)"],
+    "replicated-ep1": ["all_reduce(tp)"],
+}
+
+_RESULTS: dict[str, list] = {}
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def run(request):
+    name = request.param
+    if name not in _RESULTS:
+        _RESULTS[name] = run_ranks(compare_on_rank, WORLD, RUNS[name])
+    return name, _RESULTS[name]
+
+
+def test_logits_and_caches_match_single_device_in_every_mode(run):
+    name, results = run
+    for rank, result in enumerate(results):
+        for mode, out in result["modes"].items():
+            for i, (logits, ref) in enumerate(zip(out["logits"], result["ref"])):
+                assert logits.shape == ref.shape == (result["T"][i], 512)
+                torch.testing.assert_close(
+                    logits, ref, atol=1e-5, rtol=1e-5,
+                    msg=lambda m, at=f"{name} {mode} rank {rank} step {i}": f"{at}: {m}",
+                )  # fmt: skip
+            assert out["cache_diff"] <= 1e-5, (name, mode, rank)
+
+
+def test_every_program_has_the_seed_layout_whatever_t_it_was_traced_with(run):
+    name, results = run
+    expected = {layer: SEED_LAYOUT[name] for layer in (0, 1)}
+    for rank, result in enumerate(results):
+        for mode, out in result["modes"].items():
+            assert out["programs"], (mode, rank)
+            for layout in out["programs"]:
+                assert layout == expected, (name, mode, rank)
+
+
+def test_recompiles_are_dynamos_and_counted(run):
+    _, results = run
+    for rank, result in enumerate(results):
+        for mode, out in result["modes"].items():
+            assert out["compiles"] == COMPILES[mode][rank // TP], (mode, rank)
