@@ -47,7 +47,7 @@ from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REASON, REGION, SYMBOL,
 from dsv41_compile.moe.stats import EP_TOKENS, EpLayer
 from dsv41_compile.spmd.placements import ExpertShard
 
-__all__ = ["expert_parallel", "sharded_routed_experts"]
+__all__ = ["EP_SOURCE", "dispatched_values", "expert_parallel", "sharded_routed_experts"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -64,6 +64,21 @@ def sharded_routed_experts(
         if spec and placements and isinstance(placements[spec.weight_args()[0]], ExpertShard):
             found.append((node, spec))
     return found
+
+
+EP_SOURCE = "dsv41_ep_source"
+"""meta key: the node reads what a rank dispatches -- its first argument is the routed
+experts' token rows or routing table (`dispatched_values`)."""
+
+
+def _dispatched(value: Proxy) -> Proxy:
+    value.node.meta[EP_SOURCE] = True
+    return value
+
+
+def dispatched_values(gm: GraphModule) -> list[Node]:
+    """The values the EP dispatches of `gm` send: token rows and routing tables."""
+    return [n.args[0] for n in gm.graph.nodes if n.meta.get(EP_SOURCE)]
 
 
 def expert_parallel(gm: GraphModule, *, ctx: CompileContext) -> None:
@@ -166,7 +181,7 @@ def _ep_tokens_input(graph: Graph, ctx: CompileContext) -> Node:
 
 def _exact(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, Proxy]:
     ep, per_rank, K = info.ep, info.experts_per_rank, info.top_k
-    expert = aten.view.default(op.topk_idx, [-1])  # [A = Tl*K]
+    expert = _dispatched(aten.view.default(op.topk_idx, [-1]))  # [A = Tl*K]
     # Expert order, unassigned last: their key E maps to destination ep, which is never sent.
     key = aten.where.ScalarOther(aten.ge.Scalar(expert, 0), expert, ep * per_rank)
     sorted_key, order = aten.sort.stable(key, stable=True)
@@ -194,7 +209,7 @@ def _exact(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, Proxy]:
     local = aten.remainder.Scalar(aten.narrow.default(sorted_key, 0, 0, n_send), per_rank)
     weight = aten.index_select.default(aten.view.default(op.topk_weight, [-1]), 0, assignment)
     route = aten.stack.default([aten._to_copy.default(local, dtype=torch.float32), weight], 1)
-    x_send = aten.index_select.default(op.x, 0, token)
+    x_send = _dispatched(aten.index_select.default(op.x, 0, token))
     y_back = _exchange(emit, op, x_send, route, send_splits, recv_splits, _EXACT_WHY)
     zeros = aten.zeros_like.default(op.x, dtype=torch.float32)
     out = aten.index_add.default(zeros, 0, token, cast(y_back, op.dtype, torch.float32))
@@ -205,7 +220,7 @@ def _padded(emit: _Emitter, op: _Routed, info: EpLayer, ep_tokens: Proxy) -> tup
     ep, per_rank, K = info.ep, info.experts_per_rank, info.top_k
     capacity = ep_tokens * info.rows_per_token  # C rows per peer, the same on every rank
     n_rows = capacity * ep
-    expert = aten.view.default(op.topk_idx, [-1])  # [A = Tl*K]
+    expert = _dispatched(aten.view.default(op.topk_idx, [-1]))  # [A = Tl*K]
     assigned = aten.ge.Scalar(expert, 0)
     dest = emit.named(
         aten.floor_divide.default(aten.where.ScalarOther(assigned, expert, 0), per_rank),
@@ -234,7 +249,7 @@ def _padded(emit: _Emitter, op: _Routed, info: EpLayer, ep_tokens: Proxy) -> tup
     x_buf = aten.index_put.default(
         aten.new_zeros.default(op.x, [n_rows + 1, op.dim]),
         [slot],
-        aten.index_select.default(op.x, 0, token),
+        _dispatched(aten.index_select.default(op.x, 0, token)),
     )
     local = aten._to_copy.default(aten.remainder.Scalar(expert, per_rank), dtype=torch.float32)
     route = aten.stack.default([local, aten.view.default(op.topk_weight, [-1])], 1)

@@ -166,6 +166,9 @@ def _localize_vocab_sharded_embedding(gm: GraphModule, node: Node, ctx: CompileC
         masked = g.call_function(aten.mul.Tensor, (node, keep))
     node.replace_all_uses_with(masked, delete_user_cb=lambda user: user is not masked)
     node.args = (weight, safe, *node.args[2:])
+    # The lookup itself is no placement: rows of other ranks' ids hold this rank's row 0
+    # until the mask zeroes them; the masked value is the partial sum.
+    node.meta[OUT] = None
     for n in (offset, local, mine, safe, keep, masked, *mine.args):
         n.meta[OUT] = Partial() if n is masked else Replicate()
         n.meta[REASON] = (

@@ -6,7 +6,14 @@ annotated node's local shape is its global shape with sharded dims divided over 
 over ep); the graph lints; the layout's invariants hold; `ctx.comm` holds one record per
 collective (`report.comm.comm_records`).
 
-The invariants are the model adapter's promise per decoder layer
+Placements first, before any shape is computed: every annotated node gets each input in the
+placement it needs (`meta[IN]` against the producer's `meta[OUT]`). This is what catches the
+bugs hand-written SP keeps shipping: a partial sum used before its reduction (or scattered
+without one), a sum collective over replicated copies (x tp), a rank's token shard paired with
+gathered tokens (the token order would not match the positions), the EP dispatch of tokens
+every TP rank holds (x tp assignments).
+
+Then the invariants: the model adapter's promise per decoder layer
 (`ModelAdapter.expected_collectives`: which TP collectives a layer has outside its MoE half and
 in it, the rank of the values it gathers), plus what holds in every layout: every reduction
 (reduce-scatter, all-reduce) runs on fp32; no all-reduce in the sp layout; EP collectives are
@@ -19,14 +26,16 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from torch.distributed.tensor import Shard
+from torch._dispatch.python import enable_python_dispatcher
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
-from dsv41_compile.core.meta import GLOBAL_VAL, OUT, REGION
+from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REGION, tensor_inputs
 from dsv41_compile.core.symbols import hint_shape
+from dsv41_compile.moe.expert_parallel import dispatched_values
 from dsv41_compile.moe.stats import ALL_TO_ALLS
 from dsv41_compile.report.comm import collective_axis, collective_kind, comm_records
 from dsv41_compile.spmd.localize import local_inputs
@@ -37,10 +46,116 @@ __all__ = ["verify"]
 
 def verify(gm: GraphModule, *, ctx: CompileContext) -> None:
     gm.graph.lint()
-    FakeTensorProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*local_inputs(gm, ctx))
+    _check_placements(gm, ctx)
+    with enable_python_dispatcher():  # the decompositions that take symbolic sizes
+        FakeTensorProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*local_inputs(gm, ctx))
+    _check_reduction_dtypes(gm)
     _check_local_shapes(gm, ctx)
     ctx.comm[:] = comm_records(gm, ctx)
     _check_layout(gm, ctx)
+
+
+_REDUCTIONS = ("reduce_scatter", "all_reduce")
+
+
+def _placement(node: Node) -> object:
+    return node.meta.get(OUT)
+
+
+def _check_placements(gm: GraphModule, ctx: CompileContext) -> None:
+    for node in gm.graph.nodes:
+        kind = collective_kind(node)
+        if kind in _REDUCTIONS and collective_axis(node, ctx) == "tp":
+            _check_reduction(node, kind)
+        if isinstance(_placement(node), Partial):
+            for user in node.users:
+                if not _on_the_way_to_a_reduction(user):
+                    raise InternalError(_partial_use(node, user), user)
+        needed = node.meta.get(IN)
+        if not needed or node.op != "call_function":
+            continue
+        for producer, need in zip(tensor_inputs(node), needed):
+            have = _placement(producer)
+            if have != need and not isinstance(have, Partial):
+                raise InternalError(
+                    f"{node.name} needs {producer.name} as {format_placement(need)} but gets "
+                    f"{format_placement(have)}{_mismatch(have, need)}",
+                    node,
+                )
+    for node in dispatched_values(gm):
+        if _placement(node) != Shard(0):
+            raise InternalError(
+                f"the EP dispatch sends {node.name}, which is "
+                f"{format_placement(_placement(node))}: every rank of the TP group holds the "
+                "same rows and would dispatch them (tp times the assignments); the routed "
+                "experts take each rank's token shard (S(0))",
+                node,
+            )
+
+
+def _check_reduction(node: Node, kind: str) -> None:
+    """A reduction over tp sums the fp32 partial sum the model computed, nothing else."""
+    source = node.args[0]
+    while _on_the_way_to_a_reduction(source) and collective_kind(source) is None:
+        source = source.args[0]
+    if not isinstance(_placement(source), Partial):
+        raise InternalError(
+            f"a {kind} sums {source.name} over tp, but {source.name} is "
+            f"{format_placement(_placement(source))}, not a partial sum: every rank holds its "
+            "own copy, and their sum is tp times the value",
+            node,
+        )
+
+
+def _check_reduction_dtypes(gm: GraphModule) -> None:
+    for node in gm.graph.nodes:
+        kind = collective_kind(node)
+        dtype = node.args[0].meta["val"].dtype if kind in _REDUCTIONS else torch.float32
+        if dtype != torch.float32:
+            raise InternalError(
+                f"a {kind} reduces {dtype}; reductions run on the fp32 partial sum the model "
+                "computed (a rounded copy would be summed in another precision)",
+                node,
+            )
+
+
+_WAY_TO_A_REDUCTION = {
+    torch.ops.aten.constant_pad_nd.default,  # the token padding of a reduce-scatter
+    torch.ops.aten._to_copy.default,  # a cast: the dtype check then names it
+}
+
+
+def _on_the_way_to_a_reduction(node: Node) -> bool:
+    """`node` is a reduction collective, or a pad or cast whose users all are."""
+    if collective_kind(node) in _REDUCTIONS:
+        return True
+    return node.target in _WAY_TO_A_REDUCTION and all(
+        _on_the_way_to_a_reduction(user) for user in node.users
+    )
+
+
+def _partial_use(partial: Node, user: Node) -> str:
+    kinds = {u.target for u in user.users}
+    if user.target is torch.ops.aten.constant_pad_nd.default and (
+        torch.ops.aten.unflatten.int in kinds
+    ):
+        return (
+            f"{user.name} slices the partial sum {partial.name} (P) into this rank's token "
+            "shard without reducing it: each rank would keep only its share of the sum"
+        )
+    return (
+        f"{user.name} uses the partial sum {partial.name} (P) before its reduction: each rank "
+        "holds only its share of the sum"
+    )
+
+
+def _mismatch(have: object, need: object) -> str:
+    if have == Shard(0) and isinstance(need, Replicate):
+        return (
+            ": this rank's token shard where every token is needed (paired with gathered "
+            "tokens, the token order would not match)"
+        )
+    return ""
 
 
 def _check_local_shapes(gm: GraphModule, ctx: CompileContext) -> None:
@@ -72,10 +187,6 @@ def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
         if kind is None:
             continue
         site = ctx.adapter.site(node.meta.get(REGION, ""))
-        if kind in ("reduce_scatter", "all_reduce"):
-            dtype = node.args[0].meta["val"].dtype
-            if dtype != torch.float32:
-                raise InternalError(f"a {kind} reduces {dtype}; reductions run on fp32", node)
         if kind == "all_reduce" and layout == "sp":
             raise InternalError("the sp layout has no all-reduce", node)
         if collective_axis(node, ctx) == "ep":
@@ -85,6 +196,15 @@ def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
         elif site.layer is not None:
             tp_by_layer[site.layer][site.part == "moe"].append(node)
     for layer in sorted(_decoder_layers(ctx)):
+        for node in tp_by_layer[layer][False]:
+            ndim = node.args[0].meta["val"].dim()
+            if collective_kind(node) == "all_gather" and promise.gathered_ndim not in (None, ndim):
+                raise InternalError(
+                    f"{layout} layout: layer {layer} gathers a {ndim}-D value, expected the "
+                    f"{promise.gathered_ndim}-D layer input (the residual streams stay "
+                    "token-sharded across layers)",
+                    node,
+                )
         for in_moe, expected, half in (
             (False, promise.tp_outside_moe, "outside its MoE half"),
             (True, promise.tp_in_moe, "in its MoE half"),
@@ -96,14 +216,6 @@ def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
                     f"{layout} layout: layer {layer} has TP collectives {list(kinds)} {half}, "
                     f"expected {sorted(expected)}",
                     nodes[0] if nodes else None,
-                )
-        for node in tp_by_layer[layer][False]:
-            ndim = node.args[0].meta["val"].dim()
-            if collective_kind(node) == "all_gather" and promise.gathered_ndim not in (None, ndim):
-                raise InternalError(
-                    f"{layout} layout: layer {layer} gathers a {ndim}-D value, expected "
-                    f"{promise.gathered_ndim}-D",
-                    node,
                 )
     expected_a2a = ALL_TO_ALLS[ctx.options.ep_dispatch]
     for info in ctx.ep_layers:

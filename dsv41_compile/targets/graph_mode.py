@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx import Graph, GraphModule, Node, Proxy
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -52,7 +53,8 @@ DROPPED = (
 def graph_mode(gm: GraphModule, *, ctx: CompileContext) -> None:
     # Local values for every node (expert_parallel's nodes have none yet): the rewrites read
     # shapes and dtypes.
-    FakeTensorProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*local_inputs(gm, ctx))
+    with enable_python_dispatcher():  # the decompositions that take symbolic sizes
+        FakeTensorProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*local_inputs(gm, ctx))
     rewrite_for_graph_mode(gm, ctx.adapter.graph_mode_rewrites)
 
 

@@ -1,0 +1,213 @@
+"""verify has teeth: each bug class hand-written SP keeps shipping, seeded into a real rewritten
+graph of tiny (rank 1 of a fake world, sp, tp=4, ep=8 padded), is refused with an internal
+error naming the node and the broken invariant.
+
+A seed edits a copy of the graph the way a faulty pass would, placements included (a faulty
+rule that says what it produced); verify then runs on it as the pipeline runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx import Graph, GraphModule, Node
+
+from dsv41_compile.core.errors import InternalError
+from dsv41_compile.core.meta import IN, OUT, REASON, REGION
+from dsv41_compile.model import ModelConfig
+from dsv41_compile.moe.expert_parallel import EP_SOURCE
+from dsv41_compile.report.comm import collective_kind
+from dsv41_compile.spmd.verify import verify
+from dsv41_compile.testing.fake_rank import compile_on_fake_rank
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+OPTIONS = {"tp": 4, "ep": 8, "ep_dispatch": "padded"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    gm, ctx, _ = compile_on_fake_rank(1, OPTIONS, ModelConfig.from_name("tiny"))
+    return gm, ctx
+
+
+def copied(gm: GraphModule) -> GraphModule:
+    graph = Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return GraphModule(gm, graph)
+
+
+def seeded(tiny, seed) -> str:
+    """The error verify raises on a copy of tiny's graph with `seed` applied."""
+    gm, ctx = tiny
+    bad = copied(gm)
+    seed(bad)
+    bad.recompile()
+    with pytest.raises(InternalError) as info:
+        verify(bad, ctx=dataclasses.replace(ctx, comm=[]))
+    return str(info.value)
+
+
+def layer1(gm: GraphModule, kind: str) -> Node:
+    """Layer 1's attention-boundary collective of `kind`."""
+    return next(
+        n for n in gm.graph.nodes
+        if collective_kind(n) == kind and n.meta[REGION].startswith("layers.1")
+    )  # fmt: skip
+
+
+def partial_of(gm: GraphModule) -> tuple[Node, Node]:
+    """Layer 1's reduce-scatter and the wo_b partial sum it reduces (through the padding)."""
+    scatter = layer1(gm, "reduce_scatter")
+    pad = scatter.args[0]
+    return scatter, pad.args[0]
+
+
+def gathered_input(gm: GraphModule) -> Node:
+    """Layer 1's all-gathered attention input: `getitem(split(wait(all_gather)), 0)`."""
+    wait = next(iter(layer1(gm, "all_gather").users))
+    split = next(iter(wait.users))
+    return next(u for u in split.users if u.args[1] == 0)
+
+
+def add(gm: GraphModule, before: Node, target, args, out, **kwargs) -> Node:
+    """A node a faulty pass inserts: placed `out`, valued like its first argument (verify
+    checks placements before it computes any value)."""
+    with gm.graph.inserting_before(before):
+        node = gm.graph.call_function(target, args, kwargs)
+    node.meta.update({OUT: out, REGION: before.meta.get(REGION, ""), "val": args[0].meta["val"]})
+    return node
+
+
+def test_valid_graph_passes(tiny):
+    gm, ctx = tiny
+    verify(copied(gm), ctx=dataclasses.replace(ctx, comm=[]))
+
+
+def test_a_partial_used_before_its_reduction(tiny):
+    def seed(gm):  # a rule that lets relu pass a partial sum through: relu(P) -> P
+        scatter, partial = partial_of(gm)
+        pad = scatter.args[0]
+        relu = add(gm, pad, aten.relu.default, (partial,), Partial())
+        relu.meta[IN] = (Partial(),)
+        pad.args = (relu, *pad.args[1:])
+
+    message = seeded(tiny, seed)
+    assert "at node relu" in message
+    assert "uses the partial sum mm_" in message and "before its reduction" in message
+
+
+def test_a_partial_scattered_without_its_reduction(tiny):
+    def seed(gm):  # P -> S(0) taken as a local slice (the R -> S transition) instead of a RS
+        scatter, partial = partial_of(gm)
+        pad = scatter.args[0]
+        wait = next(iter(scatter.users))
+        sizes = gm.graph.find_nodes(op="placeholder", target="tp_rank")[0]
+        tl = next(n for n in gm.graph.nodes if n.meta.get(REASON) == "Tl = ceil(T/tp)")
+        split = add(gm, wait, aten.unflatten.int, (pad, 0, [4, tl]), None)
+        local = add(gm, wait, aten.index.Tensor, (split, [sizes]), Shard(0))
+        wait.replace_all_uses_with(local)
+
+    message = seeded(tiny, seed)
+    assert "slices the partial sum mm_" in message and "without reducing it" in message
+
+
+def test_a_sum_over_replicated_copies(tiny):
+    def seed(gm):  # the reduce-scatter fed the replicated attention input: x tp
+        scatter, _ = partial_of(gm)
+        pad = scatter.args[0]
+        pad.args = (gathered_input(gm), *pad.args[1:])
+
+    message = seeded(tiny, seed)
+    assert "a reduce_scatter sums getitem" in message
+    assert "is R, not a partial sum" in message and "tp times the value" in message
+    assert "reduce_scatter_tensor" in message  # the node
+
+
+def test_the_ep_dispatch_of_duplicated_tp_replicas(tiny):
+    def seed(gm):  # the MoE's token rows taken whole (R) on every TP rank: 4 x 96 assignments
+        rows = next(
+            n for n in gm.graph.nodes
+            if n.meta.get(EP_SOURCE) and n.target is aten.index_select.default
+            and n.meta[REGION].startswith("layers.1")
+        )  # fmt: skip
+        rows.args = (gathered_input(gm), *rows.args[1:])
+
+    message = seeded(tiny, seed)
+    assert "the EP dispatch sends getitem" in message and "which is R" in message
+    assert "tp times the assignments" in message
+
+
+def test_a_residual_gathered_across_the_layer_boundary(tiny):
+    def seed(gm):  # the [Tl, 4, D] residual streams gathered at layer 1's entry
+        gather = layer1(gm, "all_gather")
+        residual = next(
+            n for n in gm.graph.nodes
+            if n.meta.get(OUT) == Shard(0) and n.meta[REGION] == "layers.1"
+            and n.meta["val"].dim() == 3
+        )  # fmt: skip
+        streams = add(gm, gather, c10d.all_gather_into_tensor.default,
+                      (residual, 4, gather.args[2]), None)  # fmt: skip
+        add(gm, gather, c10d.wait_tensor.default, (streams,), Replicate())
+
+    message = seeded(tiny, seed)
+    assert "layer 1 gathers a 3-D value" in message and "residual streams" in message
+    assert "all_gather_into_tensor" in message
+
+
+def test_a_reduce_scatter_of_a_rounded_partial(tiny):
+    def seed(gm):  # the partial cast to bf16 before the reduce-scatter
+        scatter, partial = partial_of(gm)
+        pad = scatter.args[0]
+        cast = add(gm, pad, aten._to_copy.default, (partial,), Partial(), dtype=torch.bfloat16)
+        pad.args = (cast, *pad.args[1:])
+
+    message = seeded(tiny, seed)
+    assert "a reduce_scatter reduces torch.bfloat16" in message
+    assert "fp32 partial sum the model computed" in message
+
+
+def test_local_positions_paired_with_the_gathered_hidden(tiny):
+    def seed(gm):  # layer 1's rope reads this rank's shard of the positions
+        _, ctx = tiny
+        positions = next(n for n in gm.graph.nodes if ctx.input_sources.get(n.name) == "positions")
+        user = next(
+            u for u in positions.users
+            if u.meta.get(REGION) == "layers.1.attn" and u.meta.get(IN)
+        )  # fmt: skip
+        tp_rank = gm.graph.find_nodes(op="placeholder", target="tp_rank")[0]
+        tl = next(n for n in gm.graph.nodes if n.meta.get(REASON) == "Tl = ceil(T/tp)")
+        pad = next(n for n in gm.graph.nodes if n.meta.get(REASON) == "tp*Tl - T")
+        padded = add(gm, user, aten.constant_pad_nd.default, (positions, [0, pad], 0), None)
+        split = add(gm, user, aten.unflatten.int, (padded, 0, [4, tl]), None)
+        local = add(gm, user, aten.index.Tensor, (split, [tp_rank]), Shard(0))
+        user.args = tuple(local if a is positions else a for a in user.args)
+
+    message = seeded(tiny, seed)
+    assert "needs index_tensor" in message and "as R but gets S(0)" in message
+    assert "the token order would not match" in message
+
+
+def test_an_internal_error_names_the_pass_and_writes_the_graph(tiny, tmp_path):
+    """Through the pass manager (what the backend runs), the error names the pass and writes
+    the graph it left."""
+    from dsv41_compile.core.passes import Pass, PassManager
+    from dsv41_compile.report.dump import write_graph
+
+    gm, ctx = tiny
+    bad = copied(gm)
+    scatter, _ = partial_of(bad)
+    scatter.args[0].args = (gathered_input(bad), *scatter.args[0].args[1:])
+    options = dataclasses.replace(ctx.options, dump_dir=str(tmp_path))
+    manager = PassManager([Pass("verify", verify)], write_graph=write_graph)
+    with pytest.raises(InternalError) as info:
+        manager.run(bad, dataclasses.replace(ctx, comm=[], options=options))
+    path = tmp_path / "rank1" / "failed_verify.py"
+    assert str(info.value).startswith("dsv41_sp internal error in pass 'verify' at node ")
+    assert str(info.value).endswith(
+        f"This is a bug in dsv41_compile, not in your model; the graph the pass left is in "
+        f"{path} (attach it to the report)"
+    )
+    assert "reduce_scatter_tensor" in path.read_text()
