@@ -32,6 +32,7 @@ from dsv41_compile.core.mesh import Mesh, build_mesh
 from dsv41_compile.core.passes import PassManager
 from dsv41_compile.frontend import (
     GraphInputs,
+    check_recompiles,
     check_whole_model,
     generalize_token_count,
     read_inputs,
@@ -83,6 +84,7 @@ def dsv41_sp(
 ) -> Any:
     """The `dsv41_sp` backend. See `BackendOptions` for `options`."""
     opts = BackendOptions.from_dict(options)
+    check_recompiles()
     inputs = read_inputs(gm)
     adapter = adapter_for(inputs.param_fqns.values(), inputs.input_names.values())
     check_whole_model(gm, adapter)
@@ -96,6 +98,7 @@ def dsv41_sp(
 
         import_torchair()  # fail before compiling when torch_npu is missing
     mesh = build_mesh(tp=opts.tp, ep=opts.ep, device_type="cpu" if planning else device_type)
+    adapter.check(opts, {fqn: example_inputs[i].shape for i, fqn in inputs.param_fqns.items()})
     # The key is Dynamo's graph as traced: a rank that loads skips the generalization too.
     fakes = _fakes(example_inputs)
     names = canonical_symbols(fakes)
@@ -238,10 +241,11 @@ def _context(
     input_sources = {placeholders[i].name: name for i, name in inputs.input_names.items()}
     token = inputs.index_of(adapter.token_inputs[0])
     if token is None:
+        names = sorted({n for n in input_sources.values() if ".size()" not in n})
         raise ValueError(
             f"dsv41_sp expects the {adapter.name} model's inputs "
             f"{', '.join(adapter.token_inputs)}: no input named {adapter.token_inputs[0]} among "
-            f"{sorted(set(input_sources.values()))}"
+            f"{names}"
         )
     return CompileContext(
         mesh=mesh,

@@ -22,7 +22,7 @@ from typing import Any
 import sympy
 import torch
 from torch._dispatch.python import enable_python_dispatcher
-from torch._guards import TracingContext
+from torch._guards import CompileContext, TracingContext
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
@@ -32,6 +32,7 @@ from dsv41_compile.core.meta import module_paths
 
 __all__ = [
     "GraphInputs",
+    "check_recompiles",
     "check_whole_model",
     "generalize_token_count",
     "read_inputs",
@@ -77,6 +78,24 @@ def read_inputs(gm: GraphModule) -> GraphInputs:
         else:
             inputs[i] = _input_name(source)
     return GraphInputs(params, inputs)
+
+
+def check_recompiles() -> None:
+    """Refuse the compile that uses up Dynamo's recompile limit for the frame: past it, Dynamo
+    runs the frame eagerly -- the single-device model, unsharded, on every rank, silently."""
+    compile_id = CompileContext.current_compile_id()
+    limit = torch._dynamo.config.recompile_limit
+    if compile_id is None or compile_id.frame_compile_id is None:
+        return
+    if compile_id.frame_compile_id + 1 >= limit:
+        raise ValueError(
+            f"dsv41_sp: this is Dynamo's compile {compile_id.frame_compile_id + 1} of this model "
+            f"and its recompile limit is {limit}: past it, Dynamo would run the model eagerly -- "
+            "unsharded, the whole model on every rank. With static token counts "
+            "(dynamic=False) every new T is a new graph: call "
+            "dsv41_compile.mark_token_dim(input_ids, positions, slots) before each call (one "
+            "graph for every T), or raise torch._dynamo.config.recompile_limit"
+        )
 
 
 def check_whole_model(gm: GraphModule, adapter: ModelAdapter) -> None:

@@ -106,6 +106,12 @@ class ModelAdapter(abc.ABC):
     def expected_collectives(self, options: BackendOptions) -> LayerCollectives:
         """What `options.layout` promises per decoder layer (checked by `spmd.verify`)."""
 
+    @abc.abstractmethod
+    def check(self, options: BackendOptions, param_shapes: Mapping[str, Sequence[int]]) -> None:
+        """Raise a ValueError that says what to change when `options` cannot shard a model
+        with these parameter shapes (FQN -> shape); the passes would otherwise find out deep
+        in the graph."""
+
     def routed_experts_op(self, op: object) -> RoutedExperts | None:
         return next((r for r in self.routed_experts if r.op is op), None)
 

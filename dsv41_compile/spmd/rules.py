@@ -107,20 +107,21 @@ def strategy_for(
     args = torch.fx.node.map_aggregate(node.args, placed)
     if node.kwargs and any(is_tensor(v) for v in node.kwargs.values()):
         raise NotImplementedError(f"{describe(node)}: tensor keyword arguments have no rule")
+    placements = ", ".join(format_placement(p) for p in given)
     try:
         return propagate(node.target, args, mesh, dict(node.kwargs)), "dtensor"
-    except RuntimeError as error:  # DTensor refuses this input sharding outright
+    except NotImplementedError:  # (before RuntimeError, its base class)
         raise NotImplementedError(
-            f"DTensor's rule for {describe(node)} rejects input placements "
-            f"({', '.join(format_placement(p) for p in given)}): {error}. If this op splits "
-            f"attention heads or output groups, choose a tp that divides n_heads and o_groups"
+            f"no sharding rule for {describe(node)} with input placements ({placements}); add a "
+            "rule for it (dsv41_compile/spmd/rules.py, or the model adapter's `rules`: "
+            "docs/architecture.md) or change the model so this op sees replicated inputs"
         ) from None
-    except NotImplementedError:
+    except RuntimeError as error:  # DTensor refuses this input sharding outright
+        reason = str(error).strip().rstrip(".")
         raise NotImplementedError(
-            f"no sharding rule for {describe(node)} with input placements "
-            f"({', '.join(format_placement(p) for p in given)}); add a rule for it "
-            f"(dsv41_compile/spmd/rules.py, or the model adapter's `rules`: "
-            f"docs/architecture.md) or change the model so this op sees replicated inputs"
+            f"DTensor's rule for {describe(node)} rejects input placements ({placements}): "
+            f"{reason}. A size this op splits is not a multiple of the mesh: check that tp "
+            "divides it, or give the op a rule (docs/architecture.md)"
         ) from None
 
 

@@ -8,7 +8,7 @@ half (`hc_attn`, `attn_norm`, `attn`) and the MoE half (`hc_ffn`, `ffn_norm`, `f
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -56,6 +56,23 @@ class DeepseekV41Adapter(ModelAdapter):
         if child in _MOE:
             return Site(layer, "moe")
         return Site(layer, "layer")
+
+    def check(self, options: BackendOptions, param_shapes: Mapping[str, Sequence[int]]) -> None:
+        # Attention shards its heads and output groups over tp (the plan): read H and G from
+        # layer 0's weights -- sink [H], wq_b [H*d, q_lora], wo_a [G*o_lora, H/G*d].
+        sink = param_shapes.get("layers.0.attn.attn_sink")
+        if sink is None:
+            return
+        heads = sink[0]
+        head_dim = param_shapes["layers.0.attn.wq_b.weight"][0] // heads
+        groups = heads * head_dim // param_shapes["layers.0.attn.wo_a.weight"][1]
+        tp = options.tp
+        if heads % tp or groups % tp:
+            fits = [t for t in range(1, heads + 1) if heads % t == 0 and groups % t == 0]
+            raise ValueError(
+                f"tp={tp} does not divide this model's attention: it shards its {heads} heads "
+                f"and {groups} output groups over tp; choose tp in {fits}"
+            )
 
     def expected_collectives(self, options: BackendOptions) -> LayerCollectives:
         if options.layout == "sp":
