@@ -4,6 +4,8 @@ that would be compiled past Dynamo's recompile limit."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch._dynamo
@@ -173,7 +175,7 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
     assert type(error) is NotImplementedError
     line = next(
         i + 1
-        for i, text in enumerate(open(__file__).read().splitlines())
+        for i, text in enumerate(Path(__file__).read_text().splitlines())
         if "mystery(x), valid" in text
     )
     assert str(error) == (
