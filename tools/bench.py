@@ -54,6 +54,7 @@ def _progress(done: int, total: int, what: str) -> None:
 
 def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     import dsv41_compile
+    from dsv41_compile.model.validate import validate_batch
     from dsv41_compile.testing.batches import pack
     from dsv41_compile.testing.capture import capture_lowered
 
@@ -99,7 +100,13 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
         tick(f"compiled {layout}/{dispatch}")
     out: dict[str, Any] = {"compile_s": compile_s, "cases": {}}
     for name, batches in cases.items():
-        ids, positions, slots = pack(batches[rank // TP])
+        requests = batches[rank // TP]
+        ids, positions, slots = pack(requests)
+        # Each case is timed by replaying one step; it is checked against the cache it continues.
+        continued = model.new_cache(16, max_len)
+        for request in requests:
+            continued.lengths[request.slot] = request.start
+        validate_batch(ids, positions, slots, continued, vocab_size=cfg.vocab_size)
         times: dict[tuple[str, str], list[float]] = {c: [] for c in CONFIGS}
         for config in CONFIGS:  # warm-up: the first call at a new T is not timed
             dsv41_compile.mark_token_dim(ids, positions, slots)

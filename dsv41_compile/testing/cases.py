@@ -2,7 +2,8 @@
 multi-rank tests and the demo.
 
 Every rank builds the same model (same seed), serves its DP group's batches with the compiled
-model and, on the same inputs, with the plain model; it returns both logits of every step,
+model (each batch checked against the compiled model's cache by `validate_batch` first) and,
+on the same inputs, with the plain model; it returns both logits of every step,
 the collectives of every program it compiled and, optionally, the values entering chosen
 modules on both sides (`testing.capture`).
 
@@ -36,6 +37,7 @@ from torch._dynamo.utils import counters
 from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.hooks import Hooks, installed
 from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.model.validate import validate_batch
 from dsv41_compile.runtime.host_cache import STATS
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.capture import capture_compiled, capture_reference
@@ -190,6 +192,7 @@ def _run_mode(
     with installed(Hooks(on_program=programs.append)):
         for ids, positions, slots in batches:
             ids, positions, slots = ids.clone(), positions.clone(), slots.clone()
+            validate_batch(ids, positions, slots, cache, vocab_size=model.cfg.vocab_size)
             if mode == "marked":
                 mark_token_dim(ids, positions, slots)
             logits.append(compiled(ids, positions, slots, cache))

@@ -1,7 +1,7 @@
 """`ModelConfig`: every size and constant of the single-device DeepSeek V4.1 model, with presets.
 
-Field names follow the released V4.1 text config where one exists (see
-`../shared/reference/dsv41_architecture.md` §2.1). Presets:
+Field names follow the released V4.1 text config (`config.json`'s `text_config`) where one
+exists. Presets:
 
 - ``"tiny"``: small enough for CPU tests, same structure as the real model.
 - ``"flash"``: the released V4.1-Flash sizes (build it on the meta device).
@@ -251,7 +251,7 @@ PRESETS: dict[str, ModelConfig] = {
         moe_inter_dim=32,
         routed_scaling_factor=1.5,
         swiglu_limit=10.0,
-        # Every attention mode, with pruning that prunes at a few dozen tokens (notes §2.3):
+        # Every attention mode, with pruning that prunes at a few dozen tokens:
         # SWA 0-1, ratio-2 FULL 2 / REUSE 3, ratio-1 FULL + candidates 4 / REUSE 5 / REINDEX 6
         # / REUSE 7.
         compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1),
@@ -264,7 +264,7 @@ PRESETS: dict[str, ModelConfig] = {
         index_head_dim=16,
         index_topk=4,
     ),
-    # DeepSeek-V4.1-Flash text config (reference notes §2.1).
+    # DeepSeek-V4.1-Flash text config, as released (config.json text_config).
     "flash": ModelConfig(
         vocab_size=129280,
         dim=5120,
