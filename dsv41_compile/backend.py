@@ -86,8 +86,9 @@ def dsv41_sp(
     opts = BackendOptions.from_dict(options)
     check_recompiles()
     inputs = read_inputs(gm)
-    adapter = adapter_for(inputs.param_fqns.values(), inputs.input_names.values())
+    adapter = adapter_for(inputs.param_fqns.values(), inputs.input_names.values(), opts.layout)
     check_whole_model(gm, adapter)
+    _check_inference(example_inputs, inputs)
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     device_type = tensors[0].device.type if tensors else "cpu"
     # Meta tensors: planning only (`planning.plan_rank`), nothing runs; the mesh lives on CPU.
@@ -161,6 +162,20 @@ def _compile(
         inference_compiler=compile_rank,
         keep_inference_input_mutations=True,  # the cache writes stay in the graph
     )
+
+
+def _check_inference(example_inputs: list[Any], inputs: GraphInputs) -> None:
+    """AOTAutograd traces a training graph when a parameter requires grad in grad mode."""
+    if not torch.is_grad_enabled():
+        return
+    trained = [fqn for i, fqn in inputs.param_fqns.items() if example_inputs[i].requires_grad]
+    if trained:
+        raise ValueError(
+            f"dsv41_sp compiles inference graphs, but {len(trained)} parameters of this model "
+            f"require grad ({trained[0]}, ...) and grad mode is on; call the compiled model "
+            "under torch.no_grad() or torch.inference_mode(), or call "
+            "model.requires_grad_(False) first"
+        )
 
 
 def _shared_key(

@@ -8,7 +8,6 @@ from typing import Any
 
 __all__ = ["BackendOptions"]
 
-_LAYOUTS = ("sp", "replicated")
 _LOWERINGS = ("auto", "eager", "inductor", "torchair")
 _EMBEDDINGS = ("replicated", "vocab_sharded")
 _EP_DISPATCH = ("exact", "padded")
@@ -29,7 +28,8 @@ class BackendOptions:
     worst-case buffer of ceil(T/tp) * min(top-k, E/ep) rows to every rank; no host sync, the
     form graph-mode compilers run)."""
     layout: str = "sp"
-    """"sp": token-sharded residuals, AllGather in / ReduceScatter out of attention.
+    """A layout of the model family's adapter (`ModelAdapter.layouts`). DeepSeek V4.1's:
+    "sp": token-sharded residuals, AllGather in / ReduceScatter out of attention.
     "replicated": the baseline sp replaces: residuals replicated over the TP group, attention
     output all-reduced, with ep > 1 each token dispatched by one TP rank and the MoE output
     all-gathered back (docs/backend.md)."""
@@ -58,8 +58,10 @@ class BackendOptions:
             raise ValueError(f"tp must be a positive int, got {self.tp!r}")
         if not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"ep must be a positive int, got {self.ep!r}")
+        from dsv41_compile.models import layouts
+
         for name, allowed in (
-            ("layout", _LAYOUTS),
+            ("layout", layouts()),
             ("lowering", _LOWERINGS),
             ("embedding", _EMBEDDINGS),
             ("ep_dispatch", _EP_DISPATCH),

@@ -165,6 +165,17 @@ def test_model_inputs_under_other_names():
     )
 
 
+def test_parameters_that_require_grad_name_the_fix():
+    model = DeepseekV41(ModelConfig.from_name("tiny-swa")).requires_grad_(True)
+    assert_error(
+        raised(lambda: compile_and_run({"tp": 4}, model=model)),
+        ValueError,
+        "dsv41_sp compiles inference graphs, but 51 parameters of this model require grad "
+        "(embed.weight, ...) and grad mode is on; call the compiled model under "
+        "torch.no_grad() or torch.inference_mode(), or call model.requires_grad_(False) first",
+    )
+
+
 def test_op_without_a_rule_names_node_op_placements_and_source_line():
     def patch(model):
         ffn = model.layers[1].ffn

@@ -80,6 +80,8 @@ class ModelAdapter(abc.ABC):
     name: str
     token_inputs: tuple[str, ...]
     """Model inputs whose dim 0 is the token count; the first one's length is T."""
+    layouts: tuple[str, ...] = ("sp",)
+    """The values of the `layout` option this family has a plan for (`plan`)."""
     whole_model_modules: tuple[str, ...]
     """Top-level modules every graph of the whole model contains (a graph without them is a
     piece of the model: Dynamo split it at a graph break)."""

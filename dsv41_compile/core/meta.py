@@ -88,7 +88,11 @@ def replace_node(node: Node, out: Node, added: list[Node], reason: str | None = 
 
 
 def is_tensor(x: object) -> bool:
-    return isinstance(x, Node) and isinstance(x.meta.get("val"), torch.Tensor)
+    """`x` is a node with a tensor value: its "val", or for a node a pass inserted before the
+    values were propagated again, the global value it stands for (`GLOBAL_VAL`)."""
+    if not isinstance(x, Node):
+        return False
+    return isinstance(x.meta.get("val", x.meta.get(GLOBAL_VAL)), torch.Tensor)
 
 
 def tensor_inputs(node: Node) -> list[Node]:

@@ -17,11 +17,14 @@ masks): the model's `valid` mask is False there, so they are routed nowhere and 
 The one exception is a routing table sliced for a routed-experts op (the replicated baseline's
 token owners): its padding rows are the op's "routed nowhere" value (`pad_value`).
 The graph is the same on every rank: the rank enters as the `tp_rank` input, never as a constant.
+Each row of the table is one function registered with `@transition`; a model family or a layout
+adds a row the same way.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +35,7 @@ from dsv41_compile.core.adapter import ModelAdapter
 from dsv41_compile.core.meta import OUT, REASON, REGION, SYMBOL, describe
 from dsv41_compile.spmd.placements import format_placement
 
-__all__ = ["TokenSizes", "redistribute"]
+__all__ = ["TokenSizes", "Transition", "redistribute", "transition"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -90,6 +93,82 @@ def _pad_tokens(graph: Graph, value: Node, ndim: int, sizes: TokenSizes, fill: i
     )
 
 
+Transition = Callable[[Graph, Node, Placement, Placement, TokenSizes, int], list[Node]]
+"""`emit(graph, value, src, dst, sizes, fill) -> nodes`: the nodes turning `value` (placed
+`src`) into `dst`, the last one the new value; padding rows are `fill`."""
+
+_TRANSITIONS: list[tuple[Callable[[Placement, Placement], bool], Transition]] = []
+
+
+def transition(
+    applies: Callable[[Placement, Placement], bool],
+) -> Callable[[Transition], Transition]:
+    """Register a transition for the placement changes `applies(src, dst)` accepts; the first
+    registered one that applies is used (docs/architecture.md, "Adding a transition")."""
+
+    def register(emit: Transition) -> Transition:
+        _TRANSITIONS.append((applies, emit))
+        return emit
+
+    return register
+
+
+def _is_token_shard(p: Placement) -> bool:
+    return isinstance(p, Shard) and p.dim == 0
+
+
+def _is_sum(p: Placement) -> bool:
+    return isinstance(p, Partial) and p.reduce_op == "sum"
+
+
+@transition(lambda src, dst: _is_token_shard(src) and isinstance(dst, Replicate))
+def _all_gather(graph: Graph, value: Node, src, dst, sizes: TokenSizes, fill: int) -> list[Node]:
+    gathered = graph.call_function(
+        c10d.all_gather_into_tensor.default, (value, sizes.tp, sizes.group_name)
+    )
+    waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
+    # split (not slice) into [T, pad]: the sizes add up to the gathered size exactly, which
+    # compilers can see even when T is an unbacked symbol.
+    parts = graph.call_function(aten.split_with_sizes.default, (waited, [sizes.T, sizes.pad]))
+    return [gathered, waited, parts, graph.call_function(operator.getitem, (parts, 0))]
+
+
+@transition(lambda src, dst: _is_sum(src) and _is_token_shard(dst))
+def _reduce_scatter(
+    graph: Graph, value: Node, src, dst, sizes: TokenSizes, fill: int
+) -> list[Node]:
+    padded = _pad_tokens(graph, value, value.meta["val"].dim(), sizes)
+    scattered = graph.call_function(
+        c10d.reduce_scatter_tensor.default, (padded, "sum", sizes.tp, sizes.group_name)
+    )
+    return [padded, scattered, graph.call_function(c10d.wait_tensor.default, (scattered,))]
+
+
+@transition(lambda src, dst: _is_sum(src) and isinstance(dst, Replicate))
+def _all_reduce(graph: Graph, value: Node, src, dst, sizes: TokenSizes, fill: int) -> list[Node]:
+    reduced = graph.call_function(c10d.all_reduce.default, (value, "sum", sizes.group_name))
+    return [reduced, graph.call_function(c10d.wait_tensor.default, (reduced,))]
+
+
+@transition(lambda src, dst: isinstance(src, Replicate) and isinstance(dst, Shard))
+def _local_slice(
+    graph: Graph, value: Node, src, dst: Shard, sizes: TokenSizes, fill: int
+) -> list[Node]:
+    val, d, tp = value.meta["val"], dst.dim, sizes.tp
+    nodes = []
+    if d == 0:  # the token dim: padded to tp*Tl rows, Tl per rank
+        value = _pad_tokens(graph, value, val.dim(), sizes, fill)
+        nodes.append(value)
+        chunk: object = sizes.Tl
+    else:
+        size = val.shape[d]
+        chunk = size // tp if isinstance(size, int) else -1
+    # explicit chunk sizes: a -1 next to a symbolic dim is not always inferable
+    split = graph.call_function(aten.unflatten.int, (value, d, [tp, chunk]))
+    out = graph.call_function(aten.index.Tensor, (split, [None] * d + [sizes.tp_rank]))
+    return [*nodes, split, out]
+
+
 def redistribute(
     graph: Graph,
     value: Node,
@@ -102,65 +181,33 @@ def redistribute(
     fill: int = 0,
 ) -> Node:
     """Nodes turning `value` (placed `src`) into `dst`, inserted at the graph's current insert
-    point; they carry the module and source line of `site` (the consumer, or the producer when
-    the value leaves a module with an exit placement). Padding rows are `fill`. Returns the new
-    value."""
-    val = value.meta["val"]
-    ndim = val.dim()
-    tp, group = sizes.tp, sizes.group_name
+    point by the first registered transition that applies; they carry the module and source
+    line of `site` (the consumer, or the producer when the value leaves a module with an exit
+    placement). Padding rows are `fill`. Returns the new value."""
     if src == dst:
         return value
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        if src.dim != 0:
-            raise NotImplementedError(
-                f"{describe(value)} is {format_placement(src)} and a consumer needs it replicated; "
-                f"only token shards (S(0)) are gathered in the sp layout ({why})"
-            )
-        gathered = graph.call_function(c10d.all_gather_into_tensor.default, (value, tp, group))
-        waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
-        # split (not slice) into [T, pad]: the sizes add up to the gathered size exactly, which
-        # compilers can see even when T is an unbacked symbol.
-        parts = graph.call_function(aten.split_with_sizes.default, (waited, [sizes.T, sizes.pad]))
-        out = graph.call_function(operator.getitem, (parts, 0))
-        nodes = [gathered, waited, parts, out]
-    elif isinstance(src, Partial) and dst == Shard(0):
-        if src.reduce_op != "sum":
-            raise NotImplementedError(f"{describe(value)}: only sum partials are reduce-scattered")
-        padded = _pad_tokens(graph, value, ndim, sizes)
-        scattered = graph.call_function(
-            c10d.reduce_scatter_tensor.default, (padded, "sum", tp, group)
-        )
-        out = graph.call_function(c10d.wait_tensor.default, (scattered,))
-        nodes = [padded, scattered, out]
-    elif isinstance(src, Partial) and isinstance(dst, Replicate):
-        if src.reduce_op != "sum":
-            raise NotImplementedError(f"{describe(value)}: only sum partials are all-reduced")
-        reduced = graph.call_function(c10d.all_reduce.default, (value, "sum", group))
-        out = graph.call_function(c10d.wait_tensor.default, (reduced,))
-        nodes = [reduced, out]
-    elif isinstance(src, Replicate) and isinstance(dst, Shard):
-        d = dst.dim
-        nodes = []
-        if d == 0:  # the token dim: padded to tp*Tl rows, Tl per rank
-            value = _pad_tokens(graph, value, ndim, sizes, fill)
-            nodes.append(value)
-            chunk: object = sizes.Tl
-        else:
-            size = val.shape[d]
-            chunk = size // tp if isinstance(size, int) else -1
-        # explicit chunk sizes: a -1 next to a symbolic dim is not always inferable
-        split = graph.call_function(aten.unflatten.int, (value, d, [tp, chunk]))
-        out = graph.call_function(aten.index.Tensor, (split, [None] * d + [sizes.tp_rank]))
-        nodes += [split, out]
-    else:
-        raise NotImplementedError(
-            f"{describe(value)}: no {format_placement(src)} -> {format_placement(dst)} transition "
-            f"({why}); a tp all-to-all here means the plan or a rule put a value on the wrong "
-            f"side of a layer boundary"
-        )
+    emit = next((emit for applies, emit in _TRANSITIONS if applies(src, dst)), None)
+    if emit is None:
+        raise NotImplementedError(_no_transition(value, src, dst, why))
+    nodes = emit(graph, value, src, dst, sizes, fill)
     for n in nodes:
         n.meta[REASON] = f"{format_placement(src)} -> {format_placement(dst)}: {why}"
         for key in ("stack_trace", "nn_module_stack", REGION):
             if key in site.meta:
                 n.meta[key] = site.meta[key]
-    return out
+    return nodes[-1]
+
+
+def _no_transition(value: Node, src: Placement, dst: Placement, why: str) -> str:
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        return (
+            f"{describe(value)} is {format_placement(src)} and a consumer needs it replicated; "
+            f"only token shards (S(0)) are gathered in the sp layout ({why})"
+        )
+    if isinstance(src, Partial) and src.reduce_op != "sum":
+        return f"{describe(value)}: only sum partials are reduced"
+    return (
+        f"{describe(value)}: no {format_placement(src)} -> {format_placement(dst)} transition "
+        f"({why}); a tp all-to-all here means the plan or a rule put a value on the wrong "
+        f"side of a layer boundary"
+    )

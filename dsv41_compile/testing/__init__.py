@@ -1,1 +1,5 @@
-"""Test utilities shipped with the package (batch builders; later graph printer and harness)."""
+"""Test helpers shipped with the package, for the tests, the tools and users' own checks:
+batches, one rank of a fake world, real multi-rank runs on gloo, the per-rank comparison
+against the single-device model, capture through the official hooks, serving faults, small
+graphs for pass tests and a CPU stand-in for torchair. They import the library; the library
+never imports them."""

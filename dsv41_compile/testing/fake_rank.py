@@ -26,7 +26,7 @@ from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.capture import capture_programs
 from dsv41_compile.testing.torch_shims import fake_process_group
 
-__all__ = ["REQUESTS", "compile_on_fake_rank", "layer_text"]
+__all__ = ["REQUESTS", "compile_model_on_fake_rank", "compile_on_fake_rank", "layer_text"]
 
 REQUESTS = (Request(0, (1, 2, 3), 0), Request(1, (4, 5), 0), Request(2, (6, 7, 8), 0))
 """The requirement's example batch of one DP group: requests of 3, 2 and 3 tokens."""
@@ -64,21 +64,44 @@ def _compile(
 ) -> tuple[GraphModule, CompileContext, torch.Tensor]:
     torch.manual_seed(0)
     model = DeepseekV41(cfg)
+    ids, positions, slots = pack(list(requests))
+    token_inputs = (ids, positions, slots) if mark else ()
+    return compile_model_on_fake_rank(
+        model,
+        (ids, positions, slots, model.new_cache(4, 32)),
+        options,
+        rank=rank,
+        world_size=world_size,
+        token_inputs=token_inputs,
+    )
+
+
+def compile_model_on_fake_rank(
+    model: torch.nn.Module,
+    args: Sequence[Any],
+    options: dict[str, Any],
+    *,
+    rank: int = 1,
+    world_size: int = 8,
+    token_inputs: Sequence[torch.Tensor] = (),
+) -> tuple[GraphModule, CompileContext, Any]:
+    """Any model of a known family (`models`) compiled with `dsv41_sp` as rank `rank` of a fake
+    world and called once on `args`: its rewritten graph, its context and its output (which
+    means nothing: no data moved). `token_inputs` are marked with `mark_token_dim`."""
     torch._dynamo.reset()
     with fake_process_group(world_size=world_size, rank=rank), capture_programs() as programs:
         clear_mesh_cache()
-        ids, positions, slots = pack(list(requests))
-        if mark:
-            dsv41_compile.mark_token_dim(ids, positions, slots)
+        if token_inputs:
+            dsv41_compile.mark_token_dim(*token_inputs)
         compiled = torch.compile(
             model, backend="dsv41_sp", options={"lowering": "eager", **options}, fullgraph=True
         )
         try:
-            logits = compiled(ids, positions, slots, model.new_cache(4, 32))
+            out = compiled(*args)
         finally:
             clear_mesh_cache()
     (gm, ctx), *_ = programs
-    return gm, ctx, logits
+    return gm, ctx, out
 
 
 def layer_text(gm: GraphModule, ctx: CompileContext, region: str) -> str:

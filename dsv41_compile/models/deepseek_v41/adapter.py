@@ -32,6 +32,7 @@ ROUTED_EXPERTS = RoutedExperts(torch.ops.dsv41.routed_experts.default)
 class DeepseekV41Adapter(ModelAdapter):
     name = "deepseek_v41"
     token_inputs = ("input_ids", "positions", "slots")
+    layouts = ("sp", "replicated")
     whole_model_modules = ("embed", "head")
     routed_experts = (ROUTED_EXPERTS,)
     rules = {ROUTED_EXPERTS.op: routed_experts_rule(ROUTED_EXPERTS)}
