@@ -24,8 +24,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two workers, one per core: multi-rank runs leave a core idle while one rank compiles for the
+# host. A test file runs on one worker, where the compiles its tests share are kept.
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 demo: $(STAMP)
 	$(PY) tools/demo.py

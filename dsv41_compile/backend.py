@@ -84,9 +84,9 @@ def dsv41_sp(
 ) -> Any:
     """The `dsv41_sp` backend. See `BackendOptions` for `options`."""
     opts = BackendOptions.from_dict(options)
-    check_recompiles()
     inputs = read_inputs(gm)
     adapter = adapter_for(inputs.param_fqns.values(), inputs.input_names.values(), opts.layout)
+    check_recompiles(adapter)
     check_whole_model(gm, adapter)
     _check_inference(example_inputs, inputs)
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]

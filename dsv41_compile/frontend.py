@@ -80,7 +80,7 @@ def read_inputs(gm: GraphModule) -> GraphInputs:
     return GraphInputs(params, inputs)
 
 
-def check_recompiles() -> None:
+def check_recompiles(adapter: ModelAdapter) -> None:
     """Refuse the compile that uses up Dynamo's recompile limit for the frame: past it, Dynamo
     runs the frame eagerly -- the single-device model, unsharded, on every rank, silently."""
     compile_id = CompileContext.current_compile_id()
@@ -92,9 +92,8 @@ def check_recompiles() -> None:
             f"dsv41_sp: this is Dynamo's compile {compile_id.frame_compile_id + 1} of this model "
             f"and its recompile limit is {limit}: past it, Dynamo would run the model eagerly -- "
             "unsharded, the whole model on every rank. With static token counts "
-            "(dynamic=False) every new T is a new graph: call "
-            "dsv41_compile.mark_token_dim(input_ids, positions, slots) before each call (one "
-            "graph for every T), or raise torch._dynamo.config.recompile_limit"
+            f"(dynamic=False) every new T is a new graph: call {_mark_call(adapter)} before "
+            "each call (one graph for every T), or raise torch._dynamo.config.recompile_limit"
         )
 
 
@@ -168,7 +167,7 @@ def generalize_token_count(
         return gm, example_inputs
     if isinstance(count, int):
         token_indices = {inputs.index_of(name) for name in adapter.token_inputs}
-        tokens = _token_slots(gm, example_inputs, token_indices, count)
+        tokens = _token_slots(gm, example_inputs, token_indices, count, _mark_call(adapter))
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         anchor = placeholders[inputs.index_of(adapter.token_inputs[0])]
         with gm.graph.inserting_after(placeholders[-1]):
@@ -225,10 +224,15 @@ def _traced_count(
     return count
 
 
+def _mark_call(adapter: ModelAdapter) -> str:
+    return f"dsv41_compile.mark_token_dim({', '.join(adapter.token_inputs)})"
+
+
 def _token_slots(
-    gm: GraphModule, example_inputs: list[Any], token_indices: set[int], count: int
+    gm: GraphModule, example_inputs: list[Any], token_indices: set[int], count: int, mark: str
 ) -> list[tuple[Node, Slot]]:
-    """The size arguments of `gm` that are the token count (see `generalize_token_count`)."""
+    """The size arguments of `gm` that are the token count (see `generalize_token_count`);
+    `mark` is how the user marks the token dim instead."""
     candidates = [
         (node, slot)
         for node in gm.graph.nodes
@@ -275,8 +279,8 @@ def _token_slots(
         raise ValueError(
             f"dsv41_sp got a graph traced with a static token count (T = {count}) and could "
             f"not tell which of its sizes are T ({type(error).__name__}: "
-            f"{str(error).splitlines()[0]}). Call dsv41_compile.mark_token_dim(input_ids, "
-            "positions, slots) before each call: one graph then serves every T"
+            f"{str(error).splitlines()[0]}). Call {mark} before each call: one graph then "
+            "serves every T"
         ) from error
     classes = _equal_symbols(shape_env)
     token_class = classes(u.node.expr)

@@ -8,7 +8,8 @@ skipping everything after Dynamo's trace. Inductor's own compile runs under a ho
 (`host_lock`), so that no two ranks write the same kernel at once, and its caches then serve
 the loading ranks.
 
-The key is Dynamo's graph (after `frontend.generalize_token_count`), its inputs' dtypes and
+The key is Dynamo's graph as traced (a loading rank skips `frontend.generalize_token_count`
+too), its inputs' dtypes and
 shapes (symbols numbered by first appearance, not by the rank's compile history), the options
 that change the program, the mesh's shape, the target, the installed hook passes, and the
 versions of torch and of this package's source. The cache lives beside inductor's

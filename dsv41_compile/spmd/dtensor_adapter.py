@@ -3,7 +3,7 @@
 `torch.distributed.tensor` keeps its op rules behind private names (`OpSchema`, `DTensorSpec`,
 `TensorMeta`, the dispatcher's `sharding_propagator`). Every use of them in dsv41_compile goes
 through `propagate` below, so a torch upgrade that moves them breaks one file and one test
-(`tests/propagation/test_dtensor_adapter.py`), not the passes.
+(`tests/spmd/test_dtensor_adapter.py`), not the passes.
 
 Rules run on concrete shapes, with the token count at `core.symbols.PLANNING_TOKENS`:
 placements do not depend on the token count, and DTensor's propagator hashes its specs, which a

@@ -2,12 +2,19 @@
 
     results = run_ranks(fn, 8, spec)   # fn(rank, world_size, spec) in each process
 
+    pool = RankPool.shared(8)          # the processes and their process group, kept for
+    a = pool.run(fn, spec_a)           # several functions (a test session): no start-up
+    b = pool.run(fn, spec_b)           # per run; closed when this process exits
+
 `fn` must be importable by module name (the children are spawned). The first failing rank's
-traceback is re-raised in the caller.
+traceback is re-raised in the caller. A pool runs each function in a clean compile state
+(Dynamo reset, its counters and the host cache's statistics cleared); after a failed run it
+restarts its processes, since a rank may have been left inside a collective.
 """
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import queue as queue_module
@@ -22,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks"]
+__all__ = ["RankPool", "run_ranks"]
 
 
 def _child(
@@ -69,6 +76,100 @@ def _more_failures(queue: Any, procs: list[Any], results: dict[int, Any]) -> dic
     return more
 
 
+def _pool_child(rank: int, world_size: int, store_path: str, tasks: Any, queue: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
+    )
+    try:
+        while (task := tasks.get()) is not None:
+            fn, args = task
+            try:
+                _clean_compile_state()
+                result = fn(rank, world_size, *args)
+                buffer = io.BytesIO()
+                torch.save(result, buffer)
+                queue.put((rank, True, buffer.getvalue()))
+            except BaseException:
+                queue.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _clean_compile_state() -> None:
+    """What one run of a pool leaves that the next must not see."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from dsv41_compile.runtime.host_cache import STATS
+
+    torch._dynamo.reset()
+    counters.clear()
+    STATS.clear()
+
+
+_SHARED: dict[int, RankPool] = {}
+
+
+class RankPool:
+    """`world_size` gloo processes started once and reused by `run`; a context manager."""
+
+    def __init__(self, world_size: int, *, timeout: float = 1800.0) -> None:
+        self.world_size, self.timeout = world_size, timeout
+        self._procs: list[Any] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory()
+        store = os.path.join(self._tmp.name, "store")
+        self._queue = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(target=_pool_child, args=(r, self.world_size, store, q, self._queue))
+            for r, q in enumerate(self._tasks)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """`[fn(r, world_size, *args) for r in ranks]`, each on its rank's process."""
+        if not self._procs:
+            self._start()
+        for tasks in self._tasks:
+            tasks.put((fn, args))
+        try:
+            return _collect(self._queue, self._procs, self.world_size, self.timeout, ())
+        except BaseException:
+            self.close()  # a rank may be stuck in a collective: start afresh next time
+            raise
+
+    def close(self) -> None:
+        for tasks, p in zip(self._tasks, self._procs):
+            if p.is_alive():
+                tasks.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        if self._procs:
+            self._tmp.cleanup()
+        self._procs = []
+
+    @classmethod
+    def shared(cls, world_size: int) -> RankPool:
+        """This process's pool of `world_size` ranks, closed when it exits."""
+        if world_size not in _SHARED:
+            _SHARED[world_size] = pool = cls(world_size)
+            atexit.register(pool.close)
+        return _SHARED[world_size]
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -90,36 +191,46 @@ def run_ranks(
         ]
         for p in procs:
             p.start()
-        results: dict[int, Any] = {}
-        failures: dict[int, str] = {}
+        done = False
         try:
-            deadline = time.monotonic() + timeout
-            while len(results) < world_size and not failures:
-                try:
-                    rank, ok, payload = queue.get(timeout=1.0)
-                except queue_module.Empty:
-                    # A child that died without reporting (a signal, an abort in the backend).
-                    for r, p in enumerate(procs):
-                        if r in may_exit and p.exitcode is not None and r not in results:
-                            results[r] = None
-                        elif r not in results and p.exitcode not in (None, 0):
-                            failures[r] = f"process exited with code {p.exitcode} (no report)"
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"ranks {sorted(set(range(world_size)) - set(results))} "
-                            f"did not finish in {timeout} s"
-                        ) from None
-                    continue
-                if ok:
-                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-                else:
-                    failures[rank] = payload
-                    failures.update(_more_failures(queue, procs, results))
+            results = _collect(queue, procs, world_size, timeout, may_exit)
+            done = True
+            return results
         finally:
             for p in procs:
-                p.join(timeout=5 if failures else timeout)
+                p.join(timeout=timeout if done else 5)  # after a failure, peers may hang
                 if p.is_alive():
                     p.kill()
+
+
+def _collect(
+    queue: Any, procs: list[Any], world_size: int, timeout: float, may_exit: tuple[int, ...]
+) -> list[Any]:
+    """Every rank's result from `queue`, or a RuntimeError with the failing ranks' reports."""
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size and not failures:
+        try:
+            rank, ok, payload = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            # A child that died without reporting (a signal, an abort in the backend).
+            for r, p in enumerate(procs):
+                if r in may_exit and p.exitcode is not None and r not in results:
+                    results[r] = None
+                elif r not in results and p.exitcode not in (None, 0):
+                    failures[r] = f"process exited with code {p.exitcode} (no report)"
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(results))} "
+                    f"did not finish in {timeout} s"
+                ) from None
+            continue
+        if ok:
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            failures[rank] = payload
+            failures.update(_more_failures(queue, procs, results))
     if failures:
         # A rank's error often makes its peers fail in a collective; report them all, real
         # errors (tracebacks without "Connection reset") first.

@@ -14,7 +14,8 @@ all-to-all stays, and runs on gloo. torch_npu's ops graph mode uses are defined 
 schemas and CPU kernels (`register_npu_ops`).
 
     standin = TorchairStandIn()
-    monkeypatch.setattr(torchair_lowering, "import_torchair", lambda: standin)
+    with dsv41_compile.core.hooks.installed(Hooks(torchair=standin)):
+        compiled(input_ids, positions, slots, cache)  # lowering="torchair"
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _aot(gm: GraphModule, example_inputs: list[Any], keep: Any) -> Any:
     )
 
 
-# torch_npu's grouped matmul, for graph mode's routed experts (lowering/graph_mode.py). Schema
+# torch_npu's grouped matmul, for graph mode's routed experts (targets/graph_mode.py). Schema
 # from torch-npu 2.13.0's csrc/aten/npu_native_functions_by_codegen.yaml:445.
 GROUPED_MATMUL_SCHEMA = (
     "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dsv41_compile.testing.faults import different_batch_on_one_rank, peer_lost
-from dsv41_compile.testing.multirank import run_ranks
+from dsv41_compile.testing.multirank import RankPool, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ def test_a_tp_rank_with_another_batch_is_an_error_naming_the_ranks_and_the_row()
     """With check_inputs, every rank of the TP group whose rank 2 got another batch raises the
     same error before any collective (the other group, experts replicated, serves on);
     validate_batch checks a batch against the cache the compiled model writes."""
-    results = run_ranks(different_batch_on_one_rank, WORLD, 2)
+    results = RankPool.shared(WORLD).run(different_batch_on_one_rank, 2)
     message = (
         "check_inputs: the ranks of TP group 0 were given different batches: rank 0 has 3 "
         "tokens and rank 2 3; they differ first at token 1, where positions is 2 on rank 0 "

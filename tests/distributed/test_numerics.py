@@ -32,7 +32,7 @@ import torch
 
 from dsv41_compile.model import ModelConfig
 from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank, model_config
-from dsv41_compile.testing.multirank import run_ranks
+from dsv41_compile.testing.multirank import RankPool, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +53,17 @@ def capture_points(cfg: ModelConfig) -> tuple[str, ...]:
     return (*points, "layers.0.ffn.shared_expert")
 
 
+# 3 Sinkhorn iterations of the mHC mixing instead of 20, on both sides of every comparison: the
+# same code (an unrolled loop), a third shorter to trace on each of the 8 ranks.
+SINKHORN = (("hc_sinkhorn_iters", 3),)
+
+
 def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> CaseSpec:
     cfg = ModelConfig.from_name(preset)
     return CaseSpec(
         steps=STEPS,
         preset=preset,
-        overrides=overrides,
+        overrides=(*SINKHORN, *overrides),
         options=(("tp", TP), *options.items()),
         capture=capture_points(cfg) if capture else (),
         max_len=32,
@@ -83,6 +88,7 @@ TORCHAIR_RUNS = sorted(name for name, case in RUNS.items() if case.torchair_stan
 # tiny cut to 5 layers that keep every attention mode: SWA, ratio-2 FULL, ratio-1 FULL making
 # candidates, REUSE, REINDEX filtered by candidates (tiny's 8 add a second SWA and two REUSE)
 EVERY_MODE_5 = (
+    *SINKHORN,
     ("n_layers", 5),
     ("compress_ratios", (0, 2, 1, 1, 1)),
     ("kv_source_layer_ids", (1, 2)),
@@ -102,12 +108,14 @@ _RESULTS: dict[str, list | RuntimeError] = {}
 
 
 def results_of(name: str) -> list:
-    """One run per configuration (8 processes; ONE_RANK_TORCHAIR on one), shared by the tests
-    of this module."""
+    """One run per configuration (the session's 8 processes; ONE_RANK_TORCHAIR on one),
+    shared by the tests of this module."""
     if name not in _RESULTS:
-        case, world = (ONE_RANK_TORCHAIR, 1) if name == ONE_RANK else (RUNS[name], WORLD)
         try:
-            _RESULTS[name] = run_ranks(compare_on_rank, world, case)
+            if name == ONE_RANK:
+                _RESULTS[name] = run_ranks(compare_on_rank, 1, ONE_RANK_TORCHAIR)
+            else:
+                _RESULTS[name] = RankPool.shared(WORLD).run(compare_on_rank, RUNS[name])
         except RuntimeError as error:  # fail every dependent test without re-running
             _RESULTS[name] = error
     if isinstance(_RESULTS[name], RuntimeError):
