@@ -15,6 +15,7 @@ T, and values Dynamo computed from T (`T - 1` as a number) stay as traced.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -192,7 +193,7 @@ def symbolic_token_inputs(
     shape_env = fake_mode.shape_env
     with shape_env.ignore_fresh_unbacked_symbols():  # an input, not an op's output
         u = shape_env.create_unbacked_symint()
-    torch._check_is_size(u)
+    _is_size(u)
     generalized = list(example_inputs)
     if isinstance(count, torch.SymInt):
         # A backed symbol (automatic dynamic, dynamic=True): the same graph, traced again with
@@ -224,6 +225,14 @@ def _traced_count(
     return count
 
 
+def _is_size(symbol: torch.SymInt) -> None:
+    """`torch._check_is_size`: non-negative, and size-oblivious where Dynamo's unbacked symbols
+    are (what `mark_token_dim` gives); without the FutureWarning torch 2.13 prints per call."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        torch._check_is_size(symbol)
+
+
 def _mark_call(adapter: ModelAdapter) -> str:
     return f"dsv41_compile.mark_token_dim({', '.join(adapter.token_inputs)})"
 
@@ -244,11 +253,11 @@ def _token_slots(
     shape_env = ShapeEnv()
     mode = FakeTensorMode(shape_env=shape_env)
     u = shape_env.create_unbacked_symint()
-    torch._check_is_size(u)
+    _is_size(u)
     symbols: dict[tuple[Node, Slot], torch.SymInt] = {}
     for candidate in candidates:
         symbols[candidate] = shape_env.create_unbacked_symint()
-        torch._check_is_size(symbols[candidate])
+        _is_size(symbols[candidate])
     fakes = []
     for i, x in enumerate(example_inputs):
         if i in token_indices:

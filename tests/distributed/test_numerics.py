@@ -12,13 +12,17 @@ lands on the other side of a bf16 rounding step; |sp - ref| <= 6e-2 + 2e-2 |ref|
 run uses the window-only preset: with the compressed layers, ulp-level noise flips near-tied
 indexer top-k choices of the longer prefill. The compressed paths are covered in fp32.
 
-Runs (steps: `testing.cases.SERVING_STEPS`, the last with DP group 0 idle, T = 0):
-- tiny (every attention mode), sp, ep=8 exact, eager, per-layer intermediates captured;
-- tiny-swa, the replicated baseline, ep=8 padded, as handed to torchair (graph-mode rewrites
-  and torchair's AOT step, run eagerly: `testing.torchair_standin`);
-- tiny-swa, sp, ep=8 exact, inductor, vocab-sharded embedding: a cold compile cache shared by
-  the 8 ranks (the session's);
-- tiny-swa, bf16, experts replicated (ep=1).
+Runs (steps: `testing.cases.SERVING_STEPS`, the last with DP group 0 idle, T = 0), all with 3
+Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPool`):
+- tiny cut to five layers that keep every attention mode, sp, ep=8 exact, eager, per-layer
+  intermediates captured;
+- one window-only layer (tiny-swa's), the replicated baseline, ep=8 padded, as handed to
+  torchair (graph-mode rewrites and torchair's AOT step, run eagerly:
+  `testing.torchair_standin`);
+- one window-only layer, sp, ep=8 exact, inductor, vocab-sharded embedding: a cold compile
+  cache shared by the 8 ranks (the session's);
+- one window-only layer, bf16, experts replicated (ep=1);
+- on one rank: the five every-mode layers as handed to torchair.
 These call the model with `mark_token_dim`; tests/distributed/test_front_door.py calls it the
 other ways. The EP runs also check the requirement's assignment counts and the traffic each
 rank records in comm.json. The EP exchange adds no tolerance: a token's expert outputs are the
@@ -59,7 +63,7 @@ SINKHORN = (("hc_sinkhorn_iters", 3),)
 
 
 def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> CaseSpec:
-    cfg = ModelConfig.from_name(preset)
+    cfg = ModelConfig.from_name(preset, **dict(overrides))
     return CaseSpec(
         steps=STEPS,
         preset=preset,
@@ -72,34 +76,46 @@ def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> Case
     )
 
 
-RUNS = {
-    "tiny-ep-exact-eager": spec("tiny", capture=True, ep=EP, lowering="eager"),
-    "tiny-swa-replicated-ep-padded-torchair": spec(
-        "tiny-swa", layout="replicated", ep=EP, ep_dispatch="padded", lowering="torchair"
-    ),
-    "tiny-swa-ep-exact-inductor-vocab": spec(
-        "tiny-swa", ep=EP, lowering="inductor", embedding="vocab_sharded"
-    ),
-    "tiny-swa-bf16-eager": spec("tiny-swa", overrides=(("dtype", "bfloat16"),), lowering="eager"),
-}
-EP_RUNS = sorted(name for name, case in RUNS.items() if dict(case.options).get("ep", 1) > 1)
-TORCHAIR_RUNS = sorted(name for name, case in RUNS.items() if case.torchair_standin)
-
 # tiny cut to 5 layers that keep every attention mode: SWA, ratio-2 FULL, ratio-1 FULL making
 # candidates, REUSE, REINDEX filtered by candidates (tiny's 8 add a second SWA and two REUSE)
 EVERY_MODE_5 = (
-    *SINKHORN,
     ("n_layers", 5),
     ("compress_ratios", (0, 2, 1, 1, 1)),
     ("kv_source_layer_ids", (1, 2)),
     ("index_source_layer_ids", (1, 2, 4)),
     ("candidate_source_layer_id", 2),
 )
+# tiny-swa cut to one window-only layer: the lowerings and dtypes below; the boundary between
+# layers is the every-mode run's.
+ONE_LAYER = (("n_layers", 1),)
+
+RUNS = {
+    "tiny-every-mode-ep-exact-eager": spec(
+        "tiny", overrides=EVERY_MODE_5, capture=True, ep=EP, lowering="eager"
+    ),
+    "tiny-swa-replicated-ep-padded-torchair": spec(
+        "tiny-swa",
+        overrides=ONE_LAYER,
+        layout="replicated",
+        ep=EP,
+        ep_dispatch="padded",
+        lowering="torchair",
+    ),
+    "tiny-swa-ep-exact-inductor-vocab": spec(
+        "tiny-swa", overrides=ONE_LAYER, ep=EP, lowering="inductor", embedding="vocab_sharded"
+    ),
+    "tiny-swa-bf16-eager": spec(
+        "tiny-swa", overrides=(*ONE_LAYER, ("dtype", "bfloat16")), lowering="eager"
+    ),
+}
+EP_RUNS = sorted(name for name, case in RUNS.items() if dict(case.options).get("ep", 1) > 1)
+TORCHAIR_RUNS = sorted(name for name, case in RUNS.items() if case.torchair_standin)
+
 ONE_RANK = "tiny-every-mode-one-rank-torchair"
 ONE_RANK_TORCHAIR = CaseSpec(
     steps=STEPS,
     preset="tiny",
-    overrides=EVERY_MODE_5,
+    overrides=(*SINKHORN, *EVERY_MODE_5),
     options=(("tp", 1), ("lowering", "torchair")),
     torchair_standin=True,
 )
@@ -177,9 +193,9 @@ def test_intermediates_match_for_every_layer():
     """The all-gathered attention input equals the single-device attention input (same rows,
     same order), and the residual streams reassembled from the TP group's token shards equal the
     single-device streams, after the attention half and after the MoE half of every layer."""
-    case = RUNS["tiny-ep-exact-eager"]
-    results = results_of("tiny-ep-exact-eager")
-    cfg = ModelConfig.from_name(case.preset)
+    case = RUNS["tiny-every-mode-ep-exact-eager"]
+    results = results_of("tiny-every-mode-ep-exact-eager")
+    cfg = model_config(case)
     for dp in range(WORLD // TP):
         group = results[dp * TP : (dp + 1) * TP]
         for point in case.capture:
