@@ -47,16 +47,26 @@ def _child(
         dist.init_process_group(
             "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size, **timeout
         )
-        result = fn(rank, world_size, *args)
-        # Serialised, not shared: the child exits before the parent reads shared tensors.
-        buffer = io.BytesIO()
-        torch.save(result, buffer)
-        queue.put((rank, True, buffer.getvalue()))
+        _run_and_report(rank, world_size, fn, args, queue)
     except BaseException:  # report every failure to the parent, then exit
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _run_and_report(
+    rank: int, world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], queue: Any
+) -> None:
+    """`fn(rank, world_size, *args)`, its result or its traceback put on `queue`."""
+    try:
+        result = fn(rank, world_size, *args)
+        # Serialised, not shared: the child may exit before the parent reads shared tensors.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
 
 
 def _more_failures(queue: Any, procs: list[Any], results: dict[int, Any]) -> dict[int, str]:
@@ -84,14 +94,8 @@ def _pool_child(rank: int, world_size: int, store_path: str, tasks: Any, queue: 
     try:
         while (task := tasks.get()) is not None:
             fn, args = task
-            try:
-                _clean_compile_state()
-                result = fn(rank, world_size, *args)
-                buffer = io.BytesIO()
-                torch.save(result, buffer)
-                queue.put((rank, True, buffer.getvalue()))
-            except BaseException:
-                queue.put((rank, False, traceback.format_exc()))
+            _clean_compile_state()
+            _run_and_report(rank, world_size, fn, args, queue)
     finally:
         dist.destroy_process_group()
 
