@@ -15,12 +15,13 @@ import torch._dynamo
 import dsv41_compile
 from dsv41_compile.core.mesh import clear_mesh_cache
 from dsv41_compile.core.meta import REASON, REGION
-from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.model import DeepseekV41
 from dsv41_compile.report.comm import collective_kind
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.fake_rank import compile_on_fake_rank, layer_text
+from dsv41_compile.testing.presets import compile_config
 from dsv41_compile.testing.torch_shims import fake_process_group
 
 
@@ -103,7 +104,7 @@ def test_dump_writes_graph_and_comm_records(tmp_path):
 
 
 def test_bf16_rounding_boundaries_are_the_single_device_ones():
-    cfg = ModelConfig.from_name("tiny-swa", dtype="bfloat16")
+    cfg = compile_config("tiny-swa", (("dtype", "bfloat16"),))
     gm, _, _ = compile_on_fake_rank(3, {"tp": 4}, cfg=cfg)
     inserted = [
         n
@@ -127,7 +128,7 @@ def test_bf16_rounding_boundaries_are_the_single_device_ones():
 
 def test_one_compile_serves_every_token_count():
     torch.manual_seed(0)
-    model = DeepseekV41(ModelConfig.from_name("tiny-swa"))
+    model = DeepseekV41(compile_config())
     torch._dynamo.reset()
     frames = []
 

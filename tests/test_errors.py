@@ -12,9 +12,10 @@ import torch._dynamo
 
 import dsv41_compile
 from dsv41_compile.core.mesh import clear_mesh_cache
-from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.model import DeepseekV41
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.testing.batches import Request, pack
+from dsv41_compile.testing.presets import compile_config
 from dsv41_compile.testing.torch_shims import fake_process_group
 
 REQUESTS = [Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0)]
@@ -34,7 +35,7 @@ def compile_and_run(
     options: dict, *, cfg=None, world: int | None = 8, patch=None, fullgraph=True, model=None
 ):
     torch.manual_seed(0)
-    model = model or DeepseekV41(cfg or ModelConfig.from_name("tiny-swa"))
+    model = model or DeepseekV41(cfg or compile_config())
     if patch is not None:
         patch(model)
     torch._dynamo.reset()
@@ -95,7 +96,7 @@ def test_world_size_not_divisible_by_tp():
     ],
 )
 def test_tp_not_dividing_heads_or_output_groups(overrides, tp, message):
-    cfg = ModelConfig.from_name("tiny-swa", **overrides)
+    cfg = compile_config("tiny-swa", tuple(overrides.items()))
     assert_error(raised(lambda: compile_and_run({"tp": tp}, cfg=cfg)), ValueError, message)
 
 
@@ -109,7 +110,7 @@ def test_ep_must_be_the_world_or_one():
 
 
 def test_ep_not_dividing_the_routed_experts():
-    cfg = ModelConfig.from_name("tiny-swa", n_routed_experts=12)
+    cfg = compile_config("tiny-swa", (("n_routed_experts", 12),))
     assert_error(
         raised(lambda: compile_and_run({"tp": 4, "ep": 8}, cfg=cfg)),
         ValueError,
@@ -155,7 +156,7 @@ def test_model_inputs_under_other_names():
         def forward(self, tokens, positions, slots, cache):
             return super().forward(tokens, positions, slots, cache)
 
-    model = Renamed(ModelConfig.from_name("tiny-swa"))
+    model = Renamed(compile_config())
     assert_error(
         raised(lambda: compile_and_run({"tp": 4}, model=model)),
         ValueError,
@@ -166,7 +167,7 @@ def test_model_inputs_under_other_names():
 
 
 def test_parameters_that_require_grad_name_the_fix():
-    model = DeepseekV41(ModelConfig.from_name("tiny-swa")).requires_grad_(True)
+    model = DeepseekV41(compile_config()).requires_grad_(True)
     assert_error(
         raised(lambda: compile_and_run({"tp": 4}, model=model)),
         ValueError,
@@ -258,7 +259,7 @@ def test_compiling_past_the_recompile_limit_is_refused():
     """dynamic=False compiles a graph per T; the compile that would use up Dynamo's recompile
     limit is refused (past it, Dynamo would run the model eagerly, unsharded)."""
     torch.manual_seed(0)
-    model = DeepseekV41(ModelConfig.from_name("tiny-swa"))
+    model = DeepseekV41(compile_config())
     torch._dynamo.reset()
     compiled = torch.compile(
         model, backend="dsv41_sp", options={"tp": 4, "lowering": "eager"}, dynamic=False

@@ -1,6 +1,7 @@
 """One rank of a fake world: the rewritten graph a rank compiles, without other processes.
 
-`compile_on_fake_rank(rank, options)` compiles a model (tiny-swa by default) with `dsv41_sp` as
+`compile_on_fake_rank(rank, options)` compiles a model (tiny-swa with 3 Sinkhorn iterations by
+default: `testing.presets.compile_config`) with `dsv41_sp` as
 rank `rank` of a `fake` process group of 8 ranks (collectives move no data) and runs it once:
 it returns that rank's rewritten graph, its compile context and the logits (which mean
 nothing: no data moved). Results are kept for the process, keyed by the arguments: a test
@@ -24,6 +25,7 @@ from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.capture import capture_programs
+from dsv41_compile.testing.presets import compile_config
 from dsv41_compile.testing.torch_shims import fake_process_group
 
 __all__ = ["REQUESTS", "compile_model_on_fake_rank", "compile_on_fake_rank", "layer_text"]
@@ -43,10 +45,10 @@ def compile_on_fake_rank(
     mark: bool = True,
     world_size: int = 8,
 ) -> tuple[GraphModule, CompileContext, torch.Tensor]:
-    """Rank `rank`'s rewritten graph of `cfg` (tiny-swa) under `options` (eager lowering unless
+    """Rank `rank`'s rewritten graph of `cfg` (`compile_config()`) under `options` (eager lowering unless
     given), its context and its logits on `requests`; `mark`: the token count is marked
     (`mark_token_dim`), else Dynamo traces it as it does a first call."""
-    cfg = cfg or ModelConfig.from_name("tiny-swa")
+    cfg = cfg or compile_config()
     requests = tuple(Request(r.slot, tuple(r.ids), r.start) for r in requests)
     key = (rank, tuple(sorted(options.items())), cfg, requests, mark, world_size)
     if key not in _COMPILED:

@@ -20,6 +20,7 @@ import torch
 from dsv41_compile.testing.batches import Request
 from dsv41_compile.testing.cases import CaseSpec, compare_on_rank
 from dsv41_compile.testing.multirank import RankPool
+from dsv41_compile.testing.presets import ONE_LAYER, SINKHORN_3
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,7 @@ COMPILES = {
 # tiny-swa to trace; the subject here is how Dynamo traces T, and each mode traces the model
 # two or three times on each of the 8 ranks. (Every attention mode, and the boundary between
 # layers, are tests/distributed/test_numerics.py's.)
-MODEL = {"preset": "tiny-swa", "overrides": (("n_layers", 1), ("hc_sinkhorn_iters", 3))}
+MODEL = {"preset": "tiny-swa", "overrides": (*ONE_LAYER, *SINKHORN_3)}
 RUNS = {
     # sp, experts over the world, padded dispatch: the all-to-alls need the idle group's ranks
     "sp-ep8-padded": CaseSpec(

@@ -37,6 +37,7 @@ import torch
 from dsv41_compile.model import ModelConfig
 from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank, model_config
 from dsv41_compile.testing.multirank import RankPool, run_ranks
+from dsv41_compile.testing.presets import EVERY_MODE_5, ONE_LAYER, SINKHORN_3
 
 pytestmark = pytest.mark.slow
 
@@ -57,17 +58,14 @@ def capture_points(cfg: ModelConfig) -> tuple[str, ...]:
     return (*points, "layers.0.ffn.shared_expert")
 
 
-# 3 Sinkhorn iterations of the mHC mixing instead of 20, on both sides of every comparison: the
-# same code (an unrolled loop), a third shorter to trace on each of the 8 ranks.
-SINKHORN = (("hc_sinkhorn_iters", 3),)
-
-
+# Every run compiles with 3 Sinkhorn iterations (`testing.presets`), on both sides of every
+# comparison.
 def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> CaseSpec:
     cfg = ModelConfig.from_name(preset, **dict(overrides))
     return CaseSpec(
         steps=STEPS,
         preset=preset,
-        overrides=(*SINKHORN, *overrides),
+        overrides=(*SINKHORN_3, *overrides),
         options=(("tp", TP), *options.items()),
         capture=capture_points(cfg) if capture else (),
         max_len=32,
@@ -75,19 +73,6 @@ def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> Case
         torchair_standin=options.get("lowering") == "torchair",
     )
 
-
-# tiny cut to 5 layers that keep every attention mode: SWA, ratio-2 FULL, ratio-1 FULL making
-# candidates, REUSE, REINDEX filtered by candidates (tiny's 8 add a second SWA and two REUSE)
-EVERY_MODE_5 = (
-    ("n_layers", 5),
-    ("compress_ratios", (0, 2, 1, 1, 1)),
-    ("kv_source_layer_ids", (1, 2)),
-    ("index_source_layer_ids", (1, 2, 4)),
-    ("candidate_source_layer_id", 2),
-)
-# tiny-swa cut to one window-only layer: the lowerings and dtypes below; the boundary between
-# layers is the every-mode run's.
-ONE_LAYER = (("n_layers", 1),)
 
 RUNS = {
     "tiny-every-mode-ep-exact-eager": spec(
@@ -115,7 +100,7 @@ ONE_RANK = "tiny-every-mode-one-rank-torchair"
 ONE_RANK_TORCHAIR = CaseSpec(
     steps=STEPS,
     preset="tiny",
-    overrides=(*SINKHORN, *EVERY_MODE_5),
+    overrides=(*SINKHORN_3, *EVERY_MODE_5),
     options=(("tp", 1), ("lowering", "torchair")),
     torchair_standin=True,
 )

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from dsv41_compile.core.meta import REGION
-from dsv41_compile.model import ModelConfig
 from dsv41_compile.moe.stats import EpLayer
 from dsv41_compile.report.comm import collective_kind
 from dsv41_compile.spmd.placements import ExpertShard
 from dsv41_compile.testing.batches import Request
 from dsv41_compile.testing.fake_rank import compile_on_fake_rank, layer_text
+from dsv41_compile.testing.presets import compile_config
 
 aten = torch.ops.aten
-TINY_SWA = ModelConfig.from_name("tiny-swa")  # 16 experts, top-6: 2 experts per rank at ep=8
+TINY_SWA = compile_config()  # 16 experts, top-6: 2 experts per rank at ep=8
 
 
 def ep_options(dispatch: str, **extra) -> dict:

@@ -1,5 +1,6 @@
 """verify has teeth: each bug class hand-written SP keeps shipping, seeded into a real rewritten
-graph of tiny (rank 1 of a fake world, sp, tp=4, ep=8 padded), is refused with an internal
+graph of tiny (its 5 layers of every attention mode, `testing.presets`; rank 1 of a fake
+world, sp, tp=4, ep=8 padded), is refused with an internal
 error naming the node and the broken invariant.
 
 A seed edits a copy of the graph the way a faulty pass would, placements included (a faulty
@@ -16,11 +17,11 @@ from torch.fx import Graph, GraphModule, Node
 
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import IN, OUT, REASON, REGION
-from dsv41_compile.model import ModelConfig
 from dsv41_compile.moe.expert_parallel import EP_SOURCE
 from dsv41_compile.report.comm import collective_kind
 from dsv41_compile.spmd.verify import verify
 from dsv41_compile.testing.fake_rank import compile_on_fake_rank
+from dsv41_compile.testing.presets import EVERY_MODE_5, compile_config
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -29,7 +30,7 @@ OPTIONS = {"tp": 4, "ep": 8, "ep_dispatch": "padded"}
 
 @pytest.fixture(scope="module")
 def tiny():
-    gm, ctx, _ = compile_on_fake_rank(1, OPTIONS, ModelConfig.from_name("tiny"))
+    gm, ctx, _ = compile_on_fake_rank(1, OPTIONS, compile_config("tiny", EVERY_MODE_5))
     return gm, ctx
 
 

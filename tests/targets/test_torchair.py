@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from dsv41_compile.core.hooks import Hooks, installed
-from dsv41_compile.model import ModelConfig
 from dsv41_compile.models.deepseek_v41.graph_mode import grouped_matmul
 from dsv41_compile.report.comm import collective_kind
 from dsv41_compile.testing.capture import capture_programs
 from dsv41_compile.testing.fake_rank import compile_on_fake_rank
+from dsv41_compile.testing.presets import compile_config
 from dsv41_compile.testing.torchair_standin import TorchairStandIn, graph_ops
 
 
@@ -35,7 +35,7 @@ def test_torchair_gets_the_rewritten_per_rank_graph_with_local_shapes(handed):
     ((gm, inputs, _config),) = calls
     assert gm is rewritten
     assert logits.shape == (8, 512)
-    cfg = ModelConfig.from_name("tiny-swa")
+    cfg = compile_config()
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     by_fqn = {
         ctx.param_fqns[n]: inputs[i] for i, n in enumerate(placeholders) if n in ctx.param_fqns

@@ -9,6 +9,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.testing.batches import Request, incremental_schedule, pack
+from dsv41_compile.testing.presets import EVERY_MODE_5, compile_config
 
 FP32_TOL = {"atol": 2e-5, "rtol": 2e-5}
 
@@ -19,23 +20,11 @@ def model() -> DeepseekV41:
     return DeepseekV41(ModelConfig.from_name("tiny")).eval()
 
 
-# tiny cut to 5 layers that keep every attention mode (SWA, ratio-2 FULL, ratio-1 FULL making
-# candidates, REUSE, REINDEX filtered by candidates) with 3 Sinkhorn iterations: what the
-# compile tests below trace, 5/8 of tiny's layers and a shorter mHC loop.
-EVERY_MODE_5 = {
-    "n_layers": 5,
-    "compress_ratios": (0, 2, 1, 1, 1),
-    "kv_source_layer_ids": (1, 2),
-    "index_source_layer_ids": (1, 2, 4),
-    "candidate_source_layer_id": 2,
-    "hc_sinkhorn_iters": 3,
-}
-
-
+# What the compile tests below trace: tiny's every-mode layers with 3 Sinkhorn iterations.
 @pytest.fixture(scope="module")
 def every_mode_model() -> DeepseekV41:
     torch.manual_seed(0)
-    return DeepseekV41(ModelConfig.from_name("tiny", **EVERY_MODE_5)).eval()
+    return DeepseekV41(compile_config("tiny", EVERY_MODE_5)).eval()
 
 
 def random_prompts(lengths: list[int], vocab: int, seed: int = 1) -> list[list[int]]:

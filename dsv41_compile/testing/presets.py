@@ -1,0 +1,47 @@
+"""The model configurations the tests compile: the presets, shorter to trace.
+
+A compile traces every op of the model with Dynamo and AOTAutograd, and a multi-rank test does
+it on every rank. The cost grows with the layer count and with the mHC mixing's Sinkhorn
+iterations, an unrolled loop of the same few pointwise ops (20 iterations in every preset).
+Compiler tests are about the ops and the boundaries between them, not about a layer count or
+the mixing's convergence, so they compile with these overrides of `ModelConfig.from_name`
+(pairs, hashable for `testing.cases.CaseSpec`); the single-device model's own tests keep the
+presets as they are.
+
+    ModelConfig.from_name("tiny", **dict(EVERY_MODE_5 + SINKHORN_3))
+    compile_config()                     # tiny-swa with 3 Sinkhorn iterations
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsv41_compile.model import ModelConfig
+
+__all__ = ["EVERY_MODE_5", "ONE_LAYER", "SINKHORN_3", "compile_config"]
+
+SINKHORN_3: tuple[tuple[str, Any], ...] = (("hc_sinkhorn_iters", 3),)
+"""3 Sinkhorn iterations instead of 20: the same code, about a third shorter to trace."""
+
+EVERY_MODE_5: tuple[tuple[str, Any], ...] = (
+    ("n_layers", 5),
+    ("compress_ratios", (0, 2, 1, 1, 1)),
+    ("kv_source_layer_ids", (1, 2)),
+    ("index_source_layer_ids", (1, 2, 4)),
+    ("candidate_source_layer_id", 2),
+)
+"""tiny cut to 5 layers that keep every attention mode: window-only, ratio-2 FULL (a KV
+source), ratio-1 FULL making candidates, REUSE, REINDEX filtered by candidates (tiny's 8 add a
+second window-only layer and two more REUSE)."""
+
+ONE_LAYER: tuple[tuple[str, Any], ...] = (("n_layers", 1),)
+"""One decoder layer (of tiny-swa: window-only); the boundary between layers is not in it."""
+
+
+def compile_config(
+    preset: str = "tiny-swa", *overrides: tuple[tuple[str, Any], ...]
+) -> ModelConfig:
+    """`preset` with 3 Sinkhorn iterations and `overrides` (pairs) on top."""
+    return ModelConfig.from_name(
+        preset, **dict(SINKHORN_3), **dict(p for o in overrides for p in o)
+    )
