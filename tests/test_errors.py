@@ -15,7 +15,7 @@ from dsv41_compile.core.mesh import clear_mesh_cache
 from dsv41_compile.model import DeepseekV41
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.testing.batches import Request, pack
-from dsv41_compile.testing.presets import compile_config
+from dsv41_compile.testing.presets import ONE_LAYER, compile_config
 from dsv41_compile.testing.torch_shims import fake_process_group
 
 REQUESTS = [Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0)]
@@ -31,11 +31,16 @@ def _(x):
     return torch.empty_like(x)
 
 
+# What most errors here are raised on: one window-only layer (the error does not depend on the
+# layer count); the messages that name a second layer compile two.
+ONE_LAYER_MODEL = compile_config("tiny-swa", ONE_LAYER)
+
+
 def compile_and_run(
     options: dict, *, cfg=None, world: int | None = 8, patch=None, fullgraph=True, model=None
 ):
     torch.manual_seed(0)
-    model = model or DeepseekV41(cfg or compile_config())
+    model = model or DeepseekV41(cfg or ONE_LAYER_MODEL)
     if patch is not None:
         patch(model)
     torch._dynamo.reset()
@@ -96,7 +101,7 @@ def test_world_size_not_divisible_by_tp():
     ],
 )
 def test_tp_not_dividing_heads_or_output_groups(overrides, tp, message):
-    cfg = compile_config("tiny-swa", tuple(overrides.items()))
+    cfg = compile_config("tiny-swa", ONE_LAYER, tuple(overrides.items()))
     assert_error(raised(lambda: compile_and_run({"tp": tp}, cfg=cfg)), ValueError, message)
 
 
@@ -110,7 +115,7 @@ def test_ep_must_be_the_world_or_one():
 
 
 def test_ep_not_dividing_the_routed_experts():
-    cfg = compile_config("tiny-swa", (("n_routed_experts", 12),))
+    cfg = compile_config("tiny-swa", ONE_LAYER, (("n_routed_experts", 12),))
     assert_error(
         raised(lambda: compile_and_run({"tp": 4, "ep": 8}, cfg=cfg)),
         ValueError,
@@ -183,7 +188,7 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
         forward = ffn.forward
         ffn.forward = lambda x, valid: forward(torch.ops.dsv41_test.mystery(x), valid)
 
-    error = raised(lambda: compile_and_run({"tp": 4}, patch=patch))
+    error = raised(lambda: compile_and_run({"tp": 4}, cfg=compile_config(), patch=patch))
     assert type(error) is NotImplementedError
     line = next(
         i + 1

@@ -35,7 +35,13 @@ import torch.multiprocessing as mp
 __all__ = ["RankPool", "run_ranks"]
 
 
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dsv41_compile.testing.cases"]
+_PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch._functorch.aot_autograd",
+    "torch.distributed.tensor",
+    "dsv41_compile.testing.cases",
+]
 """What the fork server imports once for every rank it starts."""
 
 
