@@ -30,6 +30,13 @@ def rank1():
     return compile_on_fake_rank(1, {"tp": 4})
 
 
+@pytest.fixture(scope="module")
+def rank6_dumped(tmp_path_factory):
+    """Rank 6 (the other DP group, another tp_rank) compiled with a dump: its dump folder."""
+    dump = tmp_path_factory.mktemp("dump")
+    return (*compile_on_fake_rank(6, {"tp": 4, "dump_dir": str(dump)}), dump)
+
+
 def collectives(gm) -> list:
     return [n for n in gm.graph.nodes if collective_kind(n)]
 
@@ -62,11 +69,12 @@ def test_one_all_gather_of_the_2d_attention_input_and_one_fp32_reduce_scatter_pe
     assert not any(collective_kind(n) == "all_reduce" for n in gm.graph.nodes)
 
 
-def test_graph_text_is_identical_on_every_rank(rank1):
+def test_graph_text_is_identical_on_every_rank(rank1, rank6_dumped):
     gm1, ctx1, _ = rank1
     text1 = format_graph(gm1, labels=graph_labels(ctx1)[0], groups=graph_labels(ctx1)[1])
-    for rank in (0, 6):  # another tp_rank of the same DP group, and the other DP group
-        gm, ctx, _ = compile_on_fake_rank(rank, {"tp": 4})
+    # another tp_rank of the same DP group, and the other DP group (compiled with a dump, which
+    # changes nothing in the graph)
+    for gm, ctx, _ in (compile_on_fake_rank(0, {"tp": 4}), rank6_dumped[:3]):
         labels, groups = graph_labels(ctx)
         assert format_graph(gm, labels=labels, groups=groups) == text1
 
@@ -83,12 +91,12 @@ def test_vocab_sharded_embedding_enters_with_one_reduce_scatter():
     ]
 
 
-def test_dump_writes_graph_and_comm_records(tmp_path):
-    compile_on_fake_rank(5, {"tp": 4, "dump_dir": str(tmp_path)})
-    graph = (tmp_path / "rank5" / "graph.py").read_text()
+def test_dump_writes_graph_and_comm_records(rank6_dumped):
+    *_, dump = rank6_dumped
+    graph = (dump / "rank6" / "graph.py").read_text()
     assert "_c10d_functional.all_gather_into_tensor(" in graph and "<- S(0) -> R" in graph
-    comm = json.loads((tmp_path / "rank5" / "comm.json").read_text())
-    assert (comm["rank"], comm["tp_rank"], comm["dp_rank"]) == (5, 1, 1)
+    comm = json.loads((dump / "rank6" / "comm.json").read_text())
+    assert (comm["rank"], comm["tp_rank"], comm["dp_rank"]) == (6, 2, 1)
     kinds = [c["kind"] for c in comm["collectives"]]
     assert kinds == ["all_gather", "reduce_scatter"] * 2 + ["all_gather"]
     first = comm["collectives"][0]

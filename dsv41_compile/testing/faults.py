@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 import dsv41_compile
-from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.model import DeepseekV41
 from dsv41_compile.model.validate import validate_batch
 from dsv41_compile.testing.batches import Request, pack
+from dsv41_compile.testing.presets import ONE_LAYER, compile_config
 
 __all__ = ["FIRST", "different_batch_on_one_rank", "peer_lost"]
 
@@ -26,7 +27,7 @@ SECOND = (Request(0, [9], 3), Request(1, [10, 11], 2))
 def _compiled(options: dict[str, Any]) -> tuple[DeepseekV41, Any]:
     torch.manual_seed(0)
     # one window-only layer, 3 Sinkhorn iterations: what fails here is a rank, not the model
-    model = DeepseekV41(ModelConfig.from_name("tiny-swa", n_layers=1, hc_sinkhorn_iters=3))
+    model = DeepseekV41(compile_config("tiny-swa", ONE_LAYER))
     options = {"tp": 4, "lowering": "eager", **options}
     return model, torch.compile(model, backend="dsv41_sp", options=options)
 

@@ -2,7 +2,7 @@
 replicated baseline's collectives against sp's.
 
 tiny-swa (2 decoder layers, D = 64 fp32, 16 routed experts of width I = 32, top-6, shared
-expert of width 32, N = 4 mHC streams), planned on meta tensors for rank 0 of a fake world of 8
+expert of width 32, N = 4 mHC streams; 3 Sinkhorn iterations, which no count depends on), planned on meta tensors for rank 0 of a fake world of 8
 (tp = 4, ep = 8), at T = 8 tokens per DP group: Tl = 2 rows per rank. Costs are per layer.
 """
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from dsv41_compile.core.meta import REGION
-from dsv41_compile.model import ModelConfig
 from dsv41_compile.report.accounting import graph_costs, summarize
 from dsv41_compile.spmd.verify import collective_kind
+from dsv41_compile.testing.presets import compile_config
 
 WORLD, TP, EP, T = 8, 4, 8, 8
 LAYERS = 2
@@ -28,13 +28,12 @@ ROUTE = 8  # (local expert index, weight) per dispatched row
 
 @pytest.fixture
 def plan(plan_once):
-    """(layout, EP dispatch) -> (gm, ctx); the options and cache size are comm_report's, so
-    its test reuses these plans."""
+    """(layout, EP dispatch) -> (gm, ctx), at comm_report's options and cache size."""
 
     def planned(layout: str, dispatch: str):
         options = {"tp": TP, "ep": EP, "ep_dispatch": dispatch, "layout": layout}
         options["lowering"] = "eager"
-        cfg = ModelConfig.from_name("tiny-swa")
+        cfg = compile_config()
         gm, ctx, _ = plan_once(cfg, options, world_size=WORLD, max_len=4096)
         return gm, ctx
 
@@ -93,7 +92,7 @@ def test_exact_dispatch_counts_take_their_balanced_expectation(plan):
 
 
 def test_sp_has_no_all_reduce_and_replicated_one_per_layer(plan):
-    cfg = ModelConfig.from_name("tiny-swa")
+    cfg = compile_config()
     kinds = {}
     for layout in ("sp", "replicated"):
         gm, ctx = plan(layout, "exact")
