@@ -10,7 +10,9 @@
 traceback is re-raised in the caller. Ranks are forked from a `forkserver` that imported torch
 and this package once (`_context`), so a rank starts without importing them again (about 4 s
 of CPU each, which 8 ranks on 2 cores pay 4 times over); they run with the caller's
-environment as it is when they start. A pool runs each function in a clean compile state
+environment as it is when they start, except for what the preloaded modules read from it at
+import (torch's config modules): that is the environment of the server's start, the first
+run of the calling process. A pool runs each function in a clean compile state
 (Dynamo reset, its counters and the host cache's statistics cleared); after a failed run it
 restarts its processes, since a rank may have been left inside a collective.
 """
