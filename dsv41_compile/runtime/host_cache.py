@@ -8,13 +8,12 @@ skipping everything after Dynamo's trace. Inductor's own compile runs under a ho
 (`host_lock`), so that no two ranks write the same kernel at once, and its caches then serve
 the loading ranks.
 
-The key is Dynamo's graph as traced (a loading rank skips `frontend.generalize_token_count`
-too), its inputs' dtypes and
-shapes (symbols numbered by first appearance, not by the rank's compile history), the options
-that change the program, the mesh's shape, the target, the installed hook passes, and the
-versions of torch and of this package's source. The cache lives beside inductor's
-(`TORCHINDUCTOR_CACHE_DIR` moves both), so it also serves the next start of the same job (a
-warm start).
+The key is Dynamo's graph as traced (a loading rank skips `frontend.generalize_token_count` too),
+its inputs' dtypes and shapes (symbols numbered by first appearance, not by the rank's compile
+history), the options that change the program, the mesh's shape, the target, the installed hook
+passes, and the versions of torch and of this package's source. The cache lives beside inductor's
+(`TORCHINDUCTOR_CACHE_DIR` moves both), so it also serves the next start of the same job (a warm
+start).
 
 A compile that makes Dynamo restart its trace (AOTAutograd's scalar tensorification under
 `dynamic=True`) is saved as such: the other ranks restart the same way without compiling.

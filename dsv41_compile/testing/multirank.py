@@ -37,14 +37,9 @@ import torch.multiprocessing as mp
 __all__ = ["RankPool", "run_ranks"]
 
 
-_PRELOAD = [
-    "torch",
-    "torch._dynamo",
-    "torch._functorch.aot_autograd",
-    "torch.distributed.tensor",
-    "dsv41_compile.testing.cases",
-]
-"""What the fork server imports once for every rank it starts."""
+_PRELOAD = ["dsv41_compile.testing.cases"]
+"""What the fork server imports once for every rank it starts (with it: torch, Dynamo,
+AOTAutograd, DTensor, the backend and the model)."""
 
 
 def _context() -> Any:
@@ -64,6 +59,14 @@ def _enter(environ: dict[str, str]) -> None:
     torch.set_num_threads(1)
 
 
+def _join(rank: int, world_size: int, store_path: str, pg_timeout: float | None = None) -> None:
+    """This rank's gloo process group; `pg_timeout` in seconds (torch's default otherwise)."""
+    timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size, **timeout
+    )
+
+
 def _child(
     rank: int,
     world_size: int,
@@ -76,10 +79,7 @@ def _child(
 ) -> None:
     _enter(environ)
     try:
-        timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
-        dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size, **timeout
-        )
+        _join(rank, world_size, store_path, pg_timeout)
         _run_and_report(rank, world_size, fn, args, queue)
     except BaseException:  # report every failure to the parent, then exit
         queue.put((rank, False, traceback.format_exc()))
@@ -123,9 +123,7 @@ def _pool_child(
     rank: int, world_size: int, store_path: str, tasks: Any, queue: Any, environ: dict[str, str]
 ) -> None:
     _enter(environ)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
-    )
+    _join(rank, world_size, store_path)
     try:
         while (task := tasks.get()) is not None:
             fn, args = task

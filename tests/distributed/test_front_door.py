@@ -1,8 +1,8 @@
-"""The call a user writes first: `torch.compile(model, backend="dsv41_sp", options=...)`, with
-no `mark_token_dim`, and with `dynamic=True` and `dynamic=False` (sp), on 8 gloo ranks (tp=4, dp=2)
-through serving steps of mixed T: a prefill (T = 8), a decode with T = 3 < tp (tp_rank 3 holds
-no token) in one DP group and T = 1 in the other, then one group idle (T = 0) while the other
-verifies 6 draft tokens.
+"""The call a user writes first: `torch.compile(model, backend="dsv41_sp", options=...)`, with no
+`mark_token_dim`, and with `dynamic=True` and `dynamic=False` (sp), on 8 gloo ranks (tp=4, dp=2)
+through serving steps of mixed T: a prefill (T = 8), a decode with T = 3 < tp (tp_rank 3 holds no
+token) in one DP group and T = 1 in the other, then one group idle (T = 0) while the other verifies
+6 draft tokens.
 
 Every program each rank compiles has the requirement's per-layer collectives, whatever T
 Dynamo traced it with, and the logits and caches match the single-device model at the fp32

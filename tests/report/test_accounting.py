@@ -2,8 +2,9 @@
 replicated baseline's collectives against sp's.
 
 tiny-swa (2 decoder layers, D = 64 fp32, 16 routed experts of width I = 32, top-6, shared
-expert of width 32, N = 4 mHC streams; 3 Sinkhorn iterations, which no count depends on), planned on meta tensors for rank 0 of a fake world of 8
-(tp = 4, ep = 8), at T = 8 tokens per DP group: Tl = 2 rows per rank. Costs are per layer.
+expert of width 32, N = 4 mHC streams; 3 Sinkhorn iterations, which no count depends on),
+planned on meta tensors for rank 0 of a fake world of 8 (tp = 4, ep = 8), at T = 8 tokens per
+DP group: Tl = 2 rows per rank. Costs are per layer.
 """
 
 from __future__ import annotations

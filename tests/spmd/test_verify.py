@@ -1,7 +1,7 @@
 """verify has teeth: each bug class hand-written SP keeps shipping, seeded into a real rewritten
-graph of tiny (its 5 layers of every attention mode, `testing.presets`; rank 1 of a fake
-world, sp, tp=4, ep=8 padded), is refused with an internal
-error naming the node and the broken invariant.
+graph of tiny (its 5 layers of every attention mode, `testing.presets`; rank 1 of a fake world,
+sp, tp=4, ep=8 padded), is refused with an internal error naming the node and the broken
+invariant.
 
 A seed edits a copy of the graph the way a faulty pass would, placements included (a faulty
 rule that says what it produced); verify then runs on it as the pipeline runs it."""

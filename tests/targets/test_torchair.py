@@ -93,9 +93,8 @@ def test_config_carries_our_options(handed):
     importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed"
 )
 def test_without_torch_npu_torchair_is_an_error_that_says_what_to_install():
-    one_layer = compile_config(
-        "tiny-swa", ONE_LAYER
-    )  # the error is the lowering's, not the model's
+    # the error is the lowering's, not the model's: one layer is enough
+    one_layer = compile_config("tiny-swa", ONE_LAYER)
     with pytest.raises(Exception, match=r"pip install 'dsv41-compile\[npu\]'"):
         compile_on_fake_rank(1, {"tp": 4, "lowering": "torchair"}, cfg=one_layer)
 
