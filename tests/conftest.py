@@ -15,6 +15,11 @@ import pytest
 # A cold compile cache per session (inductor's and the host program cache beside it), shared by
 # the ranks the session starts: the tests see what a fresh machine sees.
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsv41_test_cache_")
+# Inductor compiles its kernels in the process that compiles, not in a pool of one worker per
+# core: every process that compiles or loads an inductor graph would start that pool (8 ranks,
+# 2 workers each), and the suite already keeps both cores busy. Measured on the 8-rank inductor
+# run: 145 -> 119 s of CPU.
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 from dsv41_compile.model import ModelConfig  # noqa: E402
 from dsv41_compile.planning import plan_rank  # noqa: E402
