@@ -40,9 +40,12 @@ def attention_lower_bound(cfg: ModelConfig, tokens: int, tp: int) -> int:
     return rows * cfg.dim * act + rows * cfg.dim * 4
 
 
-def report(args: argparse.Namespace, plan: Callable[..., Any] = plan_rank) -> dict:
-    """The report as a JSON-ready dict; `plan` plans one rank (`planning.plan_rank`)."""
-    cfg = ModelConfig.from_name(args.preset)
+def report(
+    args: argparse.Namespace, plan: Callable[..., Any] = plan_rank, cfg: ModelConfig | None = None
+) -> dict:
+    """The report as a JSON-ready dict; `plan` plans one rank (`planning.plan_rank`), `cfg` is
+    the model (`args.preset` when None)."""
+    cfg = cfg or ModelConfig.from_name(args.preset)
     world = args.ep if args.ep > 1 else args.tp * args.dp
     costs, seconds = {}, {}
     for layout in LAYOUTS:

@@ -36,6 +36,7 @@ import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 TORCH_NPU = "torch-npu==2.13.0"
 CACHE = Path.home() / ".cache" / "dsv41_compile" / "torch_npu-2.13.0"
@@ -177,18 +178,17 @@ CONFIGS = {
 
 
 def check(
-    presets: list[str], registry: Registry, configs: list[str] | None = None
+    models: dict[str, Any], registry: Registry, configs: list[str] | None = None
 ) -> dict[str, dict[str, tuple[int, str]]]:
-    """Per graph ("preset config"): unsupported op -> (count, why)."""
-    from dsv41_compile.model import ModelConfig
+    """Per graph ("model config"): unsupported op -> (count, why). `models`: name ->
+    `ModelConfig`."""
     from dsv41_compile.planning import plan_rank
     from dsv41_compile.spmd.localize import local_inputs
     from dsv41_compile.testing.torchair_standin import aot_graph, graph_ops, register_npu_ops
 
     register_npu_ops()  # torch_npu's npu_grouped_matmul, which graph mode emits
     report = {}
-    for preset in presets:
-        cfg = ModelConfig.from_name(preset)
+    for preset, cfg in models.items():
         for name in configs or CONFIGS:
             options = {"tp": 4, "lowering": "torchair", **CONFIGS[name]}
             gm, ctx, _ = plan_rank(cfg, options, world_size=8)
@@ -205,6 +205,8 @@ def main() -> None:
     parser.add_argument("--config", action="append", choices=tuple(CONFIGS), help="repeatable")
     parser.add_argument("--torchair", type=Path, help="an unpacked torchair directory to read")
     args = parser.parse_args()
+    from dsv41_compile.model import ModelConfig
+
     root = args.torchair or fetch_torchair()
     registry = scan(root)
     real = sum(registry.converters.values())
@@ -216,7 +218,8 @@ def main() -> None:
     missing = 0
     for preset in args.preset or ["tiny", "flash"]:
         for config in args.config or CONFIGS:  # one graph at a time: flash plans take minutes
-            for graph, unsupported in check([preset], registry, [config]).items():
+            models = {preset: ModelConfig.from_name(preset)}
+            for graph, unsupported in check(models, registry, [config]).items():
                 print(f"{graph}: " + ("all ops lowerable" if not unsupported else ""), flush=True)
                 for op, (count, why) in unsupported.items():
                     print(f"  {op:<60} x{count:<4} {why}")

@@ -1,16 +1,19 @@
-"""tools/comm_report.py on tiny-swa: the JSON layout the issue specifies, both layouts costed
-from their graphs, and the plot written."""
+"""tools/comm_report.py on one layer of tiny-swa (`testing.presets`: costs are per layer): the
+JSON layout the issue specifies, both layouts costed from their graphs, and the plot written."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from dsv41_compile.testing.presets import ONE_LAYER, compile_config
+
 
 def test_report_json_and_plot(tmp_path, plan_once, load_tool):
     tool = load_tool("comm_report")
     args = argparse.Namespace(preset="tiny-swa", tp=4, ep=8, dp=2, ep_dispatch="padded")
-    doc = json.loads(json.dumps(tool.report(args, plan=plan_once)))  # JSON-serialisable
+    cfg = compile_config("tiny-swa", ONE_LAYER)
+    doc = json.loads(json.dumps(tool.report(args, plan=plan_once, cfg=cfg)))  # JSON-serialisable
     assert [s["name"] for s in doc["scenarios"]] == ["decode", "dspark", "prefill"]
     assert [s["tokens_per_dp_group"] for s in doc["scenarios"]] == [4, 80, 4096]
     for scenario in doc["scenarios"]:

@@ -3,12 +3,14 @@
 reached). The graphs of the tiny presets that the torchair runs of the suite hand over are
 checked where they are made: test_torchair_lowering (tiny-swa, sp, ep=8 padded) and
 test_backend_numerics (tiny on one rank, every attention mode; tiny-swa replicated, ep=8
-padded on 8 ranks); here, the tool's own pipeline on one of them and its reading of the
-registry."""
+padded on 8 ranks); here, the tool's own pipeline on one layer of tiny-swa and its reading of
+the registry."""
 
 from __future__ import annotations
 
 from collections import Counter
+
+from dsv41_compile.testing.presets import ONE_LAYER, compile_config
 
 
 def test_scan_tells_real_converters_from_stubs(torchair_registry):
@@ -34,5 +36,6 @@ def test_unsupported_lists_what_torchair_cannot_lower(torchair_registry):
 
 def test_tool_plans_rewrites_and_checks_a_graph(torchair_registry):
     tool, registry = torchair_registry
-    report = tool.check(["tiny-swa"], registry, ["replicated ep=8 padded"])
+    models = {"tiny-swa": compile_config("tiny-swa", ONE_LAYER)}
+    report = tool.check(models, registry, ["replicated ep=8 padded"])
     assert report == {"tiny-swa replicated ep=8 padded": {}}
