@@ -88,6 +88,7 @@ def dsv41_sp(
     adapter = adapter_for(inputs.param_fqns.values(), inputs.input_names.values(), opts.layout)
     check_recompiles(adapter)
     check_whole_model(gm, adapter)
+    _token_index(inputs, adapter)  # before AOTAutograd: a misnamed input fails at once
     _check_inference(example_inputs, inputs)
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     device_type = tensors[0].device.type if tensors else "cpu"
@@ -162,6 +163,19 @@ def _compile(
         inference_compiler=compile_rank,
         keep_inference_input_mutations=True,  # the cache writes stay in the graph
     )
+
+
+def _token_index(inputs: GraphInputs, adapter: ModelAdapter) -> int:
+    """The index among the graph's inputs of the model's token input (`input_ids`)."""
+    token = inputs.index_of(adapter.token_inputs[0])
+    if token is None:
+        names = sorted({n for n in inputs.input_names.values() if ".size()" not in n})
+        raise ValueError(
+            f"dsv41_sp expects the {adapter.name} model's inputs "
+            f"{', '.join(adapter.token_inputs)}: no input named {adapter.token_inputs[0]} among "
+            f"{names}"
+        )
+    return token
 
 
 def _check_inference(example_inputs: list[Any], inputs: GraphInputs) -> None:
@@ -254,14 +268,6 @@ def _context(
         raise InternalError(f"the AOT graph has {len(placeholders)} inputs, Dynamo's {expected}")
     param_fqns = {placeholders[i].name: fqn for i, fqn in inputs.param_fqns.items()}
     input_sources = {placeholders[i].name: name for i, name in inputs.input_names.items()}
-    token = inputs.index_of(adapter.token_inputs[0])
-    if token is None:
-        names = sorted({n for n in input_sources.values() if ".size()" not in n})
-        raise ValueError(
-            f"dsv41_sp expects the {adapter.name} model's inputs "
-            f"{', '.join(adapter.token_inputs)}: no input named {adapter.token_inputs[0]} among "
-            f"{names}"
-        )
     return CompileContext(
         mesh=mesh,
         options=opts,
@@ -270,7 +276,7 @@ def _context(
         target=target,
         param_fqns=param_fqns,
         input_sources=input_sources,
-        token_input=placeholders[token].name,
+        token_input=placeholders[_token_index(inputs, adapter)].name,
         fake_mode=detect_fake_mode(aten_inputs),
     )
 

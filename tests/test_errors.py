@@ -264,7 +264,7 @@ def test_compiling_past_the_recompile_limit_is_refused():
     """dynamic=False compiles a graph per T; the compile that would use up Dynamo's recompile
     limit is refused (past it, Dynamo would run the model eagerly, unsharded)."""
     torch.manual_seed(0)
-    model = DeepseekV41(compile_config())
+    model = DeepseekV41(ONE_LAYER_MODEL)
     torch._dynamo.reset()
     compiled = torch.compile(
         model, backend="dsv41_sp", options={"tp": 4, "lowering": "eager"}, dynamic=False
