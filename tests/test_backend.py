@@ -21,7 +21,7 @@ from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.fake_rank import compile_on_fake_rank, layer_text
-from dsv41_compile.testing.presets import compile_config
+from dsv41_compile.testing.presets import ONE_LAYER, compile_config
 from dsv41_compile.testing.torch_shims import fake_process_group
 
 
@@ -80,15 +80,14 @@ def test_graph_text_is_identical_on_every_rank(rank1, rank6_dumped):
 
 
 def test_vocab_sharded_embedding_enters_with_one_reduce_scatter():
-    gm, _, _ = compile_on_fake_rank(2, {"tp": 4, "embedding": "vocab_sharded"})
+    cfg = compile_config("tiny-swa", ONE_LAYER)  # the embedding and the first layer's entry
+    gm, _, _ = compile_on_fake_rank(2, {"tp": 4, "embedding": "vocab_sharded"}, cfg=cfg)
     first, *rest = collectives(gm)
     assert collective_kind(first) == "reduce_scatter"
     partials = first.args[0].meta["val"]
     assert partials.dim() == 2 and partials.shape[1] == 64  # [T, D], not the [T, 4, D] streams
     assert partials.dtype == torch.float32
-    assert [collective_kind(n) for n in rest] == ["all_gather", "reduce_scatter"] * 2 + [
-        "all_gather"
-    ]
+    assert [collective_kind(n) for n in rest] == ["all_gather", "reduce_scatter", "all_gather"]
 
 
 def test_dump_writes_graph_and_comm_records(rank6_dumped):
@@ -112,7 +111,7 @@ def test_dump_writes_graph_and_comm_records(rank6_dumped):
 
 
 def test_bf16_rounding_boundaries_are_the_single_device_ones():
-    cfg = compile_config("tiny-swa", (("dtype", "bfloat16"),))
+    cfg = compile_config("tiny-swa", ONE_LAYER, (("dtype", "bfloat16"),))
     gm, _, _ = compile_on_fake_rank(3, {"tp": 4}, cfg=cfg)
     inserted = [
         n
@@ -129,14 +128,14 @@ def test_bf16_rounding_boundaries_are_the_single_device_ones():
         if isinstance(source_val, torch.Tensor):
             assert node.meta["val"].dtype == source_val.dtype, node.name
     scatters = [n for n in collectives(gm) if collective_kind(n) == "reduce_scatter"]
-    assert [n.args[0].meta["val"].dtype for n in scatters] == [torch.float32] * 2
+    assert [n.args[0].meta["val"].dtype for n in scatters] == [torch.float32]
     gathers = [n for n in collectives(gm) if collective_kind(n) == "all_gather"]
-    assert [n.args[0].meta["val"].dtype for n in gathers] == [torch.bfloat16] * 3
+    assert [n.args[0].meta["val"].dtype for n in gathers] == [torch.bfloat16] * 2
 
 
 def test_one_compile_serves_every_token_count():
     torch.manual_seed(0)
-    model = DeepseekV41(compile_config())
+    model = DeepseekV41(compile_config("tiny-swa", ONE_LAYER))
     torch._dynamo.reset()
     frames = []
 
