@@ -1,15 +1,19 @@
 """The call a user writes first: `torch.compile(model, backend="dsv41_sp", options=...)`, with no
-`mark_token_dim`, and with `dynamic=True` and `dynamic=False` (sp), on 8 gloo ranks (tp=4, dp=2)
-through serving steps of mixed T: a prefill (T = 8), a decode with T = 3 < tp (tp_rank 3 holds no
-token) in one DP group and T = 1 in the other, then one group idle (T = 0) while the other verifies
-6 draft tokens.
+`mark_token_dim`, and with `dynamic=True`, on 8 gloo ranks (tp=4, dp=2) through serving steps of
+mixed T: a prefill (T = 8), a decode with T = 3 < tp (tp_rank 3 holds no token) in one DP group
+and T = 1 in the other, then one group idle (T = 0) while the other verifies 6 draft tokens.
 
 Every program each rank compiles has the requirement's per-layer collectives, whatever T
 Dynamo traced it with, and the logits and caches match the single-device model at the fp32
 bound. How many programs each rank compiles is Dynamo's choice, counted here (docs/backend.md,
 "Token counts"): without `mark_token_dim`, a static graph for the first T, one with a dynamic T
 from the next T >= 2 on, and a static one for each of T = 0 and T = 1; with `dynamic=True` the
-dynamic one from the start; with `dynamic=False` one per distinct T.
+dynamic one from the start.
+
+Not run here: `dynamic=False`, a static graph per distinct T. A static T is made symbolic before
+any layout is planned (`frontend.generalize_token_count`), so each of those programs is planned
+as the unmarked mode's static ones for T = 8, 0 and 1 are; tests/test_errors.py checks that
+`dynamic=False` is refused before it would pass Dynamo's recompile limit.
 """
 
 from __future__ import annotations
@@ -33,12 +37,11 @@ STEPS = (
     ((Request(0, [17], 3), Request(1, [18], 2), Request(2, [19], 3)), (Request(1, [20], 2),)),
     ((), (Request(0, [26, 27, 28], 3), Request(1, [29, 30, 31], 3))),
 )
-MODES = ("unmarked", "dynamic", "static")
+MODES = ("unmarked", "dynamic")
 # Programs per rank in each mode, by DP group (T: group 0 8, 3, 0; group 1 8, 1, 6).
 COMPILES = {
     "unmarked": (3, 3),  # static 8, dynamic (at 3 / at 6), static 0 / static 1
     "dynamic": (2, 2),  # dynamic, static 0 / static 1
-    "static": (3, 3),  # one per T
 }
 # One window-only layer with 3 Sinkhorn iterations instead of 20: the same code, a sixth of
 # tiny-swa to trace; the subject here is how Dynamo traces T, and each mode traces the model
@@ -53,13 +56,11 @@ RUNS = {
         modes=MODES,
         **MODEL,
     ),
-    # the replicated baseline, every rank holding every expert. Not with dynamic=False: a
-    # static T is made symbolic before any layout is planned (frontend.generalize_token_count),
-    # as in the unmarked mode's static programs for T = 8, 0 and 1, which this run has.
+    # the replicated baseline, every rank holding every expert
     "replicated-ep1": CaseSpec(
         steps=STEPS,
         options=(("tp", TP), ("layout", "replicated"), ("lowering", "eager")),
-        modes=("unmarked", "dynamic"),
+        modes=MODES,
         **MODEL,
     ),
 }
