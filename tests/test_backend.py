@@ -70,13 +70,14 @@ def test_one_all_gather_of_the_2d_attention_input_and_one_fp32_reduce_scatter_pe
 
 
 def test_graph_text_is_identical_on_every_rank(rank1, rank6_dumped):
-    gm1, ctx1, _ = rank1
-    text1 = format_graph(gm1, labels=graph_labels(ctx1)[0], groups=graph_labels(ctx1)[1])
-    # another tp_rank of the same DP group, and the other DP group (compiled with a dump, which
-    # changes nothing in the graph)
-    for gm, ctx, _ in (compile_on_fake_rank(0, {"tp": 4}), rank6_dumped[:3]):
+    """Rank 1 against rank 6: another tp_rank (2, not 1) of the other DP group, compiled with a
+    dump, which changes nothing in the graph. What lets one rank of a host compile for all
+    (`runtime.host_cache`)."""
+    texts = []
+    for gm, ctx, _ in (rank1, rank6_dumped[:3]):
         labels, groups = graph_labels(ctx)
-        assert format_graph(gm, labels=labels, groups=groups) == text1
+        texts.append(format_graph(gm, labels=labels, groups=groups))
+    assert rank6_dumped[1].mesh.rank == 6 and texts[0] == texts[1]
 
 
 def test_vocab_sharded_embedding_enters_with_one_reduce_scatter():
