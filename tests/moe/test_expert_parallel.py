@@ -1,6 +1,6 @@
 """Expert parallelism on a fake 8-rank process group: the rewritten MoE block, the expert
 shards, the statistics outputs, padding rows. (Numerics with real processes:
-test_backend_numerics.)"""
+tests/distributed/test_numerics.py.)"""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """tools/torchair_coverage.py against torch-npu 2.13.0's torchair source (downloaded once into
 ~/.cache, never installed; skipped with pip's reason when the package registry cannot be
 reached). The graphs of the tiny presets that the torchair runs of the suite hand over are
-checked where they are made: test_torchair_lowering (tiny-swa, sp, ep=8 padded) and
-test_backend_numerics (tiny on one rank, every attention mode; tiny-swa replicated, ep=8
-padded on 8 ranks); here, the tool's own pipeline on one layer of tiny-swa and its reading of
-the registry."""
+checked where they are made: tests/targets/test_torchair.py (tiny-swa, sp, ep=8 padded) and
+tests/distributed/test_numerics.py (tiny on one rank, every attention mode; tiny-swa
+replicated, ep=8 padded on 8 ranks); here, the tool's own pipeline on one layer of tiny-swa and
+its reading of the registry."""
 
 from __future__ import annotations
 
