@@ -45,6 +45,7 @@ from dsv41_compile.pipeline import PIPELINE
 from dsv41_compile.report.comm import comm_records
 from dsv41_compile.report.dump import EpStepLog, graph_text, write_dump, write_graph
 from dsv41_compile.runtime.host_cache import (
+    STATS,
     Artifact,
     add_guards,
     canonical_symbols,
@@ -108,6 +109,7 @@ def dsv41_sp(
     if key is None or names is None:
         return _compile(gm, example_inputs, inputs, opts, mesh, adapter, target)
     with shared(key) as slot:
+        STATS["loaded" if slot.artifact is not None else "compiled"] += 1
         shape_env = TracingContext.get().fake_mode.shape_env
         if slot.artifact is not None and slot.artifact.restart is not None:
             restart_like(slot.artifact.restart)

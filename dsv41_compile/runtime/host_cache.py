@@ -71,7 +71,8 @@ __all__ = [
 ]
 
 STATS: Counter[str] = Counter()
-"""This process's shared compiles: "compiled" (saved for the host) and "loaded"."""
+"""This process's shared compiles: "compiled" (saved for the host) and "loaded" (counted by
+the backend)."""
 
 
 def cache_dir() -> Path:
@@ -229,11 +230,11 @@ class _Slot:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.artifact: Artifact | None = None
+        self.artifact: Any = None
         if path.exists():
             self.artifact = pickle.loads(path.read_bytes())
 
-    def store(self, artifact: Artifact) -> None:
+    def store(self, artifact: Any) -> None:
         buffer = io.BytesIO()
         pickle.dump(artifact, buffer)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name)
@@ -243,12 +244,11 @@ class _Slot:
 
 
 @contextmanager
-def shared(key: str) -> Iterator[_Slot]:
-    """The entry of `key`, with the key's host-wide lock held: a rank that finds no artifact
-    compiles and stores one before the next rank looks."""
-    folder = cache_dir() / "programs"
-    folder.mkdir(exist_ok=True)
-    with FileLock(str(folder / f"{key}.lock")):
-        slot = _Slot(folder / f"{key}.pkl")
-        STATS["loaded" if slot.artifact is not None else "compiled"] += 1
-        yield slot
+def shared(key: str, folder: str = "programs") -> Iterator[_Slot]:
+    """The entry of `key` in `folder` (programs: an `Artifact`; any picklable value elsewhere),
+    with the key's host-wide lock held: a rank that finds no artifact makes and stores one
+    before the next rank looks."""
+    path = cache_dir() / folder
+    path.mkdir(exist_ok=True)
+    with FileLock(str(path / f"{key}.lock")):
+        yield _Slot(path / f"{key}.pkl")

@@ -10,7 +10,7 @@ AOTAutograd on the graph, which decomposes every CompositeImplicit op, with
 `keep_inference_input_mutations=True`. The graph that comes out is what torchair's converters
 would see (`aot_graphs`); the stand-in runs it eagerly. That step depends only on the graph
 and its inputs' shapes, so the stand-in does it once per host for each graph it is handed (the
-host's other ranks load the result; `runtime.host_cache`'s folder and lock), where torchair does
+host's other ranks load the result: `runtime.host_cache.shared`), where torchair does
 it on every rank. torchair's own decomposition table
 (`_c10d_functional.all_to_all_single` -> its HCCL all-to-all op) is not applied: the functional
 all-to-all stays, and runs on gloo. torch_npu's ops graph mode uses are defined with their
@@ -28,7 +28,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from filelock import FileLock
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch.fx import GraphModule
 from torch.library import Library
@@ -105,19 +104,16 @@ def _aot_graph_for_host(gm: GraphModule, example_inputs: list[Any]) -> GraphModu
     loaded by the others. The graph keeps the cache writes (`keep_inference_input_mutations`)
     and aliases no input, so it runs on the handed inputs as they are, like the AOT step's
     own wrapper does."""
-    from dsv41_compile.runtime.host_cache import cache_dir, load_graph, program_key, save_graph
+    from dsv41_compile.runtime.host_cache import load_graph, program_key, save_graph, shared
 
     key = program_key(gm, example_inputs, ("torchair-standin-aot",))
     if key is None:  # inputs' symbols without canonical names: no key to share under
         return aot_graph(gm, example_inputs)
-    folder = cache_dir() / "torchair_standin"
-    folder.mkdir(exist_ok=True)
-    path = folder / f"{key}.pkl"
-    with FileLock(str(path.with_suffix(".lock"))):
-        if path.exists():
-            return load_graph(path.read_bytes())
+    with shared(key, folder="torchair_standin") as slot:
+        if slot.artifact is not None:
+            return load_graph(slot.artifact)
         graph = aot_graph(gm, example_inputs)
-        path.write_bytes(save_graph(graph))
+        slot.store(save_graph(graph))
         return graph
 
 
