@@ -188,12 +188,12 @@ def check(
 
     register_npu_ops()  # torch_npu's npu_grouped_matmul, which graph mode emits
     report = {}
-    for preset, cfg in models.items():
+    for model, cfg in models.items():
         for name in configs or CONFIGS:
             options = {"tp": 4, "lowering": "torchair", **CONFIGS[name]}
             gm, ctx, _ = plan_rank(cfg, options, world_size=8)
             ops = graph_ops(aot_graph(gm, local_inputs(gm, ctx)))
-            report[f"{preset} {name}"] = unsupported(ops, registry)
+            report[f"{model} {name}"] = unsupported(ops, registry)
     return report
 
 

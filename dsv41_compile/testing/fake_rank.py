@@ -1,10 +1,11 @@
 """One rank of a fake world: the rewritten graph a rank compiles, without other processes.
 
-`compile_on_fake_rank(rank, options)` compiles a model (tiny-swa with 3 Sinkhorn iterations by
-default: `testing.presets.compile_config`) with `dsv41_sp` as rank `rank` of a `fake` process group
-of 8 ranks (collectives move no data) and runs it once: it returns that rank's rewritten graph, its
-compile context and the logits (which mean nothing: no data moved). Results are kept for the
-process, keyed by the arguments: a test session compiles each configuration once.
+`compile_on_fake_rank(rank, options)` compiles a model (tiny-swa with 3 Sinkhorn iterations
+by default: `testing.presets.compile_config`) with `dsv41_sp` as rank `rank` of a `fake`
+process group of 8 ranks (collectives move no data) and runs it once: it returns that rank's
+rewritten graph, its compile context and the logits (which mean nothing: no data moved).
+Results are kept for the process, keyed by the arguments: a test session compiles each
+configuration once.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def compile_on_fake_rank(
     world_size: int = 8,
 ) -> tuple[GraphModule, CompileContext, torch.Tensor]:
     """Rank `rank`'s rewritten graph of `cfg` (`compile_config()`) under `options` (eager
-    lowering unless given), its context and its logits on `requests`; `mark`: the token count is marked
-    (`mark_token_dim`), else Dynamo traces it as it does a first call."""
+    lowering unless given), its context and its logits on `requests`; `mark`: the token count
+    is marked (`mark_token_dim`), else Dynamo traces it as it does a first call."""
     cfg = cfg or compile_config()
     requests = tuple(Request(r.slot, tuple(r.ids), r.start) for r in requests)
     key = (rank, tuple(sorted(options.items())), cfg, requests, mark, world_size)
