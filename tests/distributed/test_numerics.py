@@ -37,7 +37,7 @@ import torch
 from dsv41_compile.model import ModelConfig
 from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank, model_config
 from dsv41_compile.testing.multirank import RankPool, run_ranks
-from dsv41_compile.testing.presets import EVERY_MODE_5, ONE_LAYER, SINKHORN_3
+from dsv41_compile.testing.presets import EVERY_MODE_5, ONE_LAYER, SINKHORN_3, compile_config
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def capture_points(cfg: ModelConfig) -> tuple[str, ...]:
 # Every run compiles with 3 Sinkhorn iterations (`testing.presets`), on both sides of every
 # comparison.
 def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> CaseSpec:
-    cfg = ModelConfig.from_name(preset, **dict(overrides))
+    cfg = compile_config(preset, overrides)  # what `model_config(case)` builds
     return CaseSpec(
         steps=STEPS,
         preset=preset,
