@@ -14,6 +14,31 @@ from torch import Tensor, nn
 from dsv41_compile.models.deepseek_v41.config import ModelConfig
 
 
+class StaticFloat(float):
+    """A model constant that `torch.compile` keeps constant under `dynamic=True`.
+
+    With `dynamic=True`, Dynamo makes every `float` attribute it reads a symbolic input, and
+    AOTAutograd turns it into a tensor where it can. Where it cannot -- a float that reaches
+    `clamp` or a custom op's `float` argument, as the SwiGLU limit does -- Dynamo traces the
+    whole model a second time with it specialised. Dynamo specialises a float of any other
+    type on its value (a guard: a changed value recompiles), so a float kept as this subclass
+    costs one trace."""
+
+    __slots__ = ()
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` whose forward reads no float attribute: V4.1 uses none of its options
+    (`max_norm`, `norm_type`, ...), and Dynamo would make `norm_type` a symbolic input under
+    `dynamic=True` (see `StaticFloat`). So it takes no option that its forward would ignore."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, device=None, dtype=None) -> None:
+        super().__init__(num_embeddings, embedding_dim, device=device, dtype=dtype)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.embedding(input, self.weight)
+
+
 class RMSNorm(nn.Module):
     """`w * x / rms(x)`, computed in fp32 (weight stored fp32) and cast back to the input dtype."""
 

@@ -17,6 +17,7 @@ from dsv41_compile.models.deepseek_v41.attention import Attention, AttentionStat
 from dsv41_compile.models.deepseek_v41.cache import KVCache
 from dsv41_compile.models.deepseek_v41.config import LayerRole, ModelConfig, layer_plan
 from dsv41_compile.models.deepseek_v41.layers import (
+    Embedding,
     HyperConnection,
     RMSNorm,
     hc_collapse,
@@ -75,7 +76,7 @@ class DeepseekV41(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=cfg.torch_dtype)
+        self.embed = Embedding(cfg.vocab_size, cfg.dim, dtype=cfg.torch_dtype)
         self.plan = layer_plan(cfg)
         self.layers = nn.ModuleList(Block(cfg, i, role) for i, role in enumerate(self.plan))
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv41_compile.models.deepseek_v41.config import ModelConfig
+from dsv41_compile.models.deepseek_v41.layers import StaticFloat
 from dsv41_compile.models.deepseek_v41.ops import routed_experts, swiglu_expert
 
 
@@ -45,7 +46,7 @@ class RoutedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         E, I, D, dtype = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim, cfg.torch_dtype
-        self.swiglu_limit = cfg.swiglu_limit
+        self.swiglu_limit = StaticFloat(cfg.swiglu_limit)
         self.w1 = nn.Parameter(torch.empty(E, I, D, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(E, D, I, dtype=dtype))
         self.w3 = nn.Parameter(torch.empty(E, I, D, dtype=dtype))
@@ -60,7 +61,7 @@ class SharedExpert(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         D, I, dtype = cfg.dim, cfg.moe_inter_dim, cfg.torch_dtype
-        self.swiglu_limit = cfg.swiglu_limit
+        self.swiglu_limit = StaticFloat(cfg.swiglu_limit)
         self.w1 = nn.Linear(D, I, bias=False, dtype=dtype)
         self.w2 = nn.Linear(I, D, bias=False, dtype=dtype)
         self.w3 = nn.Linear(D, I, bias=False, dtype=dtype)

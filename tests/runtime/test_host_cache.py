@@ -1,0 +1,42 @@
+"""The host cache shares a compile that makes Dynamo trace again: the other ranks of the host
+trace again the same way, without compiling (`runtime.host_cache`)."""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+
+from dsv41_compile.core.mesh import clear_mesh_cache
+from dsv41_compile.runtime.host_cache import STATS
+from dsv41_compile.testing.torch_shims import fake_process_group
+from dsv41_compile.testing.toy import ToyLM, toy_family
+
+
+def compile_and_call(rank: int, model: ToyLM, tokens: torch.Tensor) -> dict[str, int]:
+    """`model` compiled with `dynamic=True` and called as rank `rank` of a fake world of 8;
+    what this rank added to the host cache's statistics."""
+    before = STATS.copy()
+    torch._dynamo.reset()
+    with fake_process_group(world_size=8, rank=rank):
+        clear_mesh_cache()
+        compiled = torch.compile(
+            model, backend="dsv41_sp", options={"tp": 4, "lowering": "eager"}, dynamic=True
+        )
+        try:
+            assert compiled(tokens).shape == (tokens.shape[0], 64)
+        finally:
+            clear_mesh_cache()
+    return dict(STATS - before)
+
+
+def test_a_restarted_trace_is_shared(tmp_path, monkeypatch):
+    """The toy's `nn.Embedding` forward reads its float `norm_type`: under `dynamic=True`
+    Dynamo makes it a symbolic input, AOTAutograd cannot turn it into a tensor, and Dynamo
+    traces again with it specialised. The first rank compiles both traces (the first one's
+    entry records the restart); the second loads both: it restarts without AOTAutograd."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold host cache
+    model = ToyLM()
+    tokens = torch.arange(8)
+    with toy_family():
+        assert compile_and_call(1, model, tokens) == {"compiled": 2}
+        assert compile_and_call(2, model, tokens) == {"loaded": 2}
