@@ -108,29 +108,31 @@ def dsv41_sp(
     key = None if planning else _shared_key(gm, fakes, opts, mesh, adapter.name, target)
     if key is None or names is None:
         return _compile(gm, example_inputs, inputs, opts, mesh, adapter, target)
+    shape_env = TracingContext.get().fake_mode.shape_env
     with shared(key) as slot:
         STATS["loaded" if slot.artifact is not None else "compiled"] += 1
-        shape_env = TracingContext.get().fake_mode.shape_env
-        if slot.artifact is not None and slot.artifact.restart is not None:
-            restart_like(slot.artifact.restart)
-        if slot.artifact is not None:
-            add_guards(shape_env, slot.artifact.guards, names)
-            local = symbolic_token_inputs(gm, fakes, inputs, adapter)
-            program = _load(slot.artifact, local, opts, mesh, target)
-            return lambda *args: program(list(args))
-        since = len(shape_env.guards)
-        saved: list[Artifact] = []
-        try:
-            compiled = _compile(
-                gm, example_inputs, inputs, opts, mesh, adapter, target, saved.append
-            )
-        except TensorifyScalarRestartAnalysis:
-            slot.store(Artifact(b"", None, None, restart=restart_requested()))
-            raise
-        guards = saved_guards(shape_env, since, names)
-        if guards is not None:  # else every rank compiles for itself
-            slot.store(dataclasses.replace(saved[0], guards=guards))
-        return compiled
+        if slot.artifact is None:
+            since = len(shape_env.guards)
+            saved: list[Artifact] = []
+            try:
+                compiled = _compile(
+                    gm, example_inputs, inputs, opts, mesh, adapter, target, saved.append
+                )
+            except TensorifyScalarRestartAnalysis:
+                slot.store(Artifact(b"", None, None, restart=restart_requested()))
+                raise
+            guards = saved_guards(shape_env, since, names)
+            if guards is not None:  # else every rank compiles for itself
+                slot.store(dataclasses.replace(saved[0], guards=guards))
+            return compiled
+        artifact = slot.artifact
+    # The lock is released: the host's other ranks load the artifact at the same time.
+    if artifact.restart is not None:
+        restart_like(artifact.restart)
+    add_guards(shape_env, artifact.guards, names)
+    local = symbolic_token_inputs(gm, fakes, inputs, adapter)
+    program = _load(artifact, local, opts, mesh, target)
+    return lambda *args: program(list(args))
 
 
 def _compile(

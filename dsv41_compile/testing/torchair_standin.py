@@ -110,11 +110,12 @@ def _aot_graph_for_host(gm: GraphModule, example_inputs: list[Any]) -> GraphModu
     if key is None:  # inputs' symbols without canonical names: no key to share under
         return aot_graph(gm, example_inputs)
     with shared(key, folder="torchair_standin") as slot:
-        if slot.artifact is not None:
-            return load_graph(slot.artifact)
-        graph = aot_graph(gm, example_inputs)
-        slot.store(save_graph(graph))
-        return graph
+        if slot.artifact is None:
+            graph = aot_graph(gm, example_inputs)
+            slot.store(save_graph(graph))
+            return graph
+        saved = slot.artifact
+    return load_graph(saved)  # outside the lock: the host's ranks load at the same time
 
 
 def _aot(gm: GraphModule, example_inputs: list[Any], keep: Any) -> Any:
