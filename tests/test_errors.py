@@ -17,6 +17,7 @@ from dsv41_compile.options import BackendOptions
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.presets import ONE_LAYER, compile_config
 from dsv41_compile.testing.torch_shims import fake_process_group
+from dsv41_compile.testing.toy import ToyLM, toy_family
 
 REQUESTS = [Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0)]
 
@@ -36,9 +37,9 @@ def _(x):
 ONE_LAYER_MODEL = compile_config("tiny-swa", ONE_LAYER)
 
 
-def compile_and_run(
-    options: dict, *, cfg=None, world: int | None = 8, patch=None, fullgraph=True, model=None
-):
+def compile_and_run(options: dict, *, cfg=None, patch=None, fullgraph=True, model=None):
+    """The DeepSeek model (one window-only layer unless given) compiled and called as rank 1 of
+    a fake world of 8 ranks, its token count marked."""
     torch.manual_seed(0)
     model = model or DeepseekV41(cfg or ONE_LAYER_MODEL)
     if patch is not None:
@@ -50,13 +51,31 @@ def compile_and_run(
     compiled = torch.compile(
         model, backend="dsv41_sp", options={"lowering": "eager", **options}, fullgraph=fullgraph
     )
-    if world is None:
-        return compiled(ids, positions, slots, model.new_cache(4, 16))
-    with fake_process_group(world_size=world, rank=1):
+    with fake_process_group(world_size=8, rank=1):
         try:
             return compiled(ids, positions, slots, model.new_cache(4, 16))
         finally:
             clear_mesh_cache()
+
+
+def compile_toy(options: dict, *, world: int | None = 8):
+    """The toy model (`testing.toy`) compiled and called as rank 1 of a fake world of `world`
+    ranks (no process group: None): for the errors that depend on the options and the mesh, not
+    on the model, at a fraction of the DeepSeek layer's trace."""
+    torch._dynamo.reset()
+    clear_mesh_cache()
+    model, tokens = ToyLM(), torch.arange(8)
+    compiled = torch.compile(
+        model, backend="dsv41_sp", options={"lowering": "eager", **options}, fullgraph=True
+    )
+    with toy_family():
+        if world is None:
+            return compiled(tokens)
+        with fake_process_group(world_size=world, rank=1):
+            try:
+                return compiled(tokens)
+            finally:
+                clear_mesh_cache()
 
 
 def raised(call) -> BaseException:
@@ -76,7 +95,7 @@ def assert_error(error: BaseException, kind: type, message: str) -> None:
 
 def test_world_size_not_divisible_by_tp():
     assert_error(
-        raised(lambda: compile_and_run({"tp": 3})),
+        raised(lambda: compile_toy({"tp": 3})),
         ValueError,
         "tp=3 does not divide the world size 8: the world is split into world/tp data-parallel "
         "groups of tp ranks; choose tp in [1, 2, 4, 8]",
@@ -107,7 +126,7 @@ def test_tp_not_dividing_heads_or_output_groups(overrides, tp, message):
 
 def test_ep_must_be_the_world_or_one():
     assert_error(
-        raised(lambda: compile_and_run({"tp": 4, "ep": 4})),
+        raised(lambda: compile_toy({"tp": 4, "ep": 4})),
         ValueError,
         "ep=4: the expert-parallel group is the whole world, so ep must be the world size 8 "
         "(experts sharded over every rank) or 1 (every rank holds every routed expert)",
@@ -127,7 +146,7 @@ def test_ep_not_dividing_the_routed_experts():
 
 def test_no_process_group():
     assert_error(
-        raised(lambda: compile_and_run({"tp": 4}, world=None)),
+        raised(lambda: compile_toy({"tp": 4}, world=None)),
         ValueError,
         "dsv41_sp needs a process group: call torch.distributed.init_process_group() (e.g. "
         "under torchrun) before the first call of the compiled model",
@@ -244,7 +263,7 @@ def test_bad_options(options, message):
     with pytest.raises(ValueError) as info:
         BackendOptions.from_dict(options)
     assert str(info.value) == message
-    assert_error(raised(lambda: compile_and_run(options)), ValueError, message)
+    assert_error(raised(lambda: compile_toy(options)), ValueError, message)
 
 
 def test_auto_lowering_on_npu_tensors_refuses_the_exact_dispatch():
