@@ -1,7 +1,9 @@
 """verify has teeth: each bug class hand-written SP keeps shipping, seeded into a real rewritten
-graph of tiny (its 5 layers of every attention mode, `testing.presets`; rank 1 of a fake world,
-sp, tp=4, ep=8 padded), is refused with an internal error naming the node and the broken
-invariant.
+graph (tiny-swa's two window-only layers, `testing.presets.compile_config()`; rank 1 of a fake
+world, sp, tp=4, ep=8 padded), is refused with an internal error naming the node and the broken
+invariant. The bug classes are the layout's, not an attention mode's (the seeds sit at layer 1's
+boundary collectives, its EP dispatch, its positions); verify accepts the valid graphs of every
+attention mode in every compile of the every-mode model (tests/distributed/test_numerics.py).
 
 A seed edits a copy of the graph the way a faulty pass would, placements included (a faulty
 rule that says what it produced); verify then runs on it as the pipeline runs it."""
@@ -21,7 +23,7 @@ from dsv41_compile.moe.expert_parallel import EP_SOURCE
 from dsv41_compile.report.comm import collective_kind
 from dsv41_compile.spmd.verify import verify
 from dsv41_compile.testing.fake_rank import compile_on_fake_rank
-from dsv41_compile.testing.presets import EVERY_MODE_5, compile_config
+from dsv41_compile.testing.presets import compile_config
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -29,8 +31,8 @@ OPTIONS = {"tp": 4, "ep": 8, "ep_dispatch": "padded"}
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    gm, ctx, _ = compile_on_fake_rank(1, OPTIONS, compile_config("tiny", EVERY_MODE_5))
+def rewritten():
+    gm, ctx, _ = compile_on_fake_rank(1, OPTIONS, compile_config())
     return gm, ctx
 
 
@@ -40,9 +42,9 @@ def copied(gm: GraphModule) -> GraphModule:
     return GraphModule(gm, graph)
 
 
-def seeded(tiny, seed) -> str:
-    """The error verify raises on a copy of tiny's graph with `seed` applied."""
-    gm, ctx = tiny
+def seeded(rewritten, seed) -> str:
+    """The error verify raises on a copy of the rewritten graph with `seed` applied."""
+    gm, ctx = rewritten
     bad = copied(gm)
     seed(bad)
     bad.recompile()
@@ -82,12 +84,12 @@ def add(gm: GraphModule, before: Node, target, args, out, **kwargs) -> Node:
     return node
 
 
-def test_valid_graph_passes(tiny):
-    gm, ctx = tiny
+def test_valid_graph_passes(rewritten):
+    gm, ctx = rewritten
     verify(copied(gm), ctx=dataclasses.replace(ctx, comm=[]))
 
 
-def test_a_partial_used_before_its_reduction(tiny):
+def test_a_partial_used_before_its_reduction(rewritten):
     def seed(gm):  # a rule that lets relu pass a partial sum through: relu(P) -> P
         scatter, partial = partial_of(gm)
         pad = scatter.args[0]
@@ -95,12 +97,12 @@ def test_a_partial_used_before_its_reduction(tiny):
         relu.meta[IN] = (Partial(),)
         pad.args = (relu, *pad.args[1:])
 
-    message = seeded(tiny, seed)
+    message = seeded(rewritten, seed)
     assert "at node relu" in message
     assert "uses the partial sum mm_" in message and "before its reduction" in message
 
 
-def test_a_partial_scattered_without_its_reduction(tiny):
+def test_a_partial_scattered_without_its_reduction(rewritten):
     def seed(gm):  # P -> S(0) taken as a local slice (the R -> S transition) instead of a RS
         scatter, partial = partial_of(gm)
         pad = scatter.args[0]
@@ -111,23 +113,23 @@ def test_a_partial_scattered_without_its_reduction(tiny):
         local = add(gm, wait, aten.index.Tensor, (split, [sizes]), Shard(0))
         wait.replace_all_uses_with(local)
 
-    message = seeded(tiny, seed)
+    message = seeded(rewritten, seed)
     assert "slices the partial sum mm_" in message and "without reducing it" in message
 
 
-def test_a_sum_over_replicated_copies(tiny):
+def test_a_sum_over_replicated_copies(rewritten):
     def seed(gm):  # the reduce-scatter fed the replicated attention input: x tp
         scatter, _ = partial_of(gm)
         pad = scatter.args[0]
         pad.args = (gathered_input(gm), *pad.args[1:])
 
-    message = seeded(tiny, seed)
+    message = seeded(rewritten, seed)
     assert "a reduce_scatter sums getitem" in message
     assert "is R, not a partial sum" in message and "tp times the value" in message
     assert "reduce_scatter_tensor" in message  # the node
 
 
-def test_the_ep_dispatch_of_duplicated_tp_replicas(tiny):
+def test_the_ep_dispatch_of_duplicated_tp_replicas(rewritten):
     def seed(gm):  # the MoE's token rows taken whole (R) on every TP rank: 4 x 96 assignments
         rows = next(
             n for n in gm.graph.nodes
@@ -136,12 +138,12 @@ def test_the_ep_dispatch_of_duplicated_tp_replicas(tiny):
         )  # fmt: skip
         rows.args = (gathered_input(gm), *rows.args[1:])
 
-    message = seeded(tiny, seed)
+    message = seeded(rewritten, seed)
     assert "the EP dispatch sends getitem" in message and "which is R" in message
     assert "tp times the assignments" in message
 
 
-def test_a_residual_gathered_across_the_layer_boundary(tiny):
+def test_a_residual_gathered_across_the_layer_boundary(rewritten):
     def seed(gm):  # the [Tl, 4, D] residual streams gathered at layer 1's entry
         gather = layer1(gm, "all_gather")
         residual = next(
@@ -153,26 +155,26 @@ def test_a_residual_gathered_across_the_layer_boundary(tiny):
                       (residual, 4, gather.args[2]), None)  # fmt: skip
         add(gm, gather, c10d.wait_tensor.default, (streams,), Replicate())
 
-    message = seeded(tiny, seed)
+    message = seeded(rewritten, seed)
     assert "layer 1 gathers a 3-D value" in message and "residual streams" in message
     assert "all_gather_into_tensor" in message
 
 
-def test_a_reduce_scatter_of_a_rounded_partial(tiny):
+def test_a_reduce_scatter_of_a_rounded_partial(rewritten):
     def seed(gm):  # the partial cast to bf16 before the reduce-scatter
         scatter, partial = partial_of(gm)
         pad = scatter.args[0]
         cast = add(gm, pad, aten._to_copy.default, (partial,), Partial(), dtype=torch.bfloat16)
         pad.args = (cast, *pad.args[1:])
 
-    message = seeded(tiny, seed)
+    message = seeded(rewritten, seed)
     assert "a reduce_scatter reduces torch.bfloat16" in message
     assert "fp32 partial sum the model computed" in message
 
 
-def test_local_positions_paired_with_the_gathered_hidden(tiny):
+def test_local_positions_paired_with_the_gathered_hidden(rewritten):
     def seed(gm):  # layer 1's rope reads this rank's shard of the positions
-        _, ctx = tiny
+        _, ctx = rewritten
         positions = next(n for n in gm.graph.nodes if ctx.input_sources.get(n.name) == "positions")
         user = next(
             u for u in positions.users
@@ -186,18 +188,18 @@ def test_local_positions_paired_with_the_gathered_hidden(tiny):
         local = add(gm, user, aten.index.Tensor, (split, [tp_rank]), Shard(0))
         user.args = tuple(local if a is positions else a for a in user.args)
 
-    message = seeded(tiny, seed)
+    message = seeded(rewritten, seed)
     assert "needs index_tensor" in message and "as R but gets S(0)" in message
     assert "the token order would not match" in message
 
 
-def test_an_internal_error_names_the_pass_and_writes_the_graph(tiny, tmp_path):
+def test_an_internal_error_names_the_pass_and_writes_the_graph(rewritten, tmp_path):
     """Through the pass manager (what the backend runs), the error names the pass and writes
     the graph it left."""
     from dsv41_compile.core.passes import Pass, PassManager
     from dsv41_compile.report.dump import write_graph
 
-    gm, ctx = tiny
+    gm, ctx = rewritten
     bad = copied(gm)
     scatter, _ = partial_of(bad)
     scatter.args[0].args = (gathered_input(bad), *scatter.args[0].args[1:])
