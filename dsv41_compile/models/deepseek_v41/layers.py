@@ -20,9 +20,9 @@ class StaticFloat(float):
     With `dynamic=True`, Dynamo makes every `float` attribute it reads a symbolic input, and
     AOTAutograd turns it into a tensor where it can. Where it cannot -- a float that reaches
     `clamp` or a custom op's `float` argument, as the SwiGLU limit does -- Dynamo traces the
-    whole model a second time with it specialised. Dynamo specialises a float of any other
-    type on its value (a guard: a changed value recompiles), so a float kept as this subclass
-    costs one trace."""
+    whole model a second time with it specialised. Dynamo treats an instance of a `float`
+    subclass as a constant, guarded on its type and value (a changed value recompiles), so a
+    float kept as this subclass costs one trace."""
 
     __slots__ = ()
 
