@@ -37,10 +37,9 @@ import torch.multiprocessing as mp
 __all__ = ["RankPool", "run_ranks"]
 
 
-_PRELOAD = ["dsv41_compile.testing.cases", "torch._inductor.compile_fx"]
+_PRELOAD = ["dsv41_compile.testing.cases"]
 """What the fork server imports once for every rank it starts (with it: torch, Dynamo,
-AOTAutograd, DTensor, the backend and the model; and inductor, which the backend imports only
-when a rank compiles or loads an inductor program: about 1 s of CPU per rank)."""
+AOTAutograd, DTensor, the backend and the model)."""
 
 
 def _context() -> Any:
