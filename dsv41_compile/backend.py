@@ -110,8 +110,8 @@ def dsv41_sp(
         return _compile(gm, example_inputs, inputs, opts, mesh, adapter, target)
     shape_env = TracingContext.get().fake_mode.shape_env
     with shared(key) as slot:
-        STATS["loaded" if slot.artifact is not None else "compiled"] += 1
         if slot.artifact is None:
+            STATS["compiled"] += 1
             since = len(shape_env.guards)
             saved: list[Artifact] = []
             try:
@@ -126,6 +126,7 @@ def dsv41_sp(
                 slot.store(dataclasses.replace(saved[0], guards=guards))
             return compiled
         artifact = slot.artifact
+    STATS["loaded"] += 1
     # The lock is released: the host's other ranks load the artifact at the same time.
     if artifact.restart is not None:
         restart_like(artifact.restart)

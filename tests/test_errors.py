@@ -15,6 +15,7 @@ from dsv41_compile.core.mesh import clear_mesh_cache
 from dsv41_compile.model import DeepseekV41
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.testing.batches import Request, pack
+from dsv41_compile.testing.fake_rank import compile_model_on_fake_rank
 from dsv41_compile.testing.presets import ONE_LAYER, compile_config
 from dsv41_compile.testing.torch_shims import fake_process_group
 from dsv41_compile.testing.toy import ToyLM, toy_family
@@ -58,24 +59,12 @@ def compile_and_run(options: dict, *, cfg=None, patch=None, fullgraph=True, mode
             clear_mesh_cache()
 
 
-def compile_toy(options: dict, *, world: int | None = 8):
-    """The toy model (`testing.toy`) compiled and called as rank 1 of a fake world of `world`
-    ranks (no process group: None): for the errors that depend on the options and the mesh, not
-    on the model, at a fraction of the DeepSeek layer's trace."""
-    torch._dynamo.reset()
-    clear_mesh_cache()
-    model, tokens = ToyLM(), torch.arange(8)
-    compiled = torch.compile(
-        model, backend="dsv41_sp", options={"lowering": "eager", **options}, fullgraph=True
-    )
+def compile_toy(options: dict):
+    """The toy model (`testing.toy`) compiled and called as rank 1 of a fake world of 8: for
+    the errors that depend on the options and the mesh, not on the model, at a fraction of the
+    DeepSeek layer's trace."""
     with toy_family():
-        if world is None:
-            return compiled(tokens)
-        with fake_process_group(world_size=world, rank=1):
-            try:
-                return compiled(tokens)
-            finally:
-                clear_mesh_cache()
+        return compile_model_on_fake_rank(ToyLM(), (torch.arange(8),), options)
 
 
 def raised(call) -> BaseException:
@@ -145,8 +134,14 @@ def test_ep_not_dividing_the_routed_experts():
 
 
 def test_no_process_group():
+    torch._dynamo.reset()
+    clear_mesh_cache()
+    options = {"tp": 4, "lowering": "eager"}
+    compiled = torch.compile(ToyLM(), backend="dsv41_sp", options=options, fullgraph=True)
+    with toy_family():
+        error = raised(lambda: compiled(torch.arange(8)))
     assert_error(
-        raised(lambda: compile_toy({"tp": 4}, world=None)),
+        error,
         ValueError,
         "dsv41_sp needs a process group: call torch.distributed.init_process_group() (e.g. "
         "under torchrun) before the first call of the compiled model",

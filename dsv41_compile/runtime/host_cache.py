@@ -4,9 +4,9 @@ Every rank of a world compiles the same per-rank graph: the rank enters as the `
 the TP group is named alike on every rank (`core.mesh`), parameter shards are sliced by the
 runtime. So the first rank of a host to reach a graph compiles it -- AOTAutograd, the pipeline,
 and for inductor its compile -- and saves the result; the others wait for it, then load it
-side by side, skipping everything after Dynamo's trace. Inductor's own compile runs under a host-wide lock
-(`host_lock`), so that no two ranks write the same kernel at once, and its caches then serve
-the loading ranks.
+side by side, skipping everything after Dynamo's trace. Inductor's own compile runs under a
+host-wide lock (`host_lock`), so that no two ranks write the same kernel at once, and its
+caches then serve the loading ranks.
 
 The key is Dynamo's graph as traced (a loading rank skips `frontend.generalize_token_count` too),
 its inputs' dtypes and shapes (symbols numbered by first appearance, not by the rank's compile

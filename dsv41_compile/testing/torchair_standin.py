@@ -32,6 +32,8 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch.fx import GraphModule
 from torch.library import Library
 
+from dsv41_compile.runtime.host_cache import load_graph, program_key, save_graph, shared
+
 __all__ = [
     "Strict",
     "TorchairStandIn",
@@ -94,7 +96,18 @@ def graph_ops(gm: GraphModule) -> Counter[str]:
 def aot_graph(gm: GraphModule, example_inputs: list[Any]) -> GraphModule:
     """The ATen graph torchair's AOT step makes of `gm` (what its converters see)."""
     graphs: list[GraphModule] = []
-    _aot(gm, example_inputs, graphs.append)
+
+    def compiler(aot_gm: GraphModule, _inputs: list[Any]) -> Any:
+        graphs.append(aot_gm)
+        return make_boxed_func(aot_gm.forward)
+
+    aot_module_simplified(
+        gm,
+        example_inputs,
+        fw_compiler=compiler,
+        inference_compiler=compiler,
+        keep_inference_input_mutations=True,
+    )
     (graph,) = graphs
     return graph
 
@@ -104,8 +117,6 @@ def _aot_graph_for_host(gm: GraphModule, example_inputs: list[Any]) -> GraphModu
     loaded by the others. The graph keeps the cache writes (`keep_inference_input_mutations`)
     and aliases no input, so it runs on the handed inputs as they are, like the AOT step's
     own wrapper does."""
-    from dsv41_compile.runtime.host_cache import load_graph, program_key, save_graph, shared
-
     key = program_key(gm, example_inputs, ("torchair-standin-aot",))
     if key is None:  # inputs' symbols without canonical names: no key to share under
         return aot_graph(gm, example_inputs)
@@ -116,20 +127,6 @@ def _aot_graph_for_host(gm: GraphModule, example_inputs: list[Any]) -> GraphModu
             return graph
         saved = slot.artifact
     return load_graph(saved)  # outside the lock: the host's ranks load at the same time
-
-
-def _aot(gm: GraphModule, example_inputs: list[Any], keep: Any) -> Any:
-    def compiler(aot_gm: GraphModule, _inputs: list[Any]) -> Any:
-        keep(aot_gm)
-        return make_boxed_func(aot_gm.forward)
-
-    return aot_module_simplified(
-        gm,
-        example_inputs,
-        fw_compiler=compiler,
-        inference_compiler=compiler,
-        keep_inference_input_mutations=True,
-    )
 
 
 # torch_npu's grouped matmul, for graph mode's routed experts (targets/graph_mode.py). Schema
