@@ -24,6 +24,23 @@ os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 from dsv41_compile.model import ModelConfig  # noqa: E402
 from dsv41_compile.planning import plan_rank  # noqa: E402
 
+# `make test` runs the files on two workers with `--dist loadgroup`: a group of tests runs on one
+# worker, in order. Each file is a group, except files that compile the same graphs: they share a
+# group, so the worker's memo of those compiles (`plan_once`, `testing.fake_rank`) serves them all.
+SHARED_COMPILES = {
+    "tests/report/test_accounting.py": "tiny-swa-planned",
+    "tests/tools/test_comm_report.py": "tiny-swa-planned",
+    "tests/moe/test_expert_parallel.py": "tiny-swa-ep8-fake-rank",
+    "tests/spmd/test_verify.py": "tiny-swa-ep8-fake-rank",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(SHARED_COMPILES.get(path, path)))
+
 
 def _load_tool(name: str) -> Any:
     """`tools/{name}.py` as a module (the tools are scripts, not a package)."""

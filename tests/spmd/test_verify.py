@@ -1,6 +1,6 @@
 """verify has teeth: each bug class hand-written SP keeps shipping, seeded into a real rewritten
-graph (tiny-swa's two window-only layers, `testing.presets.compile_config()`; rank 1 of a fake
-world, sp, tp=4, ep=8 padded), is refused with an internal error naming the node and the broken
+graph (tiny-swa's two window-only layers, `testing.presets.compile_config()`; rank 2 of a fake
+world, sp, tp=4, ep=8 padded: the graph tests/moe/test_expert_parallel.py compiles), is refused with an internal error naming the node and the broken
 invariant. The bug classes are the layout's, not an attention mode's (the seeds sit at layer 1's
 boundary collectives, its EP dispatch, its positions); verify accepts the valid graphs of every
 attention mode in every compile of the every-mode model (tests/distributed/test_numerics.py).
@@ -32,7 +32,7 @@ OPTIONS = {"tp": 4, "ep": 8, "ep_dispatch": "padded"}
 
 @pytest.fixture(scope="module")
 def rewritten():
-    gm, ctx, _ = compile_on_fake_rank(1, OPTIONS, compile_config())
+    gm, ctx, _ = compile_on_fake_rank(2, OPTIONS, compile_config())
     return gm, ctx
 
 
@@ -207,7 +207,7 @@ def test_an_internal_error_names_the_pass_and_writes_the_graph(rewritten, tmp_pa
     manager = PassManager([Pass("verify", verify)], write_graph=write_graph)
     with pytest.raises(InternalError) as info:
         manager.run(bad, dataclasses.replace(ctx, comm=[], options=options))
-    path = tmp_path / "rank1" / "failed_verify.py"
+    path = tmp_path / "rank2" / "failed_verify.py"
     assert str(info.value).startswith("dsv41_sp internal error in pass 'verify' at node ")
     assert str(info.value).endswith(
         f"This is a bug in dsv41_compile, not in your model; the graph the pass left is in "

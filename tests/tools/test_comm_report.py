@@ -1,18 +1,20 @@
-"""tools/comm_report.py on one layer of tiny-swa (`testing.presets`: costs are per layer): the
-JSON layout the issue specifies, both layouts costed from their graphs, and the plot written."""
+"""tools/comm_report.py on tiny-swa (`testing.presets.compile_config()`: costs are per layer): the
+report's JSON layout, both layouts costed from their graphs, and the plot written. The
+plans are tests/report/test_accounting.py's (the same graphs, planned once on the worker both
+files run on)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from dsv41_compile.testing.presets import ONE_LAYER, compile_config
+from dsv41_compile.testing.presets import compile_config
 
 
 def test_report_json_and_plot(tmp_path, plan_once, load_tool):
     tool = load_tool("comm_report")
     args = argparse.Namespace(preset="tiny-swa", tp=4, ep=8, dp=2, ep_dispatch="padded")
-    cfg = compile_config("tiny-swa", ONE_LAYER)
+    cfg = compile_config()
     doc = json.loads(json.dumps(tool.report(args, plan=plan_once, cfg=cfg)))  # JSON-serialisable
     assert [s["name"] for s in doc["scenarios"]] == ["decode", "dspark", "prefill"]
     assert [s["tokens_per_dp_group"] for s in doc["scenarios"]] == [4, 80, 4096]
