@@ -5,7 +5,8 @@ by default: `testing.presets.compile_config`) with `dsv41_sp` as rank `rank` of 
 process group of 8 ranks (collectives move no data) and runs it once: it returns that rank's
 rewritten graph, its compile context and the logits (which mean nothing: no data moved).
 Results are kept for the process, keyed by the arguments: a test session compiles each
-configuration once.
+configuration once. `run_on_fake_rank` only calls the model: nothing watches the pipeline, so
+the host's compile cache (`runtime.host_cache`) serves every rank of a graph compiled before.
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ from dsv41_compile.testing.capture import capture_programs
 from dsv41_compile.testing.presets import compile_config
 from dsv41_compile.testing.torch_shims import fake_process_group
 
-__all__ = ["REQUESTS", "compile_model_on_fake_rank", "compile_on_fake_rank", "layer_text"]
+__all__ = [
+    "REQUESTS",
+    "call_on_fake_rank",
+    "compile_model_on_fake_rank",
+    "compile_on_fake_rank",
+    "layer_text",
+    "run_on_fake_rank",
+]
 
 REQUESTS = (Request(0, (1, 2, 3), 0), Request(1, (4, 5), 0), Request(2, (6, 7, 8), 0))
 """The requirement's example batch of one DP group: requests of 3, 2 and 3 tokens."""
@@ -52,30 +60,35 @@ def compile_on_fake_rank(
     requests = tuple(Request(r.slot, tuple(r.ids), r.start) for r in requests)
     key = (rank, tuple(sorted(options.items())), cfg, requests, mark, world_size)
     if key not in _COMPILED:
-        _COMPILED[key] = _compile(rank, options, cfg, requests, mark, world_size)
+        model, args, marked = _model_and_inputs(cfg, requests, mark)
+        _COMPILED[key] = compile_model_on_fake_rank(
+            model, args, options, rank=rank, world_size=world_size, token_inputs=marked
+        )
     return _COMPILED[key]
 
 
-def _compile(
+def run_on_fake_rank(
     rank: int,
     options: dict[str, Any],
-    cfg: ModelConfig,
-    requests: Sequence[Request],
-    mark: bool,
-    world_size: int,
-) -> tuple[GraphModule, CompileContext, torch.Tensor]:
+    cfg: ModelConfig | None = None,
+    requests: Sequence[Request] = REQUESTS,
+) -> torch.Tensor:
+    """The logits of `cfg` (`compile_config()`) compiled with `dsv41_sp` under `options` as rank
+    `rank` of a fake world of 8 and called on `requests`, the token count marked. Not kept, and
+    not watched: a graph the host compiled before is loaded from its compile cache."""
+    model, args, marked = _model_and_inputs(cfg or compile_config(), requests, True)
+    return call_on_fake_rank(model, args, options, rank=rank, token_inputs=marked)
+
+
+def _model_and_inputs(
+    cfg: ModelConfig, requests: Sequence[Request], mark: bool
+) -> tuple[DeepseekV41, tuple[Any, ...], tuple[torch.Tensor, ...]]:
+    """The model (seed 0), its arguments for `requests` and the token inputs to mark."""
     torch.manual_seed(0)
     model = DeepseekV41(cfg)
     ids, positions, slots = pack(list(requests))
-    token_inputs = (ids, positions, slots) if mark else ()
-    return compile_model_on_fake_rank(
-        model,
-        (ids, positions, slots, model.new_cache(4, 32)),
-        options,
-        rank=rank,
-        world_size=world_size,
-        token_inputs=token_inputs,
-    )
+    marked = (ids, positions, slots) if mark else ()
+    return model, (ids, positions, slots, model.new_cache(4, 32)), marked
 
 
 def compile_model_on_fake_rank(
@@ -90,8 +103,28 @@ def compile_model_on_fake_rank(
     """Any model of a known family (`models`) compiled with `dsv41_sp` as rank `rank` of a fake
     world and called once on `args`: its rewritten graph, its context and its output (which
     means nothing: no data moved). `token_inputs` are marked with `mark_token_dim`."""
+    with capture_programs() as programs:
+        out = call_on_fake_rank(
+            model, args, options, rank=rank, world_size=world_size, token_inputs=token_inputs
+        )
+    (gm, ctx), *_ = programs
+    return gm, ctx, out
+
+
+def call_on_fake_rank(
+    model: torch.nn.Module,
+    args: Sequence[Any],
+    options: dict[str, Any],
+    *,
+    rank: int = 1,
+    world_size: int = 8,
+    token_inputs: Sequence[torch.Tensor] = (),
+) -> Any:
+    """`model` compiled with `dsv41_sp` (eager lowering unless given) as rank `rank` of a fake
+    world and called once on `args`: its output. `token_inputs` are marked with
+    `mark_token_dim`."""
     torch._dynamo.reset()
-    with fake_process_group(world_size=world_size, rank=rank), capture_programs() as programs:
+    with fake_process_group(world_size=world_size, rank=rank):
         clear_mesh_cache()
         if token_inputs:
             dsv41_compile.mark_token_dim(*token_inputs)
@@ -99,11 +132,9 @@ def compile_model_on_fake_rank(
             model, backend="dsv41_sp", options={"lowering": "eager", **options}, fullgraph=True
         )
         try:
-            out = compiled(*args)
+            return compiled(*args)
         finally:
             clear_mesh_cache()
-    (gm, ctx), *_ = programs
-    return gm, ctx, out
 
 
 def layer_text(gm: GraphModule, ctx: CompileContext, region: str) -> str:

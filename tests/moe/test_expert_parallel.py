@@ -16,7 +16,7 @@ from dsv41_compile.moe.stats import EpLayer
 from dsv41_compile.report.comm import collective_kind
 from dsv41_compile.spmd.placements import ExpertShard
 from dsv41_compile.testing.batches import Request
-from dsv41_compile.testing.fake_rank import compile_on_fake_rank, layer_text
+from dsv41_compile.testing.fake_rank import compile_on_fake_rank, layer_text, run_on_fake_rank
 from dsv41_compile.testing.presets import ONE_LAYER, compile_config
 
 aten = torch.ops.aten
@@ -110,11 +110,11 @@ def test_padding_rows_route_nothing(dispatch, tmp_path):
     slot -1: tp_rank 2 holds rows 6, 7 (valid) and 8 (padding) -> 2 * 6 assignments; tp_rank 3
     holds row 9 and the SP padding -> none. The counts are this rank's own routing, so the
     fake process group shows them. One MoE layer: the routing of a row does not depend on the
-    layer."""
+    layer. (Rank 3 runs the program rank 2 compiled: the host's compile cache.)"""
     requests = [Request(0, [1, 2, 3, 4, 5, 6, 7, 8], 0), Request(-1, [0, 0], 0)]
     sent = {}
     for rank in (2, 3):
-        compile_on_fake_rank(
+        run_on_fake_rank(
             rank, ep_options(dispatch, dump_dir=str(tmp_path)),
             cfg=compile_config("tiny-swa", ONE_LAYER), requests=requests,
         )  # fmt: skip
