@@ -33,8 +33,9 @@ def _(x):
     return torch.empty_like(x)
 
 
-# What most errors here are raised on: one window-only layer (the error does not depend on the
-# layer count); the messages that name a second layer compile two.
+# What the model's errors are raised on: one window-only layer (no error depends on the layer
+# count). The errors of the options, the mesh, the pipeline and Dynamo's limits are the same for
+# every model family: they are raised on the toy (`compile_toy`, `testing.toy`).
 ONE_LAYER_MODEL = compile_config("tiny-swa", ONE_LAYER)
 
 
@@ -197,22 +198,22 @@ def test_parameters_that_require_grad_name_the_fix():
 
 
 def test_op_without_a_rule_names_node_op_placements_and_source_line():
-    def patch(model):
-        ffn = model.layers[1].ffn
-        forward = ffn.forward
-        ffn.forward = lambda x, valid: forward(torch.ops.dsv41_test.mystery(x), valid)
-
-    error = raised(lambda: compile_and_run({"tp": 4}, cfg=compile_config(), patch=patch))
+    model = ToyLM()
+    block = model.blocks[1]
+    forward = block.forward
+    block.forward = lambda h: forward(torch.ops.dsv41_test.mystery(h))
+    with toy_family():
+        error = raised(lambda: compile_model_on_fake_rank(model, (torch.arange(8),), {"tp": 4}))
     assert type(error) is NotImplementedError
     line = next(
         i + 1
         for i, text in enumerate(Path(__file__).read_text().splitlines())
-        if "mystery(x), valid" in text
+        if "mystery(h))" in text
     )
     assert str(error) == (
-        "no sharding rule for node mystery (dsv41_test.mystery.default) in module layers.1.ffn "
-        f"at {__file__}:{line}: ffn.forward = lambda x, valid: "
-        "forward(torch.ops.dsv41_test.mystery(x), valid) with input placements (S(0)); add a "
+        "no sharding rule for node mystery (dsv41_test.mystery.default) in module blocks.1 "
+        f"at {__file__}:{line}: block.forward = lambda h: "
+        "forward(torch.ops.dsv41_test.mystery(h)) with input placements (S(0)); add a "
         "rule for it (dsv41_compile/spmd/rules.py, or the model adapter's `rules`: "
         "docs/architecture.md) or change the model so this op sees replicated inputs"
     )
@@ -277,17 +278,14 @@ def test_auto_lowering_on_npu_tensors_refuses_the_exact_dispatch():
 def test_compiling_past_the_recompile_limit_is_refused():
     """dynamic=False compiles a graph per T; the compile that would use up Dynamo's recompile
     limit is refused (past it, Dynamo would run the model eagerly, unsharded)."""
-    torch.manual_seed(0)
-    model = DeepseekV41(ONE_LAYER_MODEL)
     torch._dynamo.reset()
     compiled = torch.compile(
-        model, backend="dsv41_sp", options={"tp": 4, "lowering": "eager"}, dynamic=False
+        ToyLM(), backend="dsv41_sp", options={"tp": 4, "lowering": "eager"}, dynamic=False
     )
-    cache = model.new_cache(4, 16)
-    with torch._dynamo.config.patch(recompile_limit=2), fake_process_group(8, rank=1):
+    with toy_family(), torch._dynamo.config.patch(recompile_limit=2), fake_process_group(8, 1):
         clear_mesh_cache()
-        compiled(*pack([Request(0, [1, 2], 0)]), cache)
-        error = raised(lambda: compiled(*pack([Request(1, [3, 4, 5], 0)]), cache))
+        compiled(torch.arange(2))
+        error = raised(lambda: compiled(torch.arange(3)))
         clear_mesh_cache()
     assert_error(
         error,
@@ -295,6 +293,6 @@ def test_compiling_past_the_recompile_limit_is_refused():
         "dsv41_sp: this is Dynamo's compile 2 of this model and its recompile limit is 2: past "
         "it, Dynamo would run the model eagerly -- unsharded, the whole model on every rank. "
         "With static token counts (dynamic=False) every new T is a new graph: call "
-        "dsv41_compile.mark_token_dim(input_ids, positions, slots) before each call (one graph "
-        "for every T), or raise torch._dynamo.config.recompile_limit",
+        "dsv41_compile.mark_token_dim(tokens) before each call (one graph for every T), or raise "
+        "torch._dynamo.config.recompile_limit",
     )
