@@ -91,9 +91,12 @@ def scan(root: Path) -> Registry:
     decomposed: dict[str, str] = {}
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
+        text = path.read_text(encoding="utf-8")
+        if "register_fx_node_ge_converter" not in text and "default_decompositions" not in text:
+            continue  # registers nothing: not worth parsing (most of torchair's files)
         with warnings.catch_warnings():  # its docstrings' invalid escapes are not ours
             warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
-            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+            tree = ast.parse(text, filename=str(path))
         functions = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
         for node in ast.walk(tree):
             registered: list[tuple[ast.expr, ast.FunctionDef | None, int]] = []
