@@ -25,10 +25,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 # Two workers, one per core: multi-rank runs leave a core idle while one rank compiles for the
-# host. A group of tests (a file, or the files tests/conftest.py groups) runs on one worker, where
-# the compiles its tests share are kept.
+# host. A test file (or the files tests/conftest.py groups) runs on one worker, where the compiles
+# its tests share are kept.
 test: lint
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 2 --dist loadfile
 
 demo: $(STAMP)
 	$(PY) tools/demo.py

@@ -24,9 +24,9 @@ os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 from dsv41_compile.model import ModelConfig  # noqa: E402
 from dsv41_compile.planning import plan_rank  # noqa: E402
 
-# `make test` runs the files on two workers with `--dist loadgroup`: a group of tests runs on one
-# worker, in order. Each file is a group, except files that compile the same graphs: they share a
-# group, so the worker's memo of those compiles (`plan_once`, `testing.fake_rank`) serves them all.
+# `make test` runs the suite on two workers with `--dist loadfile`: the tests of a file run on one
+# worker, in order. Files that compile the same graphs form one unit, so the worker's memo of
+# those compiles (`plan_once`, `testing.fake_rank`) serves them all.
 SHARED_COMPILES = {
     "tests/report/test_accounting.py": "tiny-swa-planned",
     "tests/tools/test_comm_report.py": "tiny-swa-planned",
@@ -35,11 +35,18 @@ SHARED_COMPILES = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(SHARED_COMPILES.get(path, path)))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, with the files of `SHARED_COMPILES` grouped."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedCompiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SHARED_COMPILES.get(path, path)
+
+    return SharedCompiles(config, log)
 
 
 def _load_tool(name: str) -> Any:
