@@ -35,21 +35,6 @@ SHARED_COMPILES = {
 }
 
 
-# The longest units first (multi-rank runs, plain inductor on the every-mode model), the rest in
-# their order: whichever worker frees up takes the next unit, so both finish about together.
-LONGEST_FIRST = (
-    "tests/distributed/test_numerics.py",
-    "tests/distributed/test_front_door.py",
-    "tests/models/deepseek_v41/test_model.py",
-    "tests/distributed/test_failures.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadfile`, with the files of `SHARED_COMPILES` grouped."""
     if config.getvalue("dist") != "loadfile":
