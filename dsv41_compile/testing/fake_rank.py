@@ -31,7 +31,6 @@ from dsv41_compile.testing.torch_shims import fake_process_group
 
 __all__ = [
     "REQUESTS",
-    "call_on_fake_rank",
     "compile_model_on_fake_rank",
     "compile_on_fake_rank",
     "layer_text",
@@ -77,7 +76,7 @@ def run_on_fake_rank(
     `rank` of a fake world of 8 and called on `requests`, the token count marked. Not kept, and
     not watched: a graph the host compiled before is loaded from its compile cache."""
     model, args, marked = _model_and_inputs(cfg or compile_config(), requests, True)
-    return call_on_fake_rank(model, args, options, rank=rank, token_inputs=marked)
+    return _compiled_call(model, args, options, rank, 8, marked)
 
 
 def _model_and_inputs(
@@ -104,25 +103,14 @@ def compile_model_on_fake_rank(
     world and called once on `args`: its rewritten graph, its context and its output (which
     means nothing: no data moved). `token_inputs` are marked with `mark_token_dim`."""
     with capture_programs() as programs:
-        out = call_on_fake_rank(
-            model, args, options, rank=rank, world_size=world_size, token_inputs=token_inputs
-        )
+        out = _compiled_call(model, args, options, rank, world_size, token_inputs)
     (gm, ctx), *_ = programs
     return gm, ctx, out
 
 
-def call_on_fake_rank(
-    model: torch.nn.Module,
-    args: Sequence[Any],
-    options: dict[str, Any],
-    *,
-    rank: int = 1,
-    world_size: int = 8,
-    token_inputs: Sequence[torch.Tensor] = (),
-) -> Any:
-    """`model` compiled with `dsv41_sp` (eager lowering unless given) as rank `rank` of a fake
-    world and called once on `args`: its output. `token_inputs` are marked with
-    `mark_token_dim`."""
+def _compiled_call(model, args, options, rank, world_size, token_inputs) -> Any:
+    """`compile_model_on_fake_rank`'s compile and call, nothing watching the pipeline (eager
+    lowering unless `options` say otherwise): the output."""
     torch._dynamo.reset()
     with fake_process_group(world_size=world_size, rank=rank):
         clear_mesh_cache()
