@@ -7,8 +7,8 @@ on the same inputs, with the plain model; it returns both logits of every step,
 the collectives of every program it compiled and, optionally, the values entering chosen
 modules on both sides (`testing.capture`).
 
-A case runs in one or more compile modes, each a fresh `torch.compile` of the model with its
-own cache, the way a user calls it:
+A case runs in one or more compile modes on every rank, or one mode per DP group, each a fresh
+`torch.compile` of the model with its own cache, the way a user calls it:
 
 - "marked": `mark_token_dim` before each call (one graph for every T);
 - "unmarked": plain `torch.compile(model, backend="dsv41_sp", options=...)` -- Dynamo traces the
@@ -94,6 +94,9 @@ class CaseSpec:
     options: tuple[tuple[str, Any], ...] = (("tp", 4),)
     modes: tuple[str, ...] = ("marked",)
     """Compile modes (`MODES`), each a fresh compile of the model with its own cache."""
+    group_modes: tuple[str, ...] = ()
+    """If set, one compile mode per DP group (index = dp rank) instead of `modes` on every
+    rank: the groups' programs differ, their collectives do not."""
     capture: tuple[str, ...] = ()
     """Modules whose entering values are captured on both sides (first mode only)."""
     num_slots: int = 4
@@ -149,7 +152,8 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
         stack.enter_context(installed(Hooks(torchair=standin)))
     dump_dir = tempfile.mkdtemp(prefix="dsv41_dump_") if spec.dump else None
     with stack:
-        for i, mode in enumerate(spec.modes):
+        modes = (spec.group_modes[dp_rank],) if spec.group_modes else spec.modes
+        for i, mode in enumerate(modes):
             first = i == 0
             mode_options = dict(options)
             if first and dump_dir is not None:

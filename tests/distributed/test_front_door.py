@@ -10,6 +10,12 @@ bound. How many programs each rank compiles is Dynamo's choice, counted here (do
 from the next T >= 2 on, and a static one for each of T = 0 and T = 1; with `dynamic=True` the
 dynamic one from the start.
 
+Each DP group compiles in one of the two modes, and the two runs swap them: each layout is
+served in both modes, and each mode serves both groups' sequences of T (8, 3, 0 and 8, 1, 6).
+The groups' programs differ; their collectives, which the EP all-to-alls of the sp run share
+across the groups, do not. (Both modes on every rank would trace and compile each run's model
+twice as often for the same programs.)
+
 Not run here: `dynamic=False`, a static graph per distinct T. A static T is made symbolic before
 any layout is planned (`frontend.generalize_token_count`), so each of those programs is planned
 as the unmarked mode's static ones for T = 8, 0 and 1 are; tests/test_errors.py checks that
@@ -37,7 +43,6 @@ STEPS = (
     ((Request(0, [17], 3), Request(1, [18], 2), Request(2, [19], 3)), (Request(1, [20], 2),)),
     ((), (Request(0, [26, 27, 28], 3), Request(1, [29, 30, 31], 3))),
 )
-MODES = ("unmarked", "dynamic")
 # Programs per rank in each mode, by DP group (T: group 0 8, 3, 0; group 1 8, 1, 6).
 COMPILES = {
     "unmarked": (3, 3),  # static 8, dynamic (at 3 / at 6), static 0 / static 1
@@ -53,14 +58,14 @@ RUNS = {
     "sp-ep8-padded": CaseSpec(
         steps=STEPS,
         options=(("tp", TP), ("ep", 8), ("ep_dispatch", "padded"), ("lowering", "eager")),
-        modes=MODES,
+        group_modes=("unmarked", "dynamic"),
         **MODEL,
     ),
     # the replicated baseline, every rank holding every expert
     "replicated-ep1": CaseSpec(
         steps=STEPS,
         options=(("tp", TP), ("layout", "replicated"), ("lowering", "eager")),
-        modes=MODES,
+        group_modes=("dynamic", "unmarked"),
         **MODEL,
     ),
 }
