@@ -28,7 +28,7 @@ def _compiled(options: dict[str, Any]) -> tuple[DeepseekV41, Any]:
     torch.manual_seed(0)
     # one window-only layer, 3 Sinkhorn iterations: what fails here is a rank, not the model
     model = DeepseekV41(compile_config("tiny-swa", ONE_LAYER))
-    options = {"tp": 4, "lowering": "eager", **options}
+    options = {"lowering": "eager", **options}
     return model, torch.compile(model, backend="dsv41_sp", options=options)
 
 
@@ -42,7 +42,7 @@ def different_batch_on_one_rank(rank: int, world_size: int, odd_rank: int) -> di
     """The ranks run the first batch with `check_inputs`; then `odd_rank` gets the second batch
     with one position changed (row 1). Returns this rank's error of the second call, and what
     `validate_batch` says of the second batch against the compiled model's cache."""
-    model, compiled = _compiled({"check_inputs": True})
+    model, compiled = _compiled({"tp": 4, "check_inputs": True})
     cache = model.new_cache(4, 32)
     _call(compiled, pack(FIRST), cache)
     second = pack(SECOND)
@@ -64,11 +64,12 @@ def different_batch_on_one_rank(rank: int, world_size: int, odd_rank: int) -> di
     return {"error": seen, "stale": stale}
 
 
-def peer_lost(rank: int, world_size: int, lost: int, hang: float) -> dict[str, Any] | None:
-    """Every rank runs the first batch; then rank `lost` stops calling the model -- it hangs
-    for `hang` seconds (0: it does not) and its process exits -- while the others call it with
-    the second batch. Returns this rank's error and the seconds it took to come."""
-    model, compiled = _compiled({"ep": world_size})
+def peer_lost(rank: int, world_size: int, lost: int, hang: float, tp: int) -> dict[str, Any] | None:
+    """Every rank runs the first batch (TP groups of `tp` ranks, experts over the world); then
+    rank `lost` stops calling the model -- it hangs for `hang` seconds (0: it does not) and its
+    process exits -- while the others call it with the second batch. Returns this rank's error
+    and the seconds it took to come."""
+    model, compiled = _compiled({"tp": tp, "ep": world_size})
     cache = model.new_cache(4, 32)
     _call(compiled, pack(FIRST), cache)
     torch.distributed.barrier()

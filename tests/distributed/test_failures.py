@@ -1,5 +1,7 @@
-"""Faults serving hits, on 8 gloo ranks (tp=4, dp=2), each asserting what the user sees:
-a TP rank handed another batch (`check_inputs`), a rank that dies, a rank that hangs."""
+"""Faults serving hits, on real gloo ranks, each asserting what the user sees: a TP rank handed
+another batch (`check_inputs`; 8 ranks, tp=4, dp=2), a rank that dies, a rank that hangs (4
+ranks, tp=2, dp=2, experts over all 4: a lost rank's TP peers and the other DP group's ranks
+both wait on it, as on 8; each of these runs starts its own process group, with a timeout)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dsv41_compile.testing.multirank import RankPool, run_ranks
 pytestmark = pytest.mark.slow
 
 WORLD, TP = 8, 4
+LOST_WORLD, LOST_TP = 4, 2
 TIMEOUT = 10.0
 """The process group's timeout in these runs, seconds."""
 
@@ -40,7 +43,7 @@ def test_a_lost_rank_fails_the_others_within_the_timeout(hang):
     timeout, then exits) after the first batch; every other rank's next call fails with an
     error that says so, within the process group's timeout (and before a hung rank's exit
     could end it) -- also in rank 3's own TP group, which c10d would have given 30 minutes."""
-    results = run_ranks(peer_lost, WORLD, 3, hang, pg_timeout=TIMEOUT, may_exit=(3,))
+    results = run_ranks(peer_lost, LOST_WORLD, 3, hang, LOST_TP, pg_timeout=TIMEOUT, may_exit=(3,))
     assert results[3] is None
     for rank, result in enumerate(results):
         if rank == 3:
