@@ -1,0 +1,94 @@
+"""The released checkpoint's number formats, decoded to a float dtype.
+
+- **FP8** (attention projections, shared experts, the indexer's `wq_b`): `X.weight` is
+  `float8_e4m3fn` `[out, in]`; its sibling `X.scale` is e8m0 `[ceil(out/32), ceil(in/32)]`, one
+  power of two per 32 x 32 block: `W[i, j] = e4m3(weight[i, j]) * scale[i // 32, j // 32]`.
+- **FP4** (routed experts): `X.weight` is int8 `[out, in/2]`, two e2m1 codes per byte, input
+  `2k` in the low nibble and `2k + 1` in the high one; `X.scale` is e8m0 `[out, ceil(in/32)]`,
+  one power of two per 32 inputs of a row.
+- **e8m0** (`float8_e8m0fnu`) is an exponent byte: `2^(byte - 127)`, from `2^-127` (byte 0) to
+  `2^127` (byte 254); byte 255 is NaN, which a checkpoint never holds on purpose: refused. A
+  scale is read through its bytes (`.view(torch.uint8)`), never converted numerically into
+  another integer dtype (that turns `2^-7` into 0).
+
+A block at the end of a row or column may be short (`out` or `in` not a multiple of 32): its
+scale covers the elements there are. Every error names the tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BLOCK", "E2M1", "dequantize_fp4", "dequantize_fp8", "e8m0_values"]
+
+BLOCK = 32
+"""Elements per scale along each blocked dimension."""
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The value of each 4-bit e2m1 code (bit 3 is the sign)."""
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def e8m0_values(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """The fp32 powers of two an e8m0 scale stands for (`float8_e8m0fnu`, or its bytes as
+    uint8). A NaN byte (255) is an error naming `name` and the first index holding one."""
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise ValueError(
+            f"{name}: an e8m0 scale must be float8_e8m0fnu (or its bytes as uint8), "
+            f"got {scale.dtype}"
+        )
+    exponent = scale.view(torch.uint8)
+    nan = exponent == 255
+    if bool(nan.any()):
+        at = nan.nonzero()[0].tolist()
+        raise ValueError(
+            f"{name}: scale byte 255 (NaN) at {at}, {int(nan.sum())} in all: the checkpoint "
+            "is damaged (a released scale is a power of two)"
+        )
+    return exponent.view(torch.float8_e8m0fnu).float()
+
+
+def _check_scale(scale: torch.Tensor, expected: tuple[int, ...], weight: str, name: str) -> None:
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"{name}: scale of shape {list(scale.shape)} does not match its weight {weight}: "
+            f"expected {list(expected)} (one per {BLOCK} elements, rounded up)"
+        )
+
+
+def dequantize_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, name: str
+) -> torch.Tensor:
+    """`weight` (`float8_e4m3fn [out, in]`) times its 32 x 32 block scales, as `dtype`."""
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(
+            f"{name}: an FP8 weight is a 2-d float8_e4m3fn tensor, got {weight.dtype} "
+            f"{list(weight.shape)}"
+        )
+    out, inp = weight.shape
+    _check_scale(scale, (_blocks(out), _blocks(inp)), f"float8_e4m3fn {[out, inp]}", name)
+    s = e8m0_values(scale, name)
+    s = s.repeat_interleave(BLOCK, 0)[:out].repeat_interleave(BLOCK, 1)[:, :inp]
+    return (weight.float() * s).to(dtype)
+
+
+def dequantize_fp4(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, name: str
+) -> torch.Tensor:
+    """`packed` (int8 `[out, in/2]`, two e2m1 codes per byte) times its per-32-input scales,
+    as `dtype` `[out, in]`."""
+    if packed.dtype not in (torch.int8, torch.uint8) or packed.dim() != 2:
+        raise ValueError(
+            f"{name}: an FP4 weight is a 2-d int8 tensor of packed e2m1 pairs, got "
+            f"{packed.dtype} {list(packed.shape)}"
+        )
+    out, inp = packed.shape[0], 2 * packed.shape[1]
+    _check_scale(scale, (out, _blocks(inp)), f"int8 {list(packed.shape)} (in = {inp})", name)
+    byte = packed.view(torch.uint8).int()
+    codes = torch.stack([byte & 0xF, byte >> 4], dim=-1).flatten(1)  # input 2k: low nibble
+    values = torch.tensor(E2M1, dtype=torch.float32)[codes]
+    s = e8m0_values(scale, name).repeat_interleave(BLOCK, 1)[:, :inp]
+    return (values * s).to(dtype)
