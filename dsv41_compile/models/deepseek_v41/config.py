@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -148,6 +150,24 @@ class ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; presets are: {', '.join(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
+
+    @staticmethod
+    def from_hf(
+        source: str | Path | dict[str, Any],
+        *,
+        skip_unimplemented_parts: bool = False,
+        **overrides: Any,
+    ) -> ModelConfig:
+        """The config of a released checkpoint: `source` is its directory, its `config.json`,
+        or that file's contents. Every key is read, checked or knowingly ignored
+        (`models.deepseek_v41.hf_config`); Engram, the DSpark draft blocks and the vision tower,
+        which this model lacks, are refused unless `skip_unimplemented_parts=True`. The dtype
+        is bfloat16 unless `overrides` say otherwise."""
+        from dsv41_compile.models.deepseek_v41.hf_config import config_from_hf
+
+        return config_from_hf(
+            source, skip_unimplemented_parts=skip_unimplemented_parts, **overrides
+        )
 
 
 ATTENTION_MODES = ("swa", "full", "reindex", "reuse")

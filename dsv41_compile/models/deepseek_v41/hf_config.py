@@ -1,0 +1,244 @@
+"""`ModelConfig.from_hf`: the released checkpoint's `config.json` as a validated `ModelConfig`.
+
+Every key of `text_config` is accounted for, in one of four tables below: a `ModelConfig` field
+(`FIELDS`, plus `compress_ratios` and `rope_scaling`, which need reshaping), a constant the model
+hard-codes and the file must agree with (`FIXED`), a key that does not change what the model
+computes (`IGNORED`, each with the reason), or a part of the released model this one does not
+implement (`PARTS`: Engram, the DSpark draft blocks, the vision tower). A part is refused unless
+the caller passes `skip_unimplemented_parts=True`: Engram adds to the residual stream of its
+layers, so without it the logits differ from the released model's. Any other key is an error
+naming it: a key nobody has read could change the maths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from dsv41_compile.models.deepseek_v41.config import ModelConfig
+
+__all__ = ["FIELDS", "FIXED", "IGNORED", "PARTS", "QUANTIZATION", "config_from_hf", "config_to_hf"]
+
+FIELDS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "head_dim": "head_dim",
+    "qk_rope_head_dim": "rope_head_dim",
+    "q_lora_rank": "q_lora_rank",
+    "o_groups": "o_groups",
+    "o_lora_rank": "o_lora_rank",
+    "sliding_window": "window_size",
+    "n_routed_experts": "n_routed_experts",
+    "num_experts_per_tok": "n_activated_experts",
+    "moe_intermediate_size": "moe_inter_dim",
+    "routed_scaling_factor": "routed_scaling_factor",
+    "swiglu_limit": "swiglu_limit",
+    "hc_mult": "hc_mult",
+    "hc_sinkhorn_iters": "hc_sinkhorn_iters",
+    "hc_eps": "hc_eps",
+    "rms_norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "kv_source_layer_ids": "kv_source_layer_ids",
+    "index_source_layer_ids": "index_source_layer_ids",
+    "candidate_source_layer_id": "candidate_source_layer_id",
+    "candidate_block_size": "candidate_block_size",
+    "candidate_topk_blocks": "candidate_topk_blocks",
+    "index_n_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim",
+    "index_topk": "index_topk",
+    "compress_rope_theta": "compress_rope_theta",
+}
+"""text_config key -> `ModelConfig` field."""
+
+ROPE_SCALING = {
+    "factor": "rope_factor",
+    "original_max_position_embeddings": "original_max_position_embeddings",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+}
+"""`rope_scaling` key -> `ModelConfig` field (its `rope_type` must be "yarn")."""
+
+FIXED: dict[str, Any] = {
+    "num_key_value_heads": 1,  # one shared KV latent (MQA)
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",  # top-k of score + selection bias
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
+"""Keys whose value the model hard-codes: the file must say the same."""
+
+IGNORED = {
+    "model_type": "checked: the file must be a deepseek_v41 one",
+    "max_position_embeddings": "the cache's length is chosen when it is made "
+    "(`model.new_cache(num_slots, max_len)`)",
+    "bos_token_id": "a tokenizer id: the model takes token ids",
+    "eos_token_id": "a tokenizer id: the model takes token ids",
+    "pad_token_id": "a tokenizer id: the model takes token ids",
+    "torch_dtype": "the compute dtype is `ModelConfig.dtype` (bfloat16 unless overridden); "
+    "FP8 / FP4 weights are dequantised to it",
+    "dtype": "as torch_dtype",
+    "transformers_version": "metadata",
+    "architectures": "metadata",
+    "auto_map": "metadata",
+    "initializer_range": "training only",
+    "attention_dropout": "training only",
+    "use_cache": "the model always writes its cache",
+}
+"""Keys that do not change what the model computes, with why."""
+
+PARTS = {
+    "engram": "Engram (n-gram memory added to the residual stream of its layers)",
+    "dspark": "the DSpark draft blocks (speculative decoding)",
+    "vision": "the vision tower",
+}
+"""Parts of the released model this one does not implement."""
+
+QUANTIZATION = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [32, 32],
+    "scale_fmt": "ue8m0",
+    "expert_dtype": "fp4",
+}
+"""The released weight format (`models.deepseek_v41.quant`); `activation_scheme` describes the
+official kernels, which quantise activations on the fly: this model computes in its dtype."""
+
+_TOP_LEVEL = {"text_config", "quantization_config", "vision_config", "image_token_id"}
+
+
+def _part(key: str) -> str | None:
+    if key.startswith("engram_"):
+        return "engram"
+    if key.startswith("dspark_") or key == "num_nextn_predict_layers":
+        return "dspark"
+    return None
+
+
+def _load(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
+    if isinstance(source, dict):
+        return source, "config"
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    return json.loads(path.read_text()), str(path)
+
+
+def config_from_hf(
+    source: str | Path | dict[str, Any],
+    *,
+    skip_unimplemented_parts: bool = False,
+    **overrides: Any,
+) -> ModelConfig:
+    """`source`: a checkpoint directory, its `config.json`, or that file's contents as a dict.
+    `overrides` replace fields afterwards (e.g. `dtype="float32"` for a reference model)."""
+    top, where = _load(source)
+    if top.get("model_type") != "deepseek_v41":
+        raise ValueError(
+            f"{where}: model_type is {top.get('model_type')!r}; ModelConfig.from_hf reads "
+            "DeepSeek V4.1 checkpoints (model_type 'deepseek_v41')"
+        )
+    unknown = sorted(set(top) - _TOP_LEVEL - set(IGNORED))
+    if unknown:
+        raise ValueError(f"{where}: unknown top-level keys {unknown}: nothing reads them")
+    text = top.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{where}: no text_config")
+    quant = top.get("quantization_config")
+    if quant is not None and quant != QUANTIZATION:
+        raise ValueError(
+            f"{where}: quantization_config {quant} is not the released format {QUANTIZATION}"
+        )
+
+    fields: dict[str, Any] = {"dtype": "bfloat16"}
+    parts: dict[str, list[str]] = {}
+    for key, value in text.items():
+        if key in FIELDS:
+            fields[FIELDS[key]] = tuple(value) if isinstance(value, list) else value
+        elif key in FIXED:
+            if value != FIXED[key]:
+                raise ValueError(
+                    f"{where}: text_config.{key} is {value!r}; this model implements only "
+                    f"{FIXED[key]!r}"
+                )
+        elif (part := _part(key)) is not None:
+            parts.setdefault(part, []).append(key)
+        elif key not in IGNORED and key not in ("compress_ratios", "rope_scaling"):
+            raise ValueError(
+                f"{where}: text_config.{key} is not a setting this model reads, implements or "
+                "knows to ignore; it may change the maths, so it is not skipped silently"
+            )
+    if "vision_config" in top or "image_token_id" in top:
+        parts.setdefault("vision", []).extend(
+            k for k in top if k in ("vision_config", "image_token_id")
+        )
+    if not text.get("engram_layer_ids"):
+        parts.pop("engram", None)  # the keys are there, no layer has one
+    if not text.get("num_nextn_predict_layers"):
+        parts.pop("dspark", None)
+    if parts and not skip_unimplemented_parts:
+        described = "; ".join(f"{PARTS[p]} ({', '.join(keys)})" for p, keys in parts.items())
+        raise ValueError(
+            f"{where} describes parts this model does not implement: {described}. Its outputs "
+            "would differ from the released model's. Pass skip_unimplemented_parts=True to "
+            "build the model without them"
+        )
+
+    scaling = text.get("rope_scaling")
+    if not isinstance(scaling, dict) or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        raise ValueError(
+            f"{where}: text_config.rope_scaling is {scaling!r}; the compressed layers implement "
+            "YaRN only (rope_type 'yarn')"
+        )
+    for key, value in scaling.items():
+        if key in ROPE_SCALING:
+            fields[ROPE_SCALING[key]] = value
+        elif key not in ("rope_type", "type"):
+            raise ValueError(f"{where}: text_config.rope_scaling.{key} is not read by this model")
+
+    n_layers = text.get("num_hidden_layers")
+    ratios = text.get("compress_ratios", [])
+    drafts = text.get("num_nextn_predict_layers", 0)
+    if ratios and len(ratios) != n_layers + drafts:
+        raise ValueError(
+            f"{where}: text_config.compress_ratios has {len(ratios)} entries; expected one per "
+            f"layer and draft block, {n_layers} + {drafts}"
+        )
+    fields["compress_ratios"] = tuple(ratios[:n_layers])
+
+    missing = sorted(k for k, f in FIELDS.items() if f not in fields and not _has_default(f))
+    if missing:
+        raise ValueError(f"{where}: text_config lacks {missing}")
+    return dataclasses.replace(ModelConfig(**fields), **overrides)
+
+
+def _has_default(field: str) -> bool:
+    spec = ModelConfig.__dataclass_fields__[field]
+    return spec.default is not dataclasses.MISSING
+
+
+def config_to_hf(cfg: ModelConfig, *, quantized: bool = True) -> dict[str, Any]:
+    """The `config.json` of a checkpoint of `cfg` in the released layout (no Engram, DSpark or
+    vision): what `config_from_hf` reads back as `cfg` (with `dtype` bfloat16)."""
+    text: dict[str, Any] = {"model_type": "deepseek_v41_text"}
+    for key, field in FIELDS.items():
+        value = getattr(cfg, field)
+        text[key] = list(value) if isinstance(value, tuple) else value
+    text["compress_ratios"] = list(cfg.compress_ratios)  # empty: every layer window-only
+    text["rope_scaling"] = {"rope_type": "yarn"} | {
+        key: getattr(cfg, field) for key, field in ROPE_SCALING.items()
+    }
+    text |= FIXED
+    top: dict[str, Any] = {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+    }
+    if quantized:
+        top["quantization_config"] = dict(QUANTIZATION)
+    return top | {"text_config": text}
