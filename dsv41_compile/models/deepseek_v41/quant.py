@@ -19,7 +19,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "E2M1", "dequantize_fp4", "dequantize_fp8", "e8m0_values"]
+__all__ = [
+    "BLOCK",
+    "E2M1",
+    "dequantize_fp4",
+    "dequantize_fp8",
+    "e8m0_values",
+    "fp4_error_bound",
+    "fp8_error_bound",
+    "quantize_fp4",
+    "quantize_fp8",
+]
 
 BLOCK = 32
 """Elements per scale along each blocked dimension."""
@@ -92,3 +102,67 @@ def dequantize_fp4(
     values = torch.tensor(E2M1, dtype=torch.float32)[codes]
     s = e8m0_values(scale, name).repeat_interleave(BLOCK, 1)[:, :inp]
     return (values * s).to(dtype)
+
+
+# --- the inverse, for synthetic checkpoints (tools/make_checkpoint.py) -----------------------
+
+_E4M3_MAX, _E2M1_MAX = 448.0, 6.0
+
+
+def _block_exponents(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """Per block, the e8m0 byte of the smallest power of two `s` with `amax / s <= top`."""
+    e = torch.ceil(torch.log2(amax.clamp(min=2.0**-120) / top))
+    return (e + 127).clamp(0, 254).to(torch.uint8)
+
+
+def _per_block_amax(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    out, inp = w.shape
+    padded = torch.zeros(_blocks(out) * rows if rows > 1 else out, _blocks(inp) * cols)
+    padded[:out, :inp] = w.abs()
+    if rows == 1:
+        return padded.unflatten(1, (-1, cols)).amax(-1)
+    return padded.unflatten(0, (-1, rows)).unflatten(-1, (-1, cols)).amax((1, 3))
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w [out, in]` as the released FP8 pair: (float8_e4m3fn weight, e8m0 scale per 32 x 32
+    block), each block scaled so its largest magnitude fits e4m3."""
+    w = w.float()
+    exponent = _block_exponents(_per_block_amax(w, BLOCK, BLOCK), _E4M3_MAX)
+    scale = exponent.view(torch.float8_e8m0fnu)
+    s = e8m0_values(scale, "scale").repeat_interleave(BLOCK, 0)[: w.shape[0]]
+    s = s.repeat_interleave(BLOCK, 1)[:, : w.shape[1]]
+    return (w / s).to(torch.float8_e4m3fn), scale
+
+
+def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w [out, in]` (even `in`) as the released FP4 pair: (int8 `[out, in/2]` of e2m1 codes,
+    e8m0 scale per 32 inputs), each code the nearest e2m1 value (ties to the lower code)."""
+    w = w.float()
+    exponent = _block_exponents(_per_block_amax(w, 1, BLOCK), _E2M1_MAX)
+    scale = exponent.view(torch.float8_e8m0fnu)
+    y = w / e8m0_values(scale, "scale").repeat_interleave(BLOCK, 1)[:, : w.shape[1]]
+    grid = torch.tensor(E2M1[:8])
+    magnitude = (y.abs().unsqueeze(-1) - grid).abs().argmin(-1)
+    codes = magnitude | ((y < 0).int() << 3)
+    packed = codes[:, 0::2] | codes[:, 1::2] << 4
+    return packed.to(torch.uint8).view(torch.int8), scale
+
+
+def fp8_error_bound(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per element, the most `quantize_fp8` may move `w` by: half the e4m3 spacing at
+    `|w| / s` (3 mantissa bits; subnormal spacing below 2^-6), times the block's scale."""
+    s = e8m0_values(scale, "scale").repeat_interleave(BLOCK, 0)[: w.shape[0]]
+    s = s.repeat_interleave(BLOCK, 1)[:, : w.shape[1]]
+    y = (w.float() / s).abs()
+    octave = torch.floor(torch.log2(y.clamp(min=2.0**-6)))
+    return torch.exp2(octave - 3) / 2 * s
+
+
+def fp4_error_bound(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per element, the most `quantize_fp4` may move `w` by: half the e2m1 spacing at
+    `|w| / s` (0.5 below 2, 1 below 4, 2 up to 6), times the scale of its 32 inputs."""
+    s = e8m0_values(scale, "scale").repeat_interleave(BLOCK, 1)[:, : w.shape[1]]
+    y = (w.float() / s).abs()
+    spacing = torch.where(y < 2, 0.5, torch.where(y < 4, 1.0, 2.0))
+    return spacing / 2 * s
