@@ -30,6 +30,7 @@ from dsv41_compile.planning import plan_rank  # noqa: E402
 SHARED_COMPILES = {
     "tests/report/test_accounting.py": "tiny-swa-planned",
     "tests/tools/test_comm_report.py": "tiny-swa-planned",
+    "tests/tools/test_memory_plan.py": "tiny-swa-planned",
     "tests/moe/test_expert_parallel.py": "tiny-swa-ep8-fake-rank",
     "tests/spmd/test_verify.py": "tiny-swa-ep8-fake-rank",
 }

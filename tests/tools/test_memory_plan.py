@@ -1,0 +1,33 @@
+"""tools/memory_plan.py against bytes counted by hand: tiny-swa (2 window-only layers) planned
+as test_accounting plans it (the same memoised plan), rank 0 of tp=4, ep=8."""
+
+from __future__ import annotations
+
+from dsv41_compile.testing.presets import compile_config
+
+F32 = 4
+
+
+def test_weight_bytes_sharded_and_replicated_and_the_window_cache_per_token(load_tool, plan_once):
+    cfg = compile_config()
+    options = {"tp": 4, "ep": 8, "ep_dispatch": "padded", "layout": "sp", "lowering": "eager"}
+    gm, ctx, model = plan_once(cfg, options, world_size=8, max_len=4096)
+    report = load_tool("memory_plan").memory_plan(gm, ctx, max_len=4096)
+
+    H, d, G, o, q = cfg.n_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank, cfg.q_lora_rank
+    E, I, D = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
+    # per layer: wq_b, the sink, wo_a by heads / groups over tp = 4; wo_b by its input columns;
+    # the routed experts over ep = 8
+    sharded = H * d // 4 * q + H // 4 + G * o // 4 * (H * d // G) + D * (G * o // 4)
+    sharded += 3 * E // 8 * I * D
+    sharded_full = H * d * q + H + G * o * (H * d // G) + D * G * o + 3 * E * I * D
+    everything = sum(p.numel() for p in model.parameters())
+    rope = sum(b.numel() for n, b in model.named_buffers() if n.endswith("rope_inv_freq"))
+    assert report["weights"] == {
+        "float32": {
+            "sharded": cfg.n_layers * sharded * F32,
+            "replicated": (everything - cfg.n_layers * sharded_full + rope) * F32,
+        }
+    }
+    # window-only: one fp32 latent of head_dim per layer and position
+    assert report["cache_per_token"] == cfg.n_layers * cfg.head_dim * F32

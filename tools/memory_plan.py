@@ -1,0 +1,98 @@
+"""Per-rank memory of a planned layout: weight bytes (by dtype, sharded vs replicated) and the
+KV cache's bytes per request and per token, read from the planned per-rank graph.
+
+    python tools/memory_plan.py --preset flash --tp 4 --ep 8 --max-len 65536
+
+It answers "does it fit on 8 devices of N GiB?" for the weights as the program holds them (the
+model's dtype: FP8 / FP4 checkpoint weights are dequantised at load) and the cache as the model
+lays it out (every position of every request in the window cache; the compressed caches hold
+`max_len / ratio` entries). Activations are not counted. Planning flash takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from dsv41_compile.model import ModelConfig
+from dsv41_compile.planning import plan_rank
+from dsv41_compile.testing.batches import Request
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3f} {unit}"
+    return f"{n:.0f} B"
+
+
+def plan(
+    cfg: ModelConfig, options: dict[str, Any], *, world_size: int, max_len: int, num_slots: int
+) -> tuple[Any, Any]:
+    """Rank 0's planned graph and context, with a cache of `num_slots` x `max_len`."""
+    requests = [Request(s, [1], 0) for s in range(num_slots)]
+    gm, ctx, _ = plan_rank(cfg, options, world_size=world_size, requests=requests, max_len=max_len)
+    return gm, ctx
+
+
+def memory_plan(gm: Any, ctx: Any, *, max_len: int) -> dict[str, Any]:
+    """The bytes of a planned rank's inputs: `weights[dtype][kind]` (kind "sharded" /
+    "replicated"), `cache` (cache tensor -> bytes), `cache_per_request` and `cache_per_token`
+    (per request, `max_len` positions)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    weights: dict[str, dict[str, int]] = defaultdict(lambda: {"sharded": 0, "replicated": 0})
+    cache: dict[str, int] = {}
+    rows = 1
+    for index, node in enumerate(placeholders):
+        value = node.meta["val"]
+        if not isinstance(value, torch.Tensor):  # the rank, a token count
+            continue
+        size = value.numel() * value.element_size()
+        source = ctx.input_sources.get(node.name, "")
+        if node.name in ctx.param_fqns:
+            kind = "sharded" if index in ctx.param_shards else "replicated"
+            weights[str(value.dtype).removeprefix("torch.")][kind] += int(size)
+        elif source.startswith("cache.") and value.dim() >= 2:
+            cache[source] = int(size)
+            rows = value.shape[0]  # the requests' slots + the scratch slot
+    per_request = sum(cache.values()) / rows
+    return {
+        "weights": {dtype: dict(kinds) for dtype, kinds in weights.items()},
+        "cache": cache,
+        "cache_per_request": per_request,
+        "cache_per_token": per_request / max_len,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="flash")
+    parser.add_argument("--tp", type=int, default=4)
+    parser.add_argument("--ep", type=int, default=8)
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--layout", default="sp", choices=("sp", "replicated"))
+    parser.add_argument("--max-len", type=int, default=4096, help="positions per request")
+    parser.add_argument("--slots", type=int, default=4, help="requests the cache holds")
+    args = parser.parse_args()
+    options = {"tp": args.tp, "ep": args.ep, "layout": args.layout}
+    cfg = ModelConfig.from_name(args.preset)
+    gm, ctx = plan(cfg, options, world_size=args.world, max_len=args.max_len, num_slots=args.slots)
+    report = memory_plan(gm, ctx, max_len=args.max_len)
+    print(f"{args.preset}, {options}, world {args.world}: rank 0 holds")
+    total = 0
+    for dtype, kinds in sorted(report["weights"].items()):
+        for kind, size in kinds.items():
+            total += size
+            print(f"  weights {dtype:<9} {kind:<10} {_size(size):>12}")
+    print(f"  weights total                {_size(total):>12}")
+    print(
+        f"  KV cache: {_size(report['cache_per_request'])} per request of {args.max_len} "
+        f"positions, {_size(report['cache_per_token'])} per token"
+    )
+
+
+if __name__ == "__main__":
+    main()
