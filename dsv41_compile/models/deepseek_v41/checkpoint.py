@@ -204,6 +204,8 @@ def load_checkpoint(
             param = params[entry.param]
             shape = list(param.shape[1:] if entry.expert is not None else param.shape)
             where = f"{name} ({weight_map[name]})"
+            if entry.fmt in ("fp8", "fp4") and weight_map[_scale_name(name)] != weight_map[name]:
+                where += f", its scale in {weight_map[_scale_name(name)]}"
             value = tensor(name)
             want = [shape[0], shape[1] // 2] if entry.fmt == "fp4" else shape
             if value.dtype != entry.stored_dtype or list(value.shape) != want:
