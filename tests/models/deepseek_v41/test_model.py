@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._inductor.config
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from dsv41_compile.model import DeepseekV41, ModelConfig
@@ -129,11 +128,6 @@ def test_bf16_runs_with_fp32_islands(preset: str, max_rel_err: float) -> None:
     assert rel_err < max_rel_err, f"bf16 vs fp32 relative error {rel_err:.3f}"
 
 
-# Scalar C++ kernels: inductor's CPU vectoriser analyses every loop's index expressions with
-# sympy, which doubles this compile (133 -> 72 s of CPU, cold); what is tested here is that
-# every op of every attention mode lowers, not the vectoriser. The vectorised kernels are
-# tests/distributed/test_numerics.py's (the inductor run, 8 ranks).
-@torch._inductor.config.patch({"cpp.vec_isa_ok": False})
 def test_inductor_fullgraph_matches_eager(every_mode_model: DeepseekV41) -> None:
     model = every_mode_model
     torch._dynamo.reset()
