@@ -144,9 +144,14 @@ def config_from_hf(
             f"{where}: model_type is {top.get('model_type')!r}; ModelConfig.from_hf reads "
             "DeepSeek V4.1 checkpoints (model_type 'deepseek_v41')"
         )
-    unknown = sorted(set(top) - _TOP_LEVEL - set(IGNORED))
+    unknown = sorted(set(top) - _TOP_LEVEL - set(IGNORED) - set(FIXED))
     if unknown:
         raise ValueError(f"{where}: unknown top-level keys {unknown}: nothing reads them")
+    for key in set(top) & set(FIXED):  # some files repeat a text setting at the top level
+        if top[key] != FIXED[key]:
+            raise ValueError(
+                f"{where}: {key} is {top[key]!r}; this model implements only {FIXED[key]!r}"
+            )
     text = top.get("text_config")
     if not isinstance(text, dict):
         raise ValueError(f"{where}: no text_config")

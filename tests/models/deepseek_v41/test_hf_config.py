@@ -108,6 +108,15 @@ def test_a_setting_the_model_does_not_implement_is_an_error_naming_it(change, me
     assert str(error.value) == message
 
 
+def test_top_level_keys_are_read_checked_or_refused():
+    repeated = copy.deepcopy(RELEASED) | {"tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    assert ModelConfig.from_hf(repeated, skip_unimplemented_parts=True) == PRESETS["flash"]
+    with pytest.raises(ValueError, match="tie_word_embeddings is True; this model implements"):
+        ModelConfig.from_hf(repeated | {"tie_word_embeddings": True})
+    with pytest.raises(ValueError, match=r"unknown top-level keys \['rope_parameters'\]"):
+        ModelConfig.from_hf(repeated | {"rope_parameters": {}})
+
+
 def test_another_model_or_weight_format_is_refused():
     other = copy.deepcopy(RELEASED) | {"model_type": "deepseek_v3"}
     with pytest.raises(ValueError, match="model_type is 'deepseek_v3'"):
