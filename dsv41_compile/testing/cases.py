@@ -36,7 +36,7 @@ from torch._dynamo.utils import counters
 
 from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.hooks import Hooks, installed
-from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
 from dsv41_compile.model.validate import validate_batch
 from dsv41_compile.runtime.host_cache import STATS
 from dsv41_compile.testing.batches import Request, pack
@@ -107,6 +107,10 @@ class CaseSpec:
     torchair_standin: bool = False
     """With `lowering="torchair"`: torchair replaced by `testing.torchair_standin` (its AOT
     step, then the graph run eagerly), so the graph torchair would get runs on CPU."""
+    checkpoint: str | None = None
+    """A checkpoint directory in the released format (tools/make_checkpoint.py) that every
+    rank's model is loaded from (`load_checkpoint`: the whole model on each rank), for both
+    sides of the comparison."""
 
 
 def model_config(spec: CaseSpec) -> ModelConfig:
@@ -132,15 +136,18 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     "captures": {module: (compiled values, ref values)}, "comm": comm.json or None,
     "torchair_ops": with the torchair stand-in, the ops after torchair's AOT step (name ->
     count), "host_cache": this process's shared compiles (`runtime.host_cache.STATS`),
-    "inductor": inductor's FX graph cache hits and misses in this process}`."""
+    "inductor": inductor's FX graph cache hits and misses in this process, "checkpoint_bytes":
+    the bytes of tensors read from `spec.checkpoint`}`."""
     options = dict(spec.options)
     dp_rank = rank // options.get("tp", 1)
     torch.manual_seed(0)
     model = DeepseekV41(model_config(spec))
+    read = load_checkpoint(model, spec.checkpoint) if spec.checkpoint is not None else {}
     reference = copy.deepcopy(model)  # its own module objects: hooks never reach the compiled one
     batches = [pack(step[dp_rank]) for step in spec.steps]
     ref_cache = reference.new_cache(spec.num_slots, spec.max_len)
     out: dict[str, Any] = {"T": [int(b[0].numel()) for b in batches], "modes": {}}
+    out["checkpoint_bytes"] = sum(read.values())
     with capture_reference(reference, spec.capture) as ref_store:
         out["ref"] = [reference(*batch, ref_cache) for batch in batches]
     standin = None

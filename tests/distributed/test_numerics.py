@@ -15,7 +15,8 @@ indexer top-k choices of the longer prefill. The compressed paths are covered in
 Runs (steps: `testing.cases.SERVING_STEPS`, the last with DP group 0 idle, T = 0), all with 3
 Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPool`):
 - tiny cut to five layers that keep every attention mode, sp, ep=8 exact, eager, per-layer
-  intermediates captured;
+  intermediates captured, every rank's model loaded from a synthetic checkpoint in the
+  released format (`load_checkpoint`);
 - one window-only layer (tiny-swa's), the replicated baseline, ep=8 padded, as handed to
   torchair (graph-mode rewrites and torchair's AOT step, run eagerly:
   `testing.torchair_standin`);
@@ -31,10 +32,16 @@ single-device kernel's values, added in fp32 at the source.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
-from dsv41_compile.model import ModelConfig
+from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.models.deepseek_v41.checkpoint import INDEX, write_checkpoint
 from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank, model_config
 from dsv41_compile.testing.multirank import RankPool, run_ranks
 from dsv41_compile.testing.presets import EVERY_MODE_5, ONE_LAYER, SINKHORN_3, compile_config
@@ -107,6 +114,21 @@ ONE_RANK_TORCHAIR = CaseSpec(
 
 _RESULTS: dict[str, list | RuntimeError] = {}
 
+CHECKPOINT_RUN = "tiny-every-mode-ep-exact-eager"
+"""The run whose ranks load the model from a synthetic checkpoint in the released format
+(FP8 / FP4 with their scales, 3 shards; every rank reads the whole model) instead of the seed."""
+_CHECKPOINT = tempfile.TemporaryDirectory(prefix="dsv41_ckpt_")
+
+
+def spec_of(name: str) -> CaseSpec:
+    if name != CHECKPOINT_RUN:
+        return RUNS[name]
+    root = Path(_CHECKPOINT.name)
+    if not (root / INDEX).exists():
+        torch.manual_seed(1)
+        write_checkpoint(DeepseekV41(model_config(RUNS[name])), root, files=3)
+    return dataclasses.replace(RUNS[name], checkpoint=str(root))
+
 
 def results_of(name: str) -> list:
     """One run per configuration (the session's 8 processes; ONE_RANK_TORCHAIR on one),
@@ -116,7 +138,7 @@ def results_of(name: str) -> list:
             if name == ONE_RANK:
                 _RESULTS[name] = run_ranks(compare_on_rank, 1, ONE_RANK_TORCHAIR)
             else:
-                _RESULTS[name] = RankPool.shared(WORLD).run(compare_on_rank, RUNS[name])
+                _RESULTS[name] = RankPool.shared(WORLD).run(compare_on_rank, spec_of(name))
         except RuntimeError as error:  # fail every dependent test without re-running
             _RESULTS[name] = error
     if isinstance(_RESULTS[name], RuntimeError):
@@ -284,3 +306,11 @@ def test_ep_traffic_adds_up_on_every_step(name):
                 else:
                     assert rec["dispatch_bytes_sent"] == to_peers * row + (EP - 1) * 8
                     assert rec["combine_bytes_sent"] == back * D * 4
+
+
+def test_every_rank_loaded_the_model_from_the_checkpoint():
+    """The every-mode run's ranks filled their models from the synthetic checkpoint: each read
+    every tensor of it once (the whole model; reading only a rank's slices is not done)."""
+    results = results_of(CHECKPOINT_RUN)
+    index = json.loads((Path(spec_of(CHECKPOINT_RUN).checkpoint) / INDEX).read_text())
+    assert [r["checkpoint_bytes"] for r in results] == [index["metadata"]["total_size"]] * WORLD
