@@ -12,10 +12,15 @@ model, and reports the largest logit difference.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 
+import torch
 from torch import Tensor
 
+from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.models.deepseek_v41.checkpoint import write_checkpoint
 from dsv41_compile.testing.cases import (
     SERVING_STEP_NAMES as KINDS,
 )
@@ -49,7 +54,21 @@ def main() -> None:
     parser.add_argument(
         "--layout", choices=("sp", "replicated"), default="sp", help="replicated: the baseline"
     )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="load every rank's model from this checkpoint directory (the released format; "
+        "'synthetic': write one from a seeded model first, as tools/make_checkpoint.py does)",
+    )
     args = parser.parse_args()
+    checkpoint = args.checkpoint
+    if checkpoint is not None and str(checkpoint) == "synthetic":
+        checkpoint = Path(tempfile.mkdtemp(prefix="dsv41_ckpt_"))
+        torch.manual_seed(1)
+        write_checkpoint(
+            DeepseekV41(ModelConfig.from_name(args.preset, dtype=args.dtype)), checkpoint
+        )
+        print(f"wrote a synthetic checkpoint of {args.preset} to {checkpoint}")
 
     options = {
         "tp": TP,
@@ -65,6 +84,7 @@ def main() -> None:
         overrides=(("dtype", args.dtype),),
         options=tuple(options.items()),
         dump=True,
+        checkpoint=None if checkpoint is None else str(checkpoint),
     )
     print(
         f"dsv41_sp ({args.layout} layout): {args.preset} ({args.dtype}) on {WORLD} CPU ranks, "
@@ -74,7 +94,11 @@ def main() -> None:
     )
     start = time.perf_counter()
     results = run_ranks(compare_on_rank, WORLD, spec)
-    print(f"done in {time.perf_counter() - start:.0f} s (8 processes on this machine's cores)\n")
+    print(f"done in {time.perf_counter() - start:.0f} s (8 processes on this machine's cores)")
+    if checkpoint is not None:
+        print(f"every rank loaded its model from {checkpoint} ({results[0]['checkpoint_bytes']} "
+              "bytes of tensors each)")  # fmt: skip
+    print()
     comm = results[0]["comm"]
 
     print(f"{'step':<20} {'DP group':>8} {'T':>4} {'max |compiled - single-device|':>32}")
