@@ -34,12 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsv41_compile.models.deepseek_v41.quant import (
-    dequantize_fp4,
-    dequantize_fp8,
-    quantize_fp4,
-    quantize_fp8,
-)
+from dsv41_compile.models.deepseek_v41.quant import CODECS
 
 __all__ = [
     "INDEX",
@@ -74,6 +69,15 @@ class CheckpointEntry:
     @property
     def stored_dtype(self) -> torch.dtype:
         return _STORED.get(self.fmt, torch.bfloat16)
+
+    @property
+    def quantized(self) -> bool:
+        """Stored in a `quant.CODECS` format, with an `X.scale` sibling."""
+        return self.fmt in CODECS
+
+    def part_of(self, value: torch.Tensor) -> torch.Tensor:
+        """The part of the parameter `value` this weight is (its expert's row, or all of it)."""
+        return value if self.expert is None else value[self.expert]
 
 
 def _checkpoint_name(param: str) -> str:
@@ -113,12 +117,9 @@ def write_checkpoint(model: nn.Module, path: str | Path, *, files: int = 3) -> l
     state = model.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     for name, entry in checkpoint_layout(model).items():
-        value = state[entry.param]
-        value = value[entry.expert] if entry.expert is not None else value
-        if entry.fmt == "fp8":
-            tensors[name], tensors[_scale_name(name)] = quantize_fp8(value)
-        elif entry.fmt == "fp4":
-            tensors[name], tensors[_scale_name(name)] = quantize_fp4(value)
+        value = entry.part_of(state[entry.param])
+        if entry.quantized:
+            tensors[name], tensors[_scale_name(name)] = CODECS[entry.fmt].quantize(value)
         else:
             tensors[name] = value.to(entry.stored_dtype).contiguous()
     root = Path(path)
@@ -159,7 +160,7 @@ def load_checkpoint(
     root = Path(path)
     weight_map = _index(root)
     layout = checkpoint_layout(model)
-    expected = set(layout) | {_scale_name(n) for n, e in layout.items() if e.fmt in ("fp8", "fp4")}
+    expected = set(layout) | {_scale_name(n) for n, e in layout.items() if e.quantized}
     unknown = sorted(set(weight_map) - expected)
     parts = [n for n in unknown if _UNIMPLEMENTED.search(n)]
     others = [n for n in unknown if not _UNIMPLEMENTED.search(n)]
@@ -201,23 +202,23 @@ def load_checkpoint(
     with torch.no_grad():
         for name in sorted(layout, key=lambda n: weight_map[n]):  # one shard after another
             entry = layout[name]
-            param = params[entry.param]
-            shape = list(param.shape[1:] if entry.expert is not None else param.shape)
+            target = entry.part_of(params[entry.param])
             where = f"{name} ({weight_map[name]})"
-            if entry.fmt in ("fp8", "fp4") and weight_map[_scale_name(name)] != weight_map[name]:
+            if entry.quantized and weight_map[_scale_name(name)] != weight_map[name]:
                 where += f", its scale in {weight_map[_scale_name(name)]}"
             value = tensor(name)
-            want = [shape[0], shape[1] // 2] if entry.fmt == "fp4" else shape
+            want = list(target.shape)
+            if entry.fmt == "fp4":  # two inputs per byte
+                want[1] //= 2
             if value.dtype != entry.stored_dtype or list(value.shape) != want:
                 raise ValueError(
                     f"{where}: {value.dtype} {list(value.shape)}, expected "
                     f"{entry.stored_dtype} {want}"
                 )
-            if entry.fmt == "fp8":
-                value = dequantize_fp8(value, tensor(_scale_name(name)), param.dtype, where)
-            elif entry.fmt == "fp4":
-                value = dequantize_fp4(value, tensor(_scale_name(name)), param.dtype, where)
-            (param[entry.expert] if entry.expert is not None else param).copy_(value)
+            if entry.quantized:
+                dequantize = CODECS[entry.fmt].dequantize
+                value = dequantize(value, tensor(_scale_name(name)), target.dtype, where)
+            target.copy_(value)
             filled[entry.param] = filled.get(entry.param, 0) + 1
     unfilled = sorted(set(params) - set(filled))
     if unfilled:  # a parameter no checkpoint name maps to: a bug of the layout

@@ -17,11 +17,16 @@ scale covers the elements there are. Every error names the tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
 __all__ = [
     "BLOCK",
+    "CODECS",
     "E2M1",
+    "Codec",
     "dequantize_fp4",
     "dequantize_fp8",
     "e8m0_values",
@@ -43,6 +48,13 @@ _E2M1_PAIRS = torch.tensor([[E2M1[b & 0xF], E2M1[b >> 4]] for b in range(256)])
 
 def _blocks(n: int) -> int:
     return -(-n // BLOCK)
+
+
+def _per_element(s: torch.Tensor, shape: torch.Size, rows: int) -> torch.Tensor:
+    """Block values `s` spread over a weight of `shape`: one per `rows` x `BLOCK` elements
+    (a short last block keeps the elements there are)."""
+    out, inp = shape
+    return s.repeat_interleave(rows, 0)[:out].repeat_interleave(BLOCK, 1)[:, :inp]
 
 
 def e8m0_values(scale: torch.Tensor, name: str) -> torch.Tensor:
@@ -83,9 +95,7 @@ def dequantize_fp8(
         )
     out, inp = weight.shape
     _check_scale(scale, (_blocks(out), _blocks(inp)), f"float8_e4m3fn {[out, inp]}", name)
-    s = e8m0_values(scale, name)
-    s = s.repeat_interleave(BLOCK, 0)[:out].repeat_interleave(BLOCK, 1)[:, :inp]
-    return (weight.float() * s).to(dtype)
+    return (weight.float() * _per_element(e8m0_values(scale, name), weight.shape, BLOCK)).to(dtype)
 
 
 def dequantize_fp4(
@@ -101,10 +111,7 @@ def dequantize_fp4(
     out, inp = packed.shape[0], 2 * packed.shape[1]
     _check_scale(scale, (out, _blocks(inp)), f"int8 {list(packed.shape)} (in = {inp})", name)
     values = _E2M1_PAIRS[packed.view(torch.uint8).long()].flatten(1)  # input 2k: low nibble
-    s = e8m0_values(scale, name)
-    if inp % BLOCK == 0:  # whole groups: scale them in place
-        return (values.unflatten(1, (-1, BLOCK)) * s.unsqueeze(-1)).flatten(1).to(dtype)
-    return (values * s.repeat_interleave(BLOCK, 1)[:, :inp]).to(dtype)
+    return (values * _per_element(e8m0_values(scale, name), values.shape, 1)).to(dtype)
 
 
 # --- the inverse, for synthetic checkpoints (tools/make_checkpoint.py) -----------------------
@@ -118,23 +125,21 @@ def _block_exponents(amax: torch.Tensor, top: float) -> torch.Tensor:
     return (e + 127).clamp(0, 254).to(torch.uint8)
 
 
-def _per_block_amax(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def _per_block_amax(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """The largest magnitude of each `rows` x `BLOCK` block of `w` (zero-padded to whole
+    blocks)."""
     out, inp = w.shape
-    padded = torch.zeros(_blocks(out) * rows if rows > 1 else out, _blocks(inp) * cols)
+    padded = torch.zeros(-(-out // rows) * rows, _blocks(inp) * BLOCK)
     padded[:out, :inp] = w.abs()
-    if rows == 1:
-        return padded.unflatten(1, (-1, cols)).amax(-1)
-    return padded.unflatten(0, (-1, rows)).unflatten(-1, (-1, cols)).amax((1, 3))
+    return padded.unflatten(0, (-1, rows)).unflatten(-1, (-1, BLOCK)).amax((1, 3))
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`w [out, in]` as the released FP8 pair: (float8_e4m3fn weight, e8m0 scale per 32 x 32
     block), each block scaled so its largest magnitude fits e4m3."""
     w = w.float()
-    exponent = _block_exponents(_per_block_amax(w, BLOCK, BLOCK), _E4M3_MAX)
-    scale = exponent.view(torch.float8_e8m0fnu)
-    s = e8m0_values(scale, "scale").repeat_interleave(BLOCK, 0)[: w.shape[0]]
-    s = s.repeat_interleave(BLOCK, 1)[:, : w.shape[1]]
+    scale = _block_exponents(_per_block_amax(w, BLOCK), _E4M3_MAX).view(torch.float8_e8m0fnu)
+    s = _per_element(e8m0_values(scale, "scale"), w.shape, BLOCK)
     return (w / s).to(torch.float8_e4m3fn), scale
 
 
@@ -142,9 +147,8 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`w [out, in]` (even `in`) as the released FP4 pair: (int8 `[out, in/2]` of e2m1 codes,
     e8m0 scale per 32 inputs), each code the nearest e2m1 value (ties to the lower code)."""
     w = w.float()
-    exponent = _block_exponents(_per_block_amax(w, 1, BLOCK), _E2M1_MAX)
-    scale = exponent.view(torch.float8_e8m0fnu)
-    y = w / e8m0_values(scale, "scale").repeat_interleave(BLOCK, 1)[:, : w.shape[1]]
+    scale = _block_exponents(_per_block_amax(w, 1), _E2M1_MAX).view(torch.float8_e8m0fnu)
+    y = w / _per_element(e8m0_values(scale, "scale"), w.shape, 1)
     grid = torch.tensor(E2M1[:8])
     magnitude = (y.abs().unsqueeze(-1) - grid).abs().argmin(-1)
     codes = magnitude | ((y < 0).int() << 3)
@@ -155,8 +159,7 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_error_bound(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Per element, the most `quantize_fp8` may move `w` by: half the e4m3 spacing at
     `|w| / s` (3 mantissa bits; subnormal spacing below 2^-6), times the block's scale."""
-    s = e8m0_values(scale, "scale").repeat_interleave(BLOCK, 0)[: w.shape[0]]
-    s = s.repeat_interleave(BLOCK, 1)[:, : w.shape[1]]
+    s = _per_element(e8m0_values(scale, "scale"), w.shape, BLOCK)
     y = (w.float() / s).abs()
     octave = torch.floor(torch.log2(y.clamp(min=2.0**-6)))
     return torch.exp2(octave - 3) / 2 * s
@@ -165,7 +168,22 @@ def fp8_error_bound(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def fp4_error_bound(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Per element, the most `quantize_fp4` may move `w` by: half the e2m1 spacing at
     `|w| / s` (0.5 below 2, 1 below 4, 2 up to 6), times the scale of its 32 inputs."""
-    s = e8m0_values(scale, "scale").repeat_interleave(BLOCK, 1)[:, : w.shape[1]]
+    s = _per_element(e8m0_values(scale, "scale"), w.shape, 1)
     y = (w.float() / s).abs()
     spacing = torch.where(y < 2, 0.5, torch.where(y < 4, 1.0, 2.0))
     return spacing / 2 * s
+
+
+class Codec(NamedTuple):
+    """A released weight format: to it, from it, and how far the round trip may move a weight."""
+
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    dequantize: Callable[[torch.Tensor, torch.Tensor, torch.dtype, str], torch.Tensor]
+    error_bound: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+CODECS = {
+    "fp8": Codec(quantize_fp8, dequantize_fp8, fp8_error_bound),
+    "fp4": Codec(quantize_fp4, dequantize_fp4, fp4_error_bound),
+}
+"""The quantised formats by name: each weight stored in one has an e8m0 `.scale` sibling."""

@@ -14,14 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
 from dsv41_compile.models.deepseek_v41.checkpoint import INDEX, checkpoint_layout
-from dsv41_compile.models.deepseek_v41.quant import (
-    dequantize_fp4,
-    dequantize_fp8,
-    fp4_error_bound,
-    fp8_error_bound,
-    quantize_fp4,
-    quantize_fp8,
-)
+from dsv41_compile.models.deepseek_v41.quant import CODECS
 
 CFG = ModelConfig.from_name("tiny")
 
@@ -83,16 +76,12 @@ def test_the_loaded_model_is_the_written_one_within_the_quantisation_error(writt
     assert sum(read.values()) == total  # every tensor read once
     want, got = original.state_dict(), loaded.state_dict()
     for name, entry in checkpoint_layout(original).items():
-        w = want[entry.param] if entry.expert is None else want[entry.param][entry.expert]
-        v = got[entry.param] if entry.expert is None else got[entry.param][entry.expert]
-        if entry.fmt in ("fp8", "fp4"):
-            quantize, dequantize, bound = {
-                "fp8": (quantize_fp8, dequantize_fp8, fp8_error_bound),
-                "fp4": (quantize_fp4, dequantize_fp4, fp4_error_bound),
-            }[entry.fmt]
-            q, scale = quantize(w)
-            assert torch.equal(v, dequantize(q, scale, torch.float32, name)), name
-            assert ((v - w).abs() <= bound(w, scale)).all(), name
+        w, v = entry.part_of(want[entry.param]), entry.part_of(got[entry.param])
+        if entry.quantized:
+            codec = CODECS[entry.fmt]
+            q, scale = codec.quantize(w)
+            assert torch.equal(v, codec.dequantize(q, scale, torch.float32, name)), name
+            assert ((v - w).abs() <= codec.error_bound(w, scale)).all(), name
         elif entry.fmt == "bf16":
             assert torch.equal(v, w.to(torch.bfloat16).float()), name  # one bf16 rounding
         else:
