@@ -4,25 +4,21 @@ shard files, side by side in one run (alternating, the files in the page cache f
     python tools/bench_load.py --preset tiny-swa --dim 1024 --inter 1024 --repeats 5
 
 Single-device loading: the whole model is read and decoded (FP8 / FP4 to the model's dtype).
-The synthetic checkpoint is written first (tools/make_checkpoint.py) into `--dir`.
+The synthetic checkpoint is written first (`testing.checkpoints`) into `--dir`.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from make_checkpoint import make_checkpoint  # noqa: E402
-
-from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint  # noqa: E402
+from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
+from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 
 
 def _sequential_read(files: list[Path]) -> int:
@@ -48,7 +44,7 @@ def main() -> None:
         args.preset, dtype=args.dtype, **{k: v for k, v in sizes.items() if v}
     )
     out = args.dir or Path(tempfile.mkdtemp(prefix="dsv41_ckpt_"))
-    make_checkpoint(cfg, out)
+    synthetic_checkpoint(cfg, out)
     files = sorted(out.glob("*.safetensors"))
     torch.manual_seed(1)
     model = DeepseekV41(cfg)

@@ -16,11 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
-from dsv41_compile.model import DeepseekV41, ModelConfig
-from dsv41_compile.models.deepseek_v41.checkpoint import write_checkpoint
+from dsv41_compile.model import ModelConfig
 from dsv41_compile.testing.cases import (
     SERVING_STEP_NAMES as KINDS,
 )
@@ -31,6 +29,7 @@ from dsv41_compile.testing.cases import (
     CaseSpec,
     compare_on_rank,
 )
+from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 from dsv41_compile.testing.multirank import run_ranks
 
 WORLD, TP, EP = 8, 4, 8
@@ -64,9 +63,8 @@ def main() -> None:
     checkpoint = args.checkpoint
     if checkpoint is not None and str(checkpoint) == "synthetic":
         checkpoint = Path(tempfile.mkdtemp(prefix="dsv41_ckpt_"))
-        torch.manual_seed(1)
-        write_checkpoint(
-            DeepseekV41(ModelConfig.from_name(args.preset, dtype=args.dtype)), checkpoint
+        synthetic_checkpoint(
+            ModelConfig.from_name(args.preset, dtype=args.dtype), checkpoint, seed=1
         )
         print(f"wrote a synthetic checkpoint of {args.preset} to {checkpoint}")
 

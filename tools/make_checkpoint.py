@@ -2,8 +2,8 @@
 
     python tools/make_checkpoint.py --preset tiny --out /tmp/tiny_ckpt
 
-The directory gets `config.json` (`hf_config.config_to_hf`), `model.safetensors.index.json` and
-`--files` shards: FP8 attention projections and shared expert with e8m0 32 x 32 block scales,
+The directory gets (`testing.checkpoints.synthetic_checkpoint`) `config.json`,
+`model.safetensors.index.json` and `--files` shards: FP8 attention projections and shared expert with e8m0 32 x 32 block scales,
 FP4 routed experts with per-32 scales, the rest bf16 / fp32, under the released names. Read it
 back with `ModelConfig.from_hf(out)` and `dsv41_compile.model.load_checkpoint(model, out)`.
 """
@@ -11,23 +11,10 @@ back with `ModelConfig.from_hf(out)` and `dsv41_compile.model.load_checkpoint(mo
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-import torch
-
-from dsv41_compile.model import PRESETS, DeepseekV41, ModelConfig
-from dsv41_compile.models.deepseek_v41.checkpoint import write_checkpoint
-from dsv41_compile.models.deepseek_v41.hf_config import config_to_hf
-
-
-def make_checkpoint(cfg: ModelConfig, out: Path, *, seed: int = 0, files: int = 3) -> DeepseekV41:
-    """The seeded model `cfg` describes, written to `out`; returns the model."""
-    torch.manual_seed(seed)
-    model = DeepseekV41(cfg)
-    write_checkpoint(model, out, files=files)
-    (out / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
-    return model
+from dsv41_compile.model import PRESETS, ModelConfig
+from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 
 
 def main() -> None:
@@ -37,7 +24,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--files", type=int, default=3)
     args = parser.parse_args()
-    make_checkpoint(ModelConfig.from_name(args.preset), args.out, seed=args.seed, files=args.files)
+    synthetic_checkpoint(
+        ModelConfig.from_name(args.preset), args.out, seed=args.seed, files=args.files
+    )
     shards = sorted(args.out.glob("*.safetensors"))
     size = sum(p.stat().st_size for p in shards)
     print(f"{args.out}: config.json, index, {len(shards)} shards, {size / 2**20:.2f} MiB")

@@ -40,9 +40,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv41_compile.model import DeepseekV41, ModelConfig
-from dsv41_compile.models.deepseek_v41.checkpoint import INDEX, write_checkpoint
+from dsv41_compile.model import ModelConfig
+from dsv41_compile.models.deepseek_v41.checkpoint import INDEX
 from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank, model_config
+from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 from dsv41_compile.testing.multirank import RankPool, run_ranks
 from dsv41_compile.testing.presets import EVERY_MODE_5, ONE_LAYER, SINKHORN_3, compile_config
 
@@ -125,8 +126,7 @@ def spec_of(name: str) -> CaseSpec:
         return RUNS[name]
     root = Path(_CHECKPOINT.name)
     if not (root / INDEX).exists():
-        torch.manual_seed(1)
-        write_checkpoint(DeepseekV41(model_config(RUNS[name])), root, files=3)
+        synthetic_checkpoint(model_config(RUNS[name]), root, seed=1)
     return dataclasses.replace(RUNS[name], checkpoint=str(root))
 
 

@@ -1,5 +1,5 @@
 """A synthetic checkpoint of tiny (every attention mode) in the released format, written by
-tools/make_checkpoint.py and read back by `load_checkpoint`: the names and formats, the values
+`testing.checkpoints` (tools/make_checkpoint.py's) and read back by `load_checkpoint`: the names and formats, the values
 within the quantisation's computed error, and every way a checkpoint is refused."""
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from safetensors.torch import load_file, save_file
 from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
 from dsv41_compile.models.deepseek_v41.checkpoint import INDEX, checkpoint_layout
 from dsv41_compile.models.deepseek_v41.quant import CODECS
+from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 
 CFG = ModelConfig.from_name("tiny")
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory, load_tool):
+def written(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_ckpt")
-    original = load_tool("make_checkpoint").make_checkpoint(CFG, out, seed=3, files=3)
+    original = synthetic_checkpoint(CFG, out, seed=3, files=3)
     return out, original
 
 
