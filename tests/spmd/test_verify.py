@@ -1,7 +1,7 @@
 """verify has teeth: each bug class hand-written SP keeps shipping, seeded into a real rewritten
 graph (tiny-swa's two window-only layers, `testing.presets.compile_config()`; rank 2 of a fake
-world, sp, tp=4, ep=8 padded: the graph tests/moe/test_expert_parallel.py compiles), is refused with an internal error naming the node and the broken
-invariant. The bug classes are the layout's, not an attention mode's (the seeds sit at layer 1's
+world, sp, tp=4, ep=8 padded: the graph tests/moe/test_expert_parallel.py compiles), is
+refused with an internal error naming the node and the broken invariant. The bug classes are the layout's, not an attention mode's (the seeds sit at layer 1's
 boundary collectives, its EP dispatch, its positions); verify accepts the valid graphs of every
 attention mode in every compile of the every-mode model (tests/distributed/test_numerics.py).
 

@@ -148,10 +148,7 @@ def config_from_hf(
     if unknown:
         raise ValueError(f"{where}: unknown top-level keys {unknown}: nothing reads them")
     for key in set(top) & set(FIXED):  # some files repeat a text setting at the top level
-        if top[key] != FIXED[key]:
-            raise ValueError(
-                f"{where}: {key} is {top[key]!r}; this model implements only {FIXED[key]!r}"
-            )
+        _check_fixed(key, top[key], where)
     text = top.get("text_config")
     if not isinstance(text, dict):
         raise ValueError(f"{where}: no text_config")
@@ -167,11 +164,7 @@ def config_from_hf(
         if key in FIELDS:
             fields[FIELDS[key]] = tuple(value) if isinstance(value, list) else value
         elif key in FIXED:
-            if value != FIXED[key]:
-                raise ValueError(
-                    f"{where}: text_config.{key} is {value!r}; this model implements only "
-                    f"{FIXED[key]!r}"
-                )
+            _check_fixed(f"text_config.{key}", value, where)
         elif (part := _part(key)) is not None:
             parts.setdefault(part, []).append(key)
         elif key not in IGNORED and key not in ("compress_ratios", "rope_scaling"):
@@ -223,12 +216,19 @@ def config_from_hf(
     return dataclasses.replace(ModelConfig(**fields), **overrides)
 
 
+def _check_fixed(key: str, value: Any, where: str) -> None:
+    """`key` (`FIXED`'s name, maybe prefixed with where it sits) must hold the fixed value."""
+    fixed = FIXED[key.removeprefix("text_config.")]
+    if value != fixed:
+        raise ValueError(f"{where}: {key} is {value!r}; this model implements only {fixed!r}")
+
+
 def _has_default(field: str) -> bool:
     spec = ModelConfig.__dataclass_fields__[field]
     return spec.default is not dataclasses.MISSING
 
 
-def config_to_hf(cfg: ModelConfig, *, quantized: bool = True) -> dict[str, Any]:
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The `config.json` of a checkpoint of `cfg` in the released layout (no Engram, DSpark or
     vision): what `config_from_hf` reads back as `cfg` (with `dtype` bfloat16)."""
     text: dict[str, Any] = {"model_type": "deepseek_v41_text"}
@@ -240,10 +240,9 @@ def config_to_hf(cfg: ModelConfig, *, quantized: bool = True) -> dict[str, Any]:
         key: getattr(cfg, field) for key, field in ROPE_SCALING.items()
     }
     text |= FIXED
-    top: dict[str, Any] = {
+    return {
         "architectures": ["DeepseekV41ForCausalLM"],
         "model_type": "deepseek_v41",
+        "quantization_config": dict(QUANTIZATION),  # what `checkpoint.write_checkpoint` writes
+        "text_config": text,
     }
-    if quantized:
-        top["quantization_config"] = dict(QUANTIZATION)
-    return top | {"text_config": text}
