@@ -108,7 +108,14 @@ def compile_model_on_fake_rank(
     return gm, ctx, out
 
 
-def _compiled_call(model, args, options, rank, world_size, token_inputs) -> Any:
+def _compiled_call(
+    model: torch.nn.Module,
+    args: Sequence[Any],
+    options: dict[str, Any],
+    rank: int,
+    world_size: int,
+    token_inputs: Sequence[torch.Tensor],
+) -> Any:
     """`compile_model_on_fake_rank`'s compile and call, nothing watching the pipeline (eager
     lowering unless `options` say otherwise): the output."""
     torch._dynamo.reset()
