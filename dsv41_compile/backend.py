@@ -22,13 +22,14 @@ from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import is_fake
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from dsv41_compile.core.adapter import ModelAdapter
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.hooks import active
 from dsv41_compile.core.mesh import Mesh, build_mesh
+from dsv41_compile.core.meta import GLOBAL_VAL
 from dsv41_compile.core.passes import PassManager
 from dsv41_compile.frontend import (
     GraphInputs,
@@ -58,6 +59,7 @@ from dsv41_compile.runtime.host_cache import (
     shared,
 )
 from dsv41_compile.runtime.program import ProgramReport, ProgramSpec, ShardedProgram
+from dsv41_compile.runtime.weights import has_no_weights, rank_weights, weight_inputs
 from dsv41_compile.targets import Handoff, compile_graph
 
 __all__ = ["BackendOptions", "dsv41_sp", "mark_token_dim"]
@@ -95,6 +97,8 @@ def dsv41_sp(
     device_type = tensors[0].device.type if tensors else "cpu"
     # Meta tensors: planning only (`planning.plan_rank`), nothing runs; the mesh lives on CPU.
     planning = device_type == "meta"
+    if not planning:
+        _check_weights(example_inputs, inputs, opts)
     target = opts.target("cpu" if planning else device_type)
     if target == "torchair" and not planning:
         from dsv41_compile.targets.torchair import import_torchair
@@ -132,7 +136,7 @@ def dsv41_sp(
         restart_like(artifact.restart)
     add_guards(shape_env, artifact.guards, names)
     local = symbolic_token_inputs(gm, fakes, inputs, adapter)
-    program = _load(artifact, local, opts, mesh, target)
+    program = _load(artifact, local, opts, mesh, target, adapter)
     return lambda *args: program(list(args))
 
 
@@ -159,7 +163,8 @@ def _compile(
         spec, report = _program(aten_gm, ctx)
         if save is not None:
             save(Artifact(save_graph(aten_gm), spec, report))
-        return _bind(compile_graph(aten_gm, Handoff.of(aten_gm, ctx)), spec, report, opts, mesh)
+        compiled = compile_graph(aten_gm, Handoff.of(aten_gm, ctx))
+        return _bind(compiled, spec, report, opts, mesh, adapter)
 
     return aot_module_simplified(
         gm,
@@ -181,6 +186,24 @@ def _token_index(inputs: GraphInputs, adapter: ModelAdapter) -> int:
             f"{names}"
         )
     return token
+
+
+def _check_weights(example_inputs: list[Any], inputs: GraphInputs, opts: BackendOptions) -> None:
+    """Without the `checkpoint` option the program runs on the model's parameters: each must
+    have its values."""
+    if opts.checkpoint is not None:
+        return
+    empty = [
+        fqn
+        for i, fqn in inputs.param_fqns.items()
+        if i not in inputs.buffers and has_no_weights(example_inputs[i])
+    ]
+    if empty:
+        raise ValueError(
+            f"{len(empty)} parameters of this model have no weights ({empty[0]}, ...): pass "
+            "options checkpoint=DIR (each rank reads only its own shards), or load the weights "
+            "into the model first"
+        )
 
 
 def _check_inference(example_inputs: list[Any], inputs: GraphInputs) -> None:
@@ -226,29 +249,37 @@ def _fakes(example_inputs: list[Any]) -> list[Any]:
 
 
 def _load(
-    artifact: Artifact, fakes: list[Any], opts: BackendOptions, mesh: Mesh, target: str
+    artifact: Artifact,
+    fakes: list[Any],
+    opts: BackendOptions,
+    mesh: Mesh,
+    target: str,
+    adapter: ModelAdapter,
 ) -> ShardedProgram:
     """The program another rank of the host compiled, bound to this rank: no AOTAutograd, no
     pipeline; inductor finds its kernels in its caches. The graph keeps the model's cache
     writes (AOTAutograd's `keep_inference_input_mutations`) and aliases no input, so the
     program is called with Dynamo's inputs as they are."""
     gm = load_graph(artifact.graph)
-    local = _local_fakes(artifact.spec, fakes)
+    local = _local_fakes(artifact.spec, fakes, opts.checkpoint is not None)
     handoff = Handoff(
         target, local, artifact.spec.param_indices, TracingContext.get().fake_mode, opts, mesh.rank
     )
-    return _bind(compile_graph(gm, handoff), artifact.spec, artifact.report, opts, mesh)
+    return _bind(compile_graph(gm, handoff), artifact.spec, artifact.report, opts, mesh, adapter)
 
 
-def _local_fakes(spec: ProgramSpec, fakes: list[Any]) -> list[Any]:
+def _local_fakes(spec: ProgramSpec, fakes: list[Any], checkpoint: bool) -> list[Any]:
     """Fake values of the per-rank graph's inputs: the model's (`fakes`), with parameter shards
-    at their local shape, then `tp_rank` (and `ep_tokens`)."""
+    at their local shape (every parameter contiguous when `checkpoint`: the rank's own
+    tensors), then `tp_rank` (and `ep_tokens`)."""
     fake_mode = TracingContext.get().fake_mode
     fakes = list(fakes)
-    for index, shard in spec.param_shards.items():
-        full = fakes[index]
+    loaded = [i for i, *_ in spec.params] if checkpoint else []
+    for index in {*spec.param_shards, *loaded}:  # contiguous, as the program passes them
+        full, shard = fakes[index], spec.param_shards.get(index)
+        shape = list(full.shape) if shard is None else shard.local_shape(list(full.shape))
         with fake_mode:
-            fakes[index] = torch.empty(shard.local_shape(list(full.shape)), dtype=full.dtype)
+            fakes[index] = torch.empty(shape, dtype=full.dtype)
     with fake_mode:
         fakes.append(torch.zeros((), dtype=torch.int64))
     if spec.ep_tokens_input:
@@ -280,14 +311,23 @@ def _context(
         plan=adapter.plan(opts),
         target=target,
         param_fqns=param_fqns,
+        buffers=frozenset(placeholders[i].name for i in inputs.buffers),
         input_sources=input_sources,
         token_input=placeholders[_token_index(inputs, adapter)].name,
         fake_mode=detect_fake_mode(aten_inputs),
     )
 
 
+def _param_input(
+    index: int, node: Node, ctx: CompileContext
+) -> tuple[int, str, tuple[int, ...], torch.dtype]:
+    val = node.meta.get(GLOBAL_VAL, node.meta["val"])
+    return index, ctx.param_fqns[node.name], tuple(int(s) for s in val.shape), val.dtype
+
+
 def _program(gm: GraphModule, ctx: CompileContext) -> tuple[ProgramSpec, ProgramReport]:
-    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholder_nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = [n.name for n in placeholder_nodes]
     names = {name: placeholder for placeholder, name in ctx.input_sources.items()}
     spec = ProgramSpec(
         param_shards=dict(ctx.param_shards),
@@ -298,7 +338,9 @@ def _program(gm: GraphModule, ctx: CompileContext) -> tuple[ProgramSpec, Program
         param_indices=frozenset(i for i, n in enumerate(placeholders) if n in ctx.param_fqns),
         ep_layers=tuple(ctx.ep_layers),
         ep_tokens_input=EP_TOKENS in placeholders,
-    )
+        params=tuple(_param_input(i, node, ctx) for i, node in enumerate(placeholder_nodes)
+                     if node.name in ctx.param_fqns and node.name not in ctx.buffers),
+    )  # fmt: skip
     report = ProgramReport(graph_text(gm, ctx), ctx.comm or comm_records(gm, ctx))
     return spec, report
 
@@ -309,8 +351,16 @@ def _bind(
     report: ProgramReport,
     opts: BackendOptions,
     mesh: Mesh,
+    adapter: ModelAdapter,
 ) -> ShardedProgram:
-    """The program of this rank: its dumps written, its hooks called."""
+    """The program of this rank: its weights read (the `checkpoint` option), its dumps
+    written, its hooks called."""
+    weights = None
+    if opts.checkpoint is not None:
+        weights = rank_weights(
+            adapter, opts.checkpoint, weight_inputs(spec.params, spec.param_shards, mesh),
+            device_type=mesh.device_type, skip_unimplemented_parts=opts.skip_unimplemented_parts,
+        )  # fmt: skip
     on_ep_stats = None
     if opts.dump_dir is not None:
         out = write_dump(opts.dump_dir, mesh, opts, report.text, report.comm, list(spec.ep_layers))
@@ -318,7 +368,7 @@ def _bind(
             on_ep_stats = EpStepLog(out / "comm.json", list(spec.ep_layers), mesh.rank)
     program = ShardedProgram.for_mesh(
         compiled, spec, mesh, report=report, on_ep_stats=on_ep_stats,
-        check_inputs=opts.check_inputs,
+        check_inputs=opts.check_inputs, weights=weights,
     )  # fmt: skip
     for hooks in active():
         if hooks.on_program is not None:

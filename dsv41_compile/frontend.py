@@ -51,6 +51,8 @@ class GraphInputs:
     """Parameter or buffer FQN (`layers.0.attn.wq_b.weight`)."""
     input_names: dict[int, str]
     """The model input it is (`input_ids`, `cache.window_kv[0]`)."""
+    buffers: frozenset[int] = frozenset()
+    """The entries of `param_fqns` that are buffers, not parameters."""
 
     def index_of(self, name: str) -> int | None:
         return next((i for i, n in self.input_names.items() if n == name), None)
@@ -69,16 +71,18 @@ def _input_name(source: str) -> str:
 
 
 def read_inputs(gm: GraphModule) -> GraphInputs:
-    params, inputs = {}, {}
+    params, inputs, buffers = {}, {}, set()
     for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         grapharg = node.meta.get("grapharg")
         source = grapharg.source.name if grapharg is not None else node.name
         fqn = _fqn(source)
         if fqn is not None:
             params[i] = fqn
+            if "._buffers[" in source:
+                buffers.add(i)
         else:
             inputs[i] = _input_name(source)
-    return GraphInputs(params, inputs)
+    return GraphInputs(params, inputs, frozenset(buffers))
 
 
 def check_recompiles(adapter: ModelAdapter) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,15 @@ class BackendOptions:
     same token inputs (one all-gather of the token count and one of the inputs over the TP
     group, and a host read); a mismatch raises a ValueError naming the ranks and the first row
     that differs, where otherwise it would give wrong logits."""
+    checkpoint: str | None = None
+    """A checkpoint directory in the released format (`model.safetensors.index.json` and its
+    shards). Each rank reads only its own slices of the weights when its first program is
+    built, and runs on them instead of the model's parameters, which may then have no memory
+    (`DeepseekV41.without_weights(cfg)`). Loading is strict: see `load_checkpoint`."""
+    skip_unimplemented_parts: bool = False
+    """With `checkpoint`: load a checkpoint that holds parts the model does not implement
+    (DeepSeek V4.1's Engram, DSpark draft blocks, vision tower) without them; the outputs then
+    differ from the released model's."""
     share_compile: bool = True
     """One rank per host compiles a per-rank program; the host's other ranks load it
     (`runtime.host_cache`, under inductor's cache directory). False: every rank compiles."""
@@ -76,6 +86,10 @@ class BackendOptions:
         if unknown:
             raise ValueError(f"dump_after names no pass: {unknown}; the passes are {PASS_NAMES}")
         self._check_target(self.lowering)
+        if self.checkpoint is not None and not isinstance(self.checkpoint, str):
+            object.__setattr__(self, "checkpoint", os.fspath(self.checkpoint))
+        if self.skip_unimplemented_parts and self.checkpoint is None:
+            raise ValueError("skip_unimplemented_parts applies to the checkpoint option only")
 
     def _check_target(self, lowering: str) -> None:
         if lowering == "torchair" and self.ep > 1 and self.ep_dispatch == "exact":
@@ -122,8 +136,12 @@ class BackendOptions:
         return lowering
 
     def cache_key(self) -> tuple[tuple[str, Any], ...]:
-        """The options that change the per-rank program (not where it is dumped)."""
-        skip = {"dump_dir", "dump_after", "check_inputs", "share_compile"}
+        """The options that change the per-rank program (not where it is dumped, nor where
+        its weights come from)."""
+        skip = {
+            "dump_dir", "dump_after", "check_inputs", "share_compile", "checkpoint",
+            "skip_unimplemented_parts",
+        }  # fmt: skip
         return tuple(
             (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in skip
         )

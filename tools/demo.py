@@ -56,7 +56,9 @@ def main() -> None:
     parser.add_argument(
         "--checkpoint",
         type=Path,
-        help="load every rank's model from this checkpoint directory (the released format; "
+        help="compile DeepseekV41.without_weights with this checkpoint directory (the released "
+        "format), each rank reading its own slices, against the single-device model loaded from "
+        "it (or "
         "'synthetic': write one from a seeded model first, as tools/make_checkpoint.py does)",
     )
     args = parser.parse_args()
@@ -94,8 +96,10 @@ def main() -> None:
     results = run_ranks(compare_on_rank, WORLD, spec)
     print(f"done in {time.perf_counter() - start:.0f} s (8 processes on this machine's cores)")
     if checkpoint is not None:
-        print(f"every rank loaded its model from {checkpoint} ({results[0]['checkpoint_bytes']} "
-              "bytes of tensors each)")  # fmt: skip
+        read = [sum(r["checkpoint_read"].values()) for r in results]
+        whole = sum(results[0]["reference_read"].values())
+        print(f"each rank's program read its own slices of {checkpoint}: {min(read)} to "
+              f"{max(read)} bytes of its {whole} (the single-device reference read all of it)")  # fmt: skip
     print()
     comm = results[0]["comm"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -20,7 +20,15 @@ if TYPE_CHECKING:
     from dsv41_compile.options import BackendOptions
     from dsv41_compile.spmd.plan import ShardingPlan
 
-__all__ = ["PARTS", "LayerCollectives", "ModelAdapter", "RoutedExperts", "Site"]
+__all__ = [
+    "PARTS",
+    "LayerCollectives",
+    "ModelAdapter",
+    "RoutedExperts",
+    "Site",
+    "WeightInput",
+    "WeightSlice",
+]
 
 PARTS = ("entry", "attention", "moe", "exit")
 """The parts of a model a node belongs to: before the first decoder layer, a layer's attention
@@ -76,6 +84,29 @@ GraphModeRewrite = Callable[..., Any]
 (see `targets.graph_mode`)."""
 
 
+class WeightSlice(NamedTuple):
+    """Chunk `index` of `parts` equal chunks of dim `dim` of a parameter: a rank's tp shard, or
+    (dim 0 of stacked expert weights) the experts an EP rank holds."""
+
+    dim: int
+    index: int
+    parts: int
+
+    def bounds(self, size: int) -> tuple[int, int]:
+        step = size // self.parts
+        return self.index * step, (self.index + 1) * step
+
+
+class WeightInput(NamedTuple):
+    """A parameter a per-rank program takes: its FQN, global shape and dtype, and the slice of
+    it this rank holds (None: all of it)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    slice: WeightSlice | None
+
+
 class ModelAdapter(abc.ABC):
     name: str
     token_inputs: tuple[str, ...]
@@ -113,6 +144,16 @@ class ModelAdapter(abc.ABC):
         """Raise a ValueError that says what to change when `options` cannot shard a model
         with these parameter shapes (FQN -> shape); the passes would otherwise find out deep
         in the graph."""
+
+    def read_weights(
+        self, path: str, weights: Sequence[WeightInput], *, skip_unimplemented_parts: bool
+    ) -> tuple[list[torch.Tensor], dict[str, int]]:
+        """The `checkpoint` option: each of `weights` read from the checkpoint at `path`, only
+        its slice, as a CPU tensor of its dtype; and the bytes read per checkpoint tensor."""
+        raise NotImplementedError(
+            f"the {self.name} model family has no checkpoint reader: load the weights into the "
+            "model instead of passing the checkpoint option"
+        )
 
     def routed_experts_op(self, op: object) -> RoutedExperts | None:
         return next((r for r in self.routed_experts if r.op is op), None)

@@ -49,6 +49,8 @@ class CompileContext:
     """The resolved lowering: "eager", "inductor" or "torchair"."""
     param_fqns: dict[str, str]
     """Placeholder name -> parameter or buffer FQN (`layers.0.attn.wq_b.weight`)."""
+    buffers: frozenset[str]
+    """The placeholder names among `param_fqns` that are buffers, not parameters."""
     input_sources: dict[str, str]
     """Placeholder name -> the model input it is (`input_ids`, `cache.window_kv[0]`, ...)."""
     token_input: str

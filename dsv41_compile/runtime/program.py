@@ -36,6 +36,8 @@ class ProgramSpec:
     """One per MoE layer lowered over the EP group: the graph's trailing statistics outputs."""
     ep_tokens_input: bool = False
     """The graph takes `ep_tokens` (padded EP dispatch) after `tp_rank`."""
+    params: tuple[tuple[int, str, tuple[int, ...], torch.dtype], ...] = ()
+    """(input index, FQN, global shape, dtype) of every parameter input (not buffers)."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,8 @@ class ProgramReport:
 class ShardedProgram:
     """The compiled per-rank graph as AOT calls it: full parameters in, local shards to the
     graph. Each sharded parameter is sliced once and reused until it is replaced or modified in
-    place (its version counter moves). Appends the inputs the rewrite added: `tp_rank`, and for
+    place (its version counter moves); with `weights` (the `checkpoint` option) the rank's own
+    tensors replace the parameters instead. Appends the inputs the rewrite added: `tp_rank`, and for
     padded EP dispatch `ep_tokens` (the largest token-shard length over the EP group, agreed
     with one all-reduce(max) of an integer, outside the graph). The graph's trailing
     EP-statistics outputs are kept in `ep_stats`, not returned; `on_ep_stats`, when set,
@@ -70,12 +73,16 @@ class ShardedProgram:
         device_type: str = "cpu",
         on_ep_stats: Callable[[list[torch.Tensor], int], None] | None = None,
         check_inputs: dist.ProcessGroup | None = None,
+        weights: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.compiled, self.spec, self.report = compiled, spec, report
         self.tp, self.tp_rank, self.rank, self.device_type = tp, tp_rank, rank, device_type
         self.on_ep_stats = on_ep_stats
         self.check_inputs = check_inputs
         """The TP group, when the `check_inputs` option asks for the check before each call."""
+        self.weights = weights
+        """Input index -> this rank's tensor of that parameter, read from the `checkpoint`
+        option's directory (`runtime.weights`): the model's own parameters are not used."""
         self.calls = 0
         self.tp_rank_tensor: torch.Tensor | None = None  # made at the first call, not under
         # the compile-time fake mode
@@ -131,8 +138,12 @@ class ShardedProgram:
                 [args[i] for i in indices], names, self.check_inputs, self.rank // self.tp
             )
         tokens = args[self.spec.token_index].shape[0]
-        for index in self.spec.param_shards:
-            args[index] = self.local_shard(index, args[index])
+        if self.weights is not None:
+            for index, weight in self.weights.items():
+                args[index] = weight
+        else:
+            for index in self.spec.param_shards:
+                args[index] = self.local_shard(index, args[index])
         if self.tp_rank_tensor is None:
             self.tp_rank_tensor = torch.tensor(self.tp_rank, dtype=torch.int64)
         args.append(self.tp_rank_tensor)

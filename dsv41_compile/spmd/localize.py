@@ -68,7 +68,8 @@ def localize(gm: GraphModule, *, ctx: CompileContext) -> None:
 
 def local_inputs(gm: GraphModule, ctx: CompileContext) -> list[Any]:
     """Fake values of the per-rank graph's inputs: local parameter shards, `tp_rank`, and the
-    (unchanged) model inputs."""
+    (unchanged) model inputs. With the `checkpoint` option every parameter is a contiguous
+    tensor of the rank's own (`runtime.weights`)."""
     inputs = []
     for index, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         if node.name == "tp_rank":
@@ -79,8 +80,15 @@ def local_inputs(gm: GraphModule, ctx: CompileContext) -> list[Any]:
             inputs.append(node.meta["val"])
             continue
         val = node.meta.get(GLOBAL_VAL, node.meta.get("val"))
-        if index in ctx.param_shards:
-            shape = ctx.param_shards[index].local_shape(list(val.shape))
+        loaded = (
+            ctx.options.checkpoint is not None
+            and node.name in ctx.param_fqns
+            and node.name not in ctx.buffers
+        )
+        if index in ctx.param_shards or loaded:  # contiguous, as the program passes them
+            shape = list(val.shape)
+            if index in ctx.param_shards:
+                shape = ctx.param_shards[index].local_shape(shape)
             with ctx.fake_mode:
                 val = torch.empty(shape, dtype=val.dtype, device=val.device)
         inputs.append(val)

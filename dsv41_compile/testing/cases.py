@@ -38,6 +38,7 @@ from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.hooks import Hooks, installed
 from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
 from dsv41_compile.model.validate import validate_batch
+from dsv41_compile.runtime import weights
 from dsv41_compile.runtime.host_cache import STATS
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.capture import capture_compiled, capture_reference
@@ -108,9 +109,9 @@ class CaseSpec:
     """With `lowering="torchair"`: torchair replaced by `testing.torchair_standin` (its AOT
     step, then the graph run eagerly), so the graph torchair would get runs on CPU."""
     checkpoint: str | None = None
-    """A checkpoint directory in the released format (tools/make_checkpoint.py) that every
-    rank's model is loaded from (`load_checkpoint`: the whole model on each rank), for both
-    sides of the comparison."""
+    """A checkpoint directory in the released format (tools/make_checkpoint.py). The compiled
+    side is `DeepseekV41.without_weights` compiled with the `checkpoint` option (each rank
+    reads its own slices); the single-device side is loaded from it whole (`load_checkpoint`)."""
 
 
 def model_config(spec: CaseSpec) -> ModelConfig:
@@ -136,18 +137,26 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     "captures": {module: (compiled values, ref values)}, "comm": comm.json or None,
     "torchair_ops": with the torchair stand-in, the ops after torchair's AOT step (name ->
     count), "host_cache": this process's shared compiles (`runtime.host_cache.STATS`),
-    "inductor": inductor's FX graph cache hits and misses in this process, "checkpoint_bytes":
-    the bytes of tensors read from `spec.checkpoint`}`."""
+    "inductor": inductor's FX graph cache hits and misses in this process, "checkpoint_read":
+    the bytes the compiled side read per checkpoint tensor, "reference_read": the bytes the
+    single-device side read}`."""
     options = dict(spec.options)
     dp_rank = rank // options.get("tp", 1)
     torch.manual_seed(0)
-    model = DeepseekV41(model_config(spec))
-    read = load_checkpoint(model, spec.checkpoint) if spec.checkpoint is not None else {}
-    reference = copy.deepcopy(model)  # its own module objects: hooks never reach the compiled one
+    cfg = model_config(spec)
+    if spec.checkpoint is None:
+        model = DeepseekV41(cfg)
+        reference = copy.deepcopy(model)  # its own modules: hooks never reach the compiled one
+        reference_read = {}
+    else:
+        model = DeepseekV41.without_weights(cfg)
+        options["checkpoint"] = spec.checkpoint
+        reference = DeepseekV41.without_weights(cfg)
+        reference_read = load_checkpoint(reference, spec.checkpoint)
     batches = [pack(step[dp_rank]) for step in spec.steps]
     ref_cache = reference.new_cache(spec.num_slots, spec.max_len)
     out: dict[str, Any] = {"T": [int(b[0].numel()) for b in batches], "modes": {}}
-    out["checkpoint_bytes"] = sum(read.values())
+    out["reference_read"] = reference_read
     with capture_reference(reference, spec.capture) as ref_store:
         out["ref"] = [reference(*batch, ref_cache) for batch in batches]
     standin = None
@@ -183,6 +192,7 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
         from dsv41_compile.testing.torchair_standin import graph_ops
 
         out["torchair_ops"] = sum((graph_ops(gm) for gm in standin.aot_graphs), Counter())
+    out["checkpoint_read"] = dict(weights.READ)
     out["host_cache"] = dict(STATS)
     out["inductor"] = {k: v for k, v in counters["inductor"].items() if "fxgraph" in k}
     return out

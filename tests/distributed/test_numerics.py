@@ -15,8 +15,9 @@ indexer top-k choices of the longer prefill. The compressed paths are covered in
 Runs (steps: `testing.cases.SERVING_STEPS`, the last with DP group 0 idle, T = 0), all with 3
 Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPool`):
 - tiny cut to five layers that keep every attention mode, sp, ep=8 exact, eager, per-layer
-  intermediates captured, every rank's model loaded from a synthetic checkpoint in the
-  released format (`load_checkpoint`);
+  intermediates captured, `DeepseekV41.without_weights` compiled with the `checkpoint` option:
+  each rank reads its own slices of a synthetic checkpoint in the released format, and the
+  single-device reference is loaded from all of it (`load_checkpoint`);
 - one window-only layer (tiny-swa's), the replicated baseline, ep=8 padded, as handed to
   torchair (graph-mode rewrites and torchair's AOT step, run eagerly:
   `testing.torchair_standin`);
@@ -34,11 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from dsv41_compile.model import ModelConfig
 from dsv41_compile.models.deepseek_v41.checkpoint import INDEX
@@ -116,8 +120,9 @@ ONE_RANK_TORCHAIR = CaseSpec(
 _RESULTS: dict[str, list | RuntimeError] = {}
 
 CHECKPOINT_RUN = "tiny-every-mode-ep-exact-eager"
-"""The run whose ranks load the model from a synthetic checkpoint in the released format
-(FP8 / FP4 with their scales, 3 shards; every rank reads the whole model) instead of the seed."""
+"""The run whose ranks load their weights from a synthetic checkpoint in the released format
+(FP8 / FP4 with their scales, 3 shards) instead of the seed: each compiled rank reads only its
+slices, each single-device reference all of it."""
 _CHECKPOINT = tempfile.TemporaryDirectory(prefix="dsv41_ckpt_")
 
 
@@ -308,9 +313,65 @@ def test_ep_traffic_adds_up_on_every_step(name):
                     assert rec["combine_bytes_sent"] == back * D * 4
 
 
-def test_every_rank_loaded_the_model_from_the_checkpoint():
-    """The every-mode run's ranks filled their models from the synthetic checkpoint: each read
-    every tensor of it once (the whole model; reading only a rank's slices is not done)."""
+TP_SHARDED = {"attn.wq_b": 0, "attn.wo_a": 0, "attn.wo_b": 1, "attn.attn_sink": 0}
+"""The plan's tp shards (`models/deepseek_v41/plan.py`): checkpoint name suffix -> dim."""
+
+
+SIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
+
+
+def checkpoint_headers(root: Path) -> dict[str, tuple[list[int], str]]:
+    """Checkpoint tensor -> its shape and safetensors dtype, from the files' headers."""
+    headers = {}
+    for file in set(json.loads((root / INDEX).read_text())["weight_map"].values()):
+        with safe_open(str(root / file), "pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                headers[name] = (part.get_shape(), part.get_dtype())
+    return headers
+
+
+def expected_read(root: Path, rank: int) -> dict[str, int]:
+    """The bytes rank `rank` should read of each checkpoint tensor: a quarter of a tp-sharded
+    weight (and the rows or columns of its scale blocks the quarter touches), the experts of
+    its EP shard and none of the others', all of every other tensor. From the files' headers."""
+    headers = checkpoint_headers(root)
+    n_experts = compile_config("tiny", EVERY_MODE_5).n_routed_experts
+    mine = range(rank * n_experts // EP, (rank + 1) * n_experts // EP)
+    tp_rank = rank % TP
+    want = {}
+    for name, (shape, dtype) in headers.items():
+        stem = name.removesuffix(".weight").removesuffix(".scale")
+        numel = math.prod(shape)
+        expert = re.search(r"\.experts\.(\d+)\.", name)
+        dim = next((d for s, d in TP_SHARDED.items() if stem.endswith(s)), None)
+        if expert is not None:
+            numel = numel if int(expert[1]) in mine else 0
+        elif dim is not None and name.endswith(".scale"):  # the blocks of 32 the slice touches
+            full = headers[stem + ".weight"][0][dim]
+            lo, hi = tp_rank * full // TP, (tp_rank + 1) * full // TP
+            numel = numel // shape[dim] * (-(-hi // 32) - lo // 32)
+        elif dim is not None:
+            numel //= TP
+        want[name] = numel * SIZE[dtype]
+    return want
+
+
+def test_each_rank_read_only_its_slices_of_the_checkpoint():
+    """The every-mode run compiled `DeepseekV41.without_weights` with the `checkpoint` option:
+    each rank read its share of every sharded tensor and nothing of the other ranks' experts,
+    counted per tensor; a tp group read each sharded weight exactly once between its ranks.
+    The single-device reference read the whole checkpoint."""
     results = results_of(CHECKPOINT_RUN)
-    index = json.loads((Path(spec_of(CHECKPOINT_RUN).checkpoint) / INDEX).read_text())
-    assert [r["checkpoint_bytes"] for r in results] == [index["metadata"]["total_size"]] * WORLD
+    root = Path(spec_of(CHECKPOINT_RUN).checkpoint)
+    index = json.loads((root / INDEX).read_text())
+    for rank, result in enumerate(results):
+        want = expected_read(root, rank)
+        got = {n: result["checkpoint_read"].get(n, 0) for n in want}
+        assert got == want, rank
+        assert set(result["checkpoint_read"]) <= set(want)
+        assert sum(result["reference_read"].values()) == index["metadata"]["total_size"]
+    for name, (shape, dtype) in checkpoint_headers(root).items():
+        if not name.endswith(".scale") and name.removesuffix(".weight").endswith(tuple(TP_SHARDED)):
+            read = sum(results[r]["checkpoint_read"][name] for r in range(TP))
+            assert read == math.prod(shape) * SIZE[dtype], name

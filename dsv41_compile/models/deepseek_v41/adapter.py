@@ -12,8 +12,15 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from dsv41_compile.core.adapter import LayerCollectives, ModelAdapter, RoutedExperts, Site
+from dsv41_compile.core.adapter import (
+    LayerCollectives,
+    ModelAdapter,
+    RoutedExperts,
+    Site,
+    WeightInput,
+)
 from dsv41_compile.models.deepseek_v41 import ops  # noqa: F401  (registers dsv41::routed_experts)
+from dsv41_compile.models.deepseek_v41.checkpoint import read_weights
 from dsv41_compile.models.deepseek_v41.graph_mode import routed_experts_grouped
 from dsv41_compile.models.deepseek_v41.plan import deepseek_v41_plan
 from dsv41_compile.moe.rules import routed_experts_rule
@@ -74,6 +81,11 @@ class DeepseekV41Adapter(ModelAdapter):
                 f"tp={tp} does not divide this model's attention: it shards its {heads} heads "
                 f"and {groups} output groups over tp; choose tp in {fits}"
             )
+
+    def read_weights(
+        self, path: str, weights: Sequence[WeightInput], *, skip_unimplemented_parts: bool
+    ) -> tuple[list[torch.Tensor], dict[str, int]]:
+        return read_weights(path, weights, skip_unimplemented_parts=skip_unimplemented_parts)
 
     def expected_collectives(self, options: BackendOptions) -> LayerCollectives:
         if options.layout == "sp":

@@ -212,6 +212,21 @@ class AttentionState:
         self.candidates: Tensor | None = None
 
 
+def rope_frequencies(cfg: ModelConfig, role: LayerRole) -> Tensor:
+    """The RoPE inverse frequencies of a layer: plain in window-only layers, YaRN-scaled with
+    the compressed layers' theta elsewhere."""
+    if role.mode == "swa":
+        return rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta)
+    return yarn_inv_freq(
+        cfg.rope_head_dim,
+        cfg.compress_rope_theta,
+        factor=cfg.rope_factor,
+        original_max_pos=cfg.original_max_position_embeddings,
+        beta_fast=cfg.beta_fast,
+        beta_slow=cfg.beta_slow,
+    )
+
+
 class Attention(nn.Module):
     """MQA with sink over the sliding window and, in compressed layers, the top-k compressed
     entries, for one layer. Returns the output projection in fp32."""
@@ -238,18 +253,7 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, role.ratio)
         if role.mode in ("full", "reindex"):
             self.indexer = Indexer(cfg, owns_keys=role.mode == "full")
-        if role.mode == "swa":
-            inv_freq = rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta)
-        else:
-            inv_freq = yarn_inv_freq(
-                cfg.rope_head_dim,
-                cfg.compress_rope_theta,
-                factor=cfg.rope_factor,
-                original_max_pos=cfg.original_max_position_embeddings,
-                beta_fast=cfg.beta_fast,
-                beta_slow=cfg.beta_slow,
-            )
-        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+        self.register_buffer("rope_inv_freq", rope_frequencies(cfg, role), persistent=False)
 
     def forward(
         self,

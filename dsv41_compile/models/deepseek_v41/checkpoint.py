@@ -29,18 +29,22 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from dsv41_compile.models.deepseek_v41.quant import CODECS
+from dsv41_compile.core.adapter import WeightInput, WeightSlice
+from dsv41_compile.models.deepseek_v41.quant import BLOCK, CODECS
+from dsv41_compile.runtime.weights import has_no_weights
 
 __all__ = [
     "INDEX",
     "CheckpointEntry",
     "checkpoint_layout",
     "load_checkpoint",
+    "read_weights",
     "write_checkpoint",
 ]
 
@@ -85,13 +89,21 @@ def _checkpoint_name(param: str) -> str:
     return name.replace(".ffn.shared_expert.", ".ffn.shared_experts.")
 
 
-def checkpoint_layout(model: nn.Module) -> dict[str, CheckpointEntry]:
-    """Checkpoint weight name -> entry, for every parameter of `model` (scales not listed:
-    each fp8 / fp4 `X.weight` has one, `X.scale`)."""
+def checkpoint_layout(
+    model: nn.Module | Mapping[str, Sequence[int]],
+) -> dict[str, CheckpointEntry]:
+    """Checkpoint weight name -> entry, for every parameter of `model` (or of a model with
+    these parameter shapes, FQN -> shape). Scales are not listed: each fp8 / fp4 `X.weight`
+    has one, `X.scale`."""
     layout: dict[str, CheckpointEntry] = {}
-    for param, value in model.state_dict().items():
+    shapes = (
+        {k: v.shape for k, v in model.state_dict().items()}
+        if isinstance(model, nn.Module)
+        else model
+    )
+    for param, shape in shapes.items():
         if match := _EXPERTS.fullmatch(param):
-            for e in range(value.shape[0]):
+            for e in range(shape[0]):
                 name = f"{match[1]}.{e}.{match[2]}.weight"
                 layout[name] = CheckpointEntry(param, "fp4", e)
         elif _FP8.fullmatch(param):
@@ -150,77 +162,217 @@ def _index(root: Path) -> dict[str, str]:
     return json.loads(index.read_text())["weight_map"]
 
 
+_SAFETENSORS_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu, "BF16": torch.bfloat16, "F16": torch.float16,
+    "F32": torch.float32, "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8,
+    "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+}  # fmt: skip
+
+_CHUNK = 1 << 20
+"""Elements decoded at a time: the fp32 temporaries of a decode stay a few MiB, however large
+the weight."""
+
+
+class _Checkpoint:
+    """A checkpoint directory, read tensor slice by tensor slice: the names checked against a
+    layout, the bytes read counted per tensor."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.root = Path(path)
+        self.weight_map = _index(self.root)
+        self.read: dict[str, int] = {}
+        """Bytes read per checkpoint tensor."""
+        self._files: dict[str, Any] = {}
+
+    def check_names(
+        self, layout: dict[str, CheckpointEntry], skip_unimplemented_parts: bool
+    ) -> None:
+        where = self.root / INDEX
+        expected = set(layout) | {_scale_name(n) for n, e in layout.items() if e.quantized}
+        unknown = sorted(set(self.weight_map) - expected)
+        parts = [n for n in unknown if _UNIMPLEMENTED.search(n)]
+        others = [n for n in unknown if not _UNIMPLEMENTED.search(n)]
+        if others:
+            raise ValueError(
+                f"{where}: {len(others)} tensors this model does not have, e.g. "
+                f"{others[:3]}: a checkpoint of another configuration?"
+            )
+        if parts and not skip_unimplemented_parts:
+            raise ValueError(
+                f"{where}: {len(parts)} tensors of parts this model does not implement "
+                f"(Engram, DSpark draft blocks, vision), e.g. {parts[:3]}. Its outputs would "
+                "differ from the released model's. Pass skip_unimplemented_parts=True to load "
+                "without them"
+            )
+        missing = sorted(expected - set(self.weight_map))
+        if missing:
+            raise ValueError(f"{where}: missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def where(self, name: str) -> str:
+        where = f"{name} ({self.weight_map[name]})"
+        scale = _scale_name(name)
+        if scale in self.weight_map and self.weight_map[scale] != self.weight_map[name]:
+            where += f", its scale in {self.weight_map[scale]}"
+        return where
+
+    def _slice(self, name: str) -> Any:
+        from safetensors import safe_open
+
+        file = self.weight_map[name]
+        if file not in self._files:
+            self._files[file] = safe_open(str(self.root / file), "pt")
+        return self._files[file].get_slice(name)
+
+    def header(self, name: str) -> tuple[torch.dtype | str, list[int]]:
+        """The stored dtype and shape of `name`, read from its file's header only."""
+        part = self._slice(name)
+        return _SAFETENSORS_DTYPES.get(part.get_dtype(), part.get_dtype()), part.get_shape()
+
+    def get(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """`name[index]`: only those elements are read."""
+        value = self._slice(name)[index]
+        self.read[name] = self.read.get(name, 0) + value.numel() * value.element_size()
+        return value
+
+    def close(self) -> None:
+        self._files.clear()
+
+    def fill(
+        self,
+        name: str,
+        entry: CheckpointEntry,
+        target: torch.Tensor,
+        shape: Sequence[int],
+        part: WeightSlice | None,
+    ) -> None:
+        """Write weight `name` (of the parameter's part of global `shape`) into `target`:
+        all of it, or `part` of it, decoded to `target`'s dtype."""
+        where = self.where(name)
+        want = list(shape)
+        if entry.fmt == "fp4":  # two inputs per byte
+            want[1] //= 2
+        dtype, stored = self.header(name)
+        if dtype != entry.stored_dtype or stored != want:
+            raise ValueError(
+                f"{where}: {dtype} {stored}, expected {entry.stored_dtype} {want}"
+            )
+        bounds = [(0, n) for n in want]
+        if part is not None:
+            start, stop = part.bounds(shape[part.dim])
+            if entry.fmt == "fp4" and part.dim == 1:
+                start, stop = start // 2, stop // 2
+            bounds[part.dim] = (start, stop)
+        if not entry.quantized:
+            target.copy_(self.get(name, tuple(slice(a, b) for a, b in bounds)))
+            return
+        codec = CODECS[entry.fmt]
+        scale = _scale_name(name)
+        scale_dtype, scale_shape = self.header(scale)
+        if scale_dtype != torch.float8_e8m0fnu:
+            raise ValueError(f"{where}: scale {scale_dtype}, expected torch.float8_e8m0fnu")
+        expected = codec.scale_shape(want)
+        if list(scale_shape) != list(expected):
+            raise ValueError(
+                f"{where}: scale of shape {list(scale_shape)} does not match its weight "
+                f"{entry.stored_dtype} {want}: expected {list(expected)} (one per "
+                f"{BLOCK} elements, rounded up)"
+            )
+        (r0, r1), (c0, c1) = bounds
+        if entry.fmt == "fp4" and (c0, c1) != (0, want[1]):
+            raise NotImplementedError(f"{where}: an FP4 weight is read in whole rows")
+        rows = BLOCK * max(1, _CHUNK // (BLOCK * max(1, c1 - c0)))
+        for a in range(r0, r1, rows):  # chunks start at block boundaries after the first
+            b = min(r1, (a // rows + 1) * rows)
+            weight = self.get(name, (slice(a, b), slice(c0, c1)))
+            if entry.fmt == "fp8":
+                blocks = (slice(a // BLOCK, -(-b // BLOCK)), slice(c0 // BLOCK, -(-c1 // BLOCK)))
+            else:
+                blocks = (slice(a, b), slice(None))
+            decoded = codec.dequantize(weight, self.get(scale, blocks), target.dtype, where, (a, c0))
+            target[a - r0 : b - r0].copy_(decoded)
+
+
+def read_weights(
+    path: str | Path,
+    weights: Sequence[WeightInput],
+    *,
+    skip_unimplemented_parts: bool = False,
+    into: Sequence[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], dict[str, int]]:
+    """Each of `weights` read from the checkpoint directory `path`: only its slice (a tp shard
+    reads those rows or columns, an EP rank the files of its experts), decoded block by block
+    to its dtype, into a new CPU tensor (or into `into`, of the same shapes). Returns them and
+    the bytes read per checkpoint tensor.
+
+    The checkpoint must hold exactly the tensors of a model with these parameters (see
+    `load_checkpoint` for what is refused), and every weight is checked against its file's
+    header before a byte of it is read."""
+    checkpoint = _Checkpoint(path)
+    shapes = {w.fqn: w.shape for w in weights}
+    layout = checkpoint_layout(shapes)
+    checkpoint.check_names(layout, skip_unimplemented_parts)
+    local = list(into) if into is not None else []
+    by_fqn: dict[str, int] = {}
+    for i, w in enumerate(weights):
+        shape = list(w.shape)
+        if w.slice is not None:
+            start, stop = w.slice.bounds(shape[w.slice.dim])
+            shape[w.slice.dim] = stop - start
+        if into is None:
+            local.append(torch.empty(shape, dtype=w.dtype))
+        elif list(local[i].shape) != shape:
+            raise ValueError(f"{w.fqn}: {list(local[i].shape)} given for its slice {shape}")
+        by_fqn[w.fqn] = i
+    filled = dict.fromkeys(by_fqn, 0)
+    with torch.no_grad():
+        for name in sorted(layout, key=lambda n: checkpoint.weight_map[n]):  # file by file
+            entry = layout[name]
+            w = weights[by_fqn[entry.param]]
+            target, part = local[by_fqn[entry.param]], w.slice
+            shape = w.shape
+            if entry.expert is not None:  # one file tensor per expert: this rank's, or none
+                first, stop = (0, shape[0]) if part is None else part.bounds(shape[0])
+                if not first <= entry.expert < stop:
+                    continue
+                target, shape, part = target[entry.expert - first], shape[1:], None
+            elif part is not None and part.dim >= len(shape):
+                raise ValueError(f"{w.fqn}: slice {part} of a {len(shape)}-d parameter")
+            checkpoint.fill(name, entry, target, shape, part)
+            filled[entry.param] += 1
+    checkpoint.close()
+    unfilled = sorted(fqn for fqn, n in filled.items() if not n)
+    if unfilled:  # a parameter no checkpoint name maps to: a bug of the layout
+        raise AssertionError(f"checkpoint_layout left parameters unfilled: {unfilled}")
+    return local, checkpoint.read
+
+
 def load_checkpoint(
     model: nn.Module, path: str | Path, *, skip_unimplemented_parts: bool = False
 ) -> dict[str, int]:
     """Fill every parameter of the single-device `model` from the checkpoint directory `path`;
-    returns the bytes read per file."""
-    from safetensors import safe_open
+    returns the bytes read per file.
 
-    root = Path(path)
-    weight_map = _index(root)
-    layout = checkpoint_layout(model)
-    expected = set(layout) | {_scale_name(n) for n, e in layout.items() if e.quantized}
-    unknown = sorted(set(weight_map) - expected)
-    parts = [n for n in unknown if _UNIMPLEMENTED.search(n)]
-    others = [n for n in unknown if not _UNIMPLEMENTED.search(n)]
-    if others:
-        raise ValueError(
-            f"{root / INDEX}: {len(others)} tensors this model does not have, e.g. "
-            f"{others[:3]}: a checkpoint of another configuration?"
-        )
-    if parts and not skip_unimplemented_parts:
-        raise ValueError(
-            f"{root / INDEX}: {len(parts)} tensors of parts this model does not implement "
-            f"(Engram, DSpark draft blocks, vision), e.g. {parts[:3]}. Its outputs would "
-            "differ from the released model's. Pass skip_unimplemented_parts=True to load "
-            "without them"
-        )
-    missing = sorted(expected - set(weight_map))
-    if missing:
-        raise ValueError(f"{root / INDEX}: missing {len(missing)} tensors, e.g. {missing[:3]}")
-
-    params = model.state_dict(keep_vars=True)
-    if any(p.is_meta for p in params.values()):
-        raise ValueError(
-            "load_checkpoint fills a model whose parameters exist (built on a real device); "
-            "for a model on the meta device, each rank loading its own shards is the backend's "
-            "job, which is not written yet"
-        )
-    filled: dict[str, int] = {}
-    read: dict[str, int] = {}
-    handles: dict[str, Any] = {}
-
-    def tensor(name: str) -> torch.Tensor:
-        shard = weight_map[name]
-        if shard not in handles:
-            handles[shard] = safe_open(str(root / shard), "pt")
-        value = handles[shard].get_tensor(name)
-        read[shard] = read.get(shard, 0) + value.numel() * value.element_size()
-        return value
-
-    with torch.no_grad():
-        for name in sorted(layout, key=lambda n: weight_map[n]):  # one shard after another
-            entry = layout[name]
-            target = entry.part_of(params[entry.param])
-            where = f"{name} ({weight_map[name]})"
-            if entry.quantized and weight_map[_scale_name(name)] != weight_map[name]:
-                where += f", its scale in {weight_map[_scale_name(name)]}"
-            value = tensor(name)
-            want = list(target.shape)
-            if entry.fmt == "fp4":  # two inputs per byte
-                want[1] //= 2
-            if value.dtype != entry.stored_dtype or list(value.shape) != want:
-                raise ValueError(
-                    f"{where}: {value.dtype} {list(value.shape)}, expected "
-                    f"{entry.stored_dtype} {want}"
-                )
-            if entry.quantized:
-                dequantize = CODECS[entry.fmt].dequantize
-                value = dequantize(value, tensor(_scale_name(name)), target.dtype, where)
-            target.copy_(value)
-            filled[entry.param] = filled.get(entry.param, 0) + 1
-    unfilled = sorted(set(params) - set(filled))
-    if unfilled:  # a parameter no checkpoint name maps to: a bug of the layout
-        raise AssertionError(f"checkpoint_layout left parameters unfilled: {unfilled}")
-    return read
+    A model built on the meta device or by `DeepseekV41.without_weights` gets its parameters
+    allocated here, on the CPU. Loading is strict: a missing tensor, a wrong dtype or shape, a
+    scale that does not fit its weight or a NaN scale is an error naming the tensor and its
+    file; tensors of the parts this model lacks (Engram, the DSpark draft blocks, the vision
+    tower) are refused unless `skip_unimplemented_parts=True`, and any other tensor the model
+    does not know is an error."""
+    params = dict(model.named_parameters())
+    for fqn, param in params.items():
+        if has_no_weights(param):
+            module_name, _, attr = fqn.rpartition(".")
+            value = torch.empty(param.shape, dtype=param.dtype)
+            params[fqn] = nn.Parameter(value, requires_grad=param.requires_grad)
+            setattr(model.get_submodule(module_name), attr, params[fqn])
+    weights = [WeightInput(fqn, tuple(p.shape), p.dtype, None) for fqn, p in params.items()]
+    _, read = read_weights(
+        path, weights, skip_unimplemented_parts=skip_unimplemented_parts,
+        into=list(params.values()),
+    )  # fmt: skip
+    weight_map = _index(Path(path))
+    per_file: dict[str, int] = {}
+    for name, n in read.items():
+        per_file[weight_map[name]] = per_file.get(weight_map[name], 0) + n
+    return per_file

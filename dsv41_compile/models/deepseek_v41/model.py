@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dsv41_compile.models.deepseek_v41.attention import Attention, AttentionState
+from dsv41_compile.models.deepseek_v41.attention import Attention, AttentionState, rope_frequencies
 from dsv41_compile.models.deepseek_v41.cache import KVCache
+from dsv41_compile.runtime.weights import has_no_weights
 from dsv41_compile.models.deepseek_v41.config import LayerRole, ModelConfig, layer_plan
 from dsv41_compile.models.deepseek_v41.layers import (
     Embedding,
@@ -86,6 +87,23 @@ class DeepseekV41(nn.Module):
         # trace a joint forward/backward graph whenever the caller forgets `no_grad`.
         self.requires_grad_(False)
 
+    @classmethod
+    def without_weights(cls, cfg: ModelConfig) -> DeepseekV41:
+        """The model with no memory behind its parameters: each is a zero broadcast to its
+        shape. It is for the `dsv41_sp` backend's `checkpoint` option, where each rank reads
+        only its own shards at compile time, and for `load_checkpoint`, which allocates the
+        parameters it fills. Called eagerly, it raises. (A model on the meta device cannot be
+        compiled: Dynamo refuses ops that mix its meta parameters with CPU inputs.)"""
+        with torch.device("meta"):
+            model = cls(cfg)
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                empty = torch.zeros((), dtype=param.dtype).expand(param.shape)
+                setattr(module, name, nn.Parameter(empty, requires_grad=False))
+        for layer in model.layers:  # the buffers: computed from the config, on the CPU
+            layer.attn.rope_inv_freq = rope_frequencies(cfg, layer.attn.role)
+        return model
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Deterministic under `torch.manual_seed`: fan-in-scaled normals, unit norms, and mHC /
@@ -140,6 +158,16 @@ class DeepseekV41(nn.Module):
     def forward(
         self, input_ids: Tensor, positions: Tensor, slots: Tensor, cache: KVCache
     ) -> Tensor:
+        weight = self.embed.weight  # a meta model runs on meta inputs only (planning)
+        if (weight.device.type == "meta") != (input_ids.device.type == "meta") or (
+            not torch.compiler.is_compiling() and not weight.is_meta and has_no_weights(weight)
+        ):
+            raise ValueError(
+                "this DeepseekV41 has no weights (built on the meta device or by "
+                "DeepseekV41.without_weights): call load_checkpoint(model, DIR) first, or "
+                "compile DeepseekV41.without_weights(cfg) with the dsv41_sp backend's option "
+                "checkpoint=DIR, where each rank reads only its own shards"
+            )
         valid_T = slots >= 0
         cache_slot_T = torch.where(valid_T, slots, cache.scratch_slot)
 

@@ -17,7 +17,7 @@ scale covers the elements there are. Every error names the tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -50,16 +50,21 @@ def _blocks(n: int) -> int:
     return -(-n // BLOCK)
 
 
-def _per_element(s: torch.Tensor, shape: torch.Size, rows: int) -> torch.Tensor:
+def _per_element(
+    s: torch.Tensor, shape: torch.Size, rows: int, start: tuple[int, int] = (0, 0)
+) -> torch.Tensor:
     """Block values `s` spread over a weight of `shape`: one per `rows` x `BLOCK` elements
-    (a short last block keeps the elements there are)."""
+    (a short last block keeps the elements there are). `start`: the weight is the part of a
+    larger one beginning at that element, and `s` holds the blocks it touches."""
     out, inp = shape
-    return s.repeat_interleave(rows, 0)[:out].repeat_interleave(BLOCK, 1)[:, :inp]
+    r0, c0 = start[0] % rows, start[1] % BLOCK
+    return s.repeat_interleave(rows, 0)[r0 : r0 + out].repeat_interleave(BLOCK, 1)[:, c0 : c0 + inp]
 
 
-def e8m0_values(scale: torch.Tensor, name: str) -> torch.Tensor:
+def e8m0_values(scale: torch.Tensor, name: str, first: tuple[int, ...] = (0, 0)) -> torch.Tensor:
     """The fp32 powers of two an e8m0 scale stands for (`float8_e8m0fnu`, or its bytes as
-    uint8). A NaN byte (255) is an error naming `name` and the first index holding one."""
+    uint8). A NaN byte (255) is an error naming `name` and the first index holding one
+    (`first`: the index of `scale[0, 0]` in the whole scale, when `scale` is a part of it)."""
     if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
         raise ValueError(
             f"{name}: an e8m0 scale must be float8_e8m0fnu (or its bytes as uint8), "
@@ -68,7 +73,7 @@ def e8m0_values(scale: torch.Tensor, name: str) -> torch.Tensor:
     exponent = scale.view(torch.uint8)
     nan = exponent == 255
     if bool(nan.any()):
-        at = nan.nonzero()[0].tolist()
+        at = [i + f for i, f in zip(nan.nonzero()[0].tolist(), first)]
         raise ValueError(
             f"{name}: scale byte 255 (NaN) at {at}, {int(nan.sum())} in all: the checkpoint "
             "is damaged (a released scale is a power of two)"
@@ -85,33 +90,49 @@ def _check_scale(scale: torch.Tensor, expected: tuple[int, ...], weight: str, na
 
 
 def dequantize_fp8(
-    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, name: str
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    name: str,
+    start: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
-    """`weight` (`float8_e4m3fn [out, in]`) times its 32 x 32 block scales, as `dtype`."""
+    """`weight` (`float8_e4m3fn [out, in]`) times its 32 x 32 block scales, as `dtype`.
+    `start`: `weight` is the part of a larger weight that begins at that element (a rank's
+    slice), and `scale` the rows and columns of blocks it touches."""
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise ValueError(
             f"{name}: an FP8 weight is a 2-d float8_e4m3fn tensor, got {weight.dtype} "
             f"{list(weight.shape)}"
         )
-    out, inp = weight.shape
-    _check_scale(scale, (_blocks(out), _blocks(inp)), f"float8_e4m3fn {[out, inp]}", name)
-    return (weight.float() * _per_element(e8m0_values(scale, name), weight.shape, BLOCK)).to(dtype)
+    (out, inp), (r, c) = weight.shape, start
+    expected = (_blocks(r + out) - r // BLOCK, _blocks(c + inp) - c // BLOCK)
+    _check_scale(scale, expected, f"float8_e4m3fn {[out, inp]}", name)
+    values = e8m0_values(scale, name, (r // BLOCK, c // BLOCK))
+    return (weight.float() * _per_element(values, weight.shape, BLOCK, start)).to(dtype)
 
 
 def dequantize_fp4(
-    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, name: str
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    name: str,
+    start: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
     """`packed` (int8 `[out, in/2]`, two e2m1 codes per byte) times its per-32-input scales,
-    as `dtype` `[out, in]`."""
+    as `dtype` `[out, in]`. `start`: `packed` is rows `start[0]...` of a larger weight (whole
+    rows: `start[1]` is 0), and `scale` the same rows of its scale."""
     if packed.dtype not in (torch.int8, torch.uint8) or packed.dim() != 2:
         raise ValueError(
             f"{name}: an FP4 weight is a 2-d int8 tensor of packed e2m1 pairs, got "
             f"{packed.dtype} {list(packed.shape)}"
         )
+    if start[1]:
+        raise NotImplementedError(f"{name}: an FP4 weight is decoded in whole rows")
     out, inp = packed.shape[0], 2 * packed.shape[1]
     _check_scale(scale, (out, _blocks(inp)), f"int8 {list(packed.shape)} (in = {inp})", name)
     values = _E2M1_PAIRS[packed.view(torch.uint8).long()].flatten(1)  # input 2k: low nibble
-    return (values * _per_element(e8m0_values(scale, name), values.shape, 1)).to(dtype)
+    scales = e8m0_values(scale, name, (start[0], 0))
+    return (values * _per_element(scales, values.shape, 1)).to(dtype)
 
 
 # --- the inverse, for synthetic checkpoints (tools/make_checkpoint.py) -----------------------
@@ -178,12 +199,19 @@ class Codec(NamedTuple):
     """A released weight format: to it, from it, and how far the round trip may move a weight."""
 
     quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    dequantize: Callable[[torch.Tensor, torch.Tensor, torch.dtype, str], torch.Tensor]
+    dequantize: Callable[..., torch.Tensor]
+    """(weight, scale, dtype, name, start=(0, 0)) -> the weight as `dtype`."""
     error_bound: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    scale_shape: Callable[[Sequence[int]], tuple[int, int]]
+    """The shape of the scale of a stored weight of this shape."""
 
 
 CODECS = {
-    "fp8": Codec(quantize_fp8, dequantize_fp8, fp8_error_bound),
-    "fp4": Codec(quantize_fp4, dequantize_fp4, fp4_error_bound),
+    "fp8": Codec(
+        quantize_fp8, dequantize_fp8, fp8_error_bound, lambda s: (_blocks(s[0]), _blocks(s[1]))
+    ),
+    "fp4": Codec(
+        quantize_fp4, dequantize_fp4, fp4_error_bound, lambda s: (s[0], _blocks(2 * s[1]))
+    ),
 }
 """The quantised formats by name: each weight stored in one has an e8m0 `.scale` sibling."""

@@ -1,0 +1,77 @@
+"""The `checkpoint` option: each rank's weights, read from the checkpoint when its first
+program is built.
+
+A rank reads only what its program takes: its slice of every sharded parameter (a tp shard's
+rows or columns, an EP rank's experts) and all of every replicated one, decoded to the
+parameter's dtype (the model family's `ModelAdapter.read_weights`). The program then runs on
+these tensors and ignores the model's own parameters, which may have no memory behind them
+(`has_no_weights`). The tensors are kept for the life of the process and shared by every
+program compiled from the same checkpoint (a recompile reads nothing).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from dsv41_compile.core.adapter import ModelAdapter, WeightInput, WeightSlice
+from dsv41_compile.core.context import ParamShard
+from dsv41_compile.core.mesh import Mesh
+
+__all__ = ["READ", "has_no_weights", "rank_weights", "weight_inputs"]
+
+_LOADED: dict[tuple[str, WeightInput], torch.Tensor] = {}
+READ: dict[str, int] = {}
+"""Bytes this process read per checkpoint tensor (scales included)."""
+
+
+def has_no_weights(value: torch.Tensor) -> bool:
+    """A parameter with no memory behind it: on the meta device, or a broadcast whose storage
+    is smaller than its elements (`DeepseekV41.without_weights`)."""
+    if value.is_meta:
+        return True
+    return value.untyped_storage().nbytes() < value.numel() * value.element_size()
+
+
+def weight_inputs(
+    params: tuple[tuple[int, str, tuple[int, ...], torch.dtype], ...],
+    shards: dict[int, ParamShard],
+    mesh: Mesh,
+) -> dict[int, WeightInput]:
+    """Input index -> what this rank holds of that parameter."""
+    out = {}
+    for index, fqn, shape, dtype in params:
+        shard = shards.get(index)
+        part = None
+        if shard is not None:
+            rank = mesh.tp_rank if shard.axis == "tp" else mesh.rank
+            part = WeightSlice(shard.dim, rank, shard.parts)
+        out[index] = WeightInput(fqn, shape, dtype, part)
+    return out
+
+
+def rank_weights(
+    adapter: ModelAdapter,
+    path: str,
+    wanted: dict[int, WeightInput],
+    *,
+    device_type: str,
+    skip_unimplemented_parts: bool,
+) -> dict[int, torch.Tensor]:
+    """Input index -> this rank's tensor of that parameter, read from `path` unless this
+    process already did."""
+    root = os.path.realpath(path)
+    if any((root, w) not in _LOADED for w in wanted.values()):
+        weights = list(wanted.values())
+        with unset_fake_temporarily():  # built during a compile, under its fake mode
+            tensors, read = adapter.read_weights(
+                root, weights, skip_unimplemented_parts=skip_unimplemented_parts
+            )
+        for name, n in read.items():
+            READ[name] = READ.get(name, 0) + n
+        for w, tensor in zip(weights, tensors):
+            with unset_fake_temporarily():
+                _LOADED[root, w] = tensor.to(device_type)
+    return {index: _LOADED[root, w] for index, w in wanted.items()}
