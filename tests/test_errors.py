@@ -296,3 +296,15 @@ def test_compiling_past_the_recompile_limit_is_refused():
         "dsv41_compile.mark_token_dim(tokens) before each call (one graph for every T), or raise "
         "torch._dynamo.config.recompile_limit",
     )
+
+
+def test_a_model_without_weights_needs_the_checkpoint_option():
+    model = DeepseekV41.without_weights(ONE_LAYER_MODEL)
+    n = len(list(model.parameters()))
+    assert_error(
+        raised(lambda: compile_and_run({"tp": 4}, model=model)),
+        ValueError,
+        f"{n} parameters of this model have no weights (embed.weight, ...): pass options "
+        "checkpoint=DIR (each rank reads only its own shards), or load the weights into the "
+        "model first",
+    )

@@ -10,15 +10,24 @@ names); `ModelConfig.from_hf(out_dir)` and `load_checkpoint(model, out_dir)` rea
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.distributed.tensor import Shard
+
+from dsv41_compile.core.adapter import WeightInput, WeightSlice
+from dsv41_compile.options import BackendOptions
+from dsv41_compile.spmd.placements import ExpertShard
 
 from dsv41_compile.model import DeepseekV41, ModelConfig
-from dsv41_compile.models.deepseek_v41.checkpoint import write_checkpoint
+from dsv41_compile.models.deepseek_v41.adapter import DEEPSEEK_V41
+from dsv41_compile.models.deepseek_v41.checkpoint import read_weights, write_checkpoint
 from dsv41_compile.models.deepseek_v41.hf_config import config_to_hf
 
-__all__ = ["synthetic_checkpoint"]
+__all__ = ["loading_peak", "rank_weight_inputs", "synthetic_checkpoint"]
 
 
 def synthetic_checkpoint(
@@ -32,3 +41,58 @@ def synthetic_checkpoint(
     write_checkpoint(model, out, files=files)
     (out / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
     return model
+
+
+def rank_weight_inputs(
+    cfg: ModelConfig, options: dict[str, Any], rank: int
+) -> list[WeightInput]:
+    """What rank `rank` holds of each parameter under `options` (the plan's placements): the
+    slices the backend's `checkpoint` option reads for it."""
+    opts = BackendOptions(**options)
+    plan = DEEPSEEK_V41.plan(opts)
+    inputs = []
+    for fqn, p in DeepseekV41.without_weights(cfg).named_parameters():
+        placement, part = plan.param_placement(fqn), None
+        if isinstance(placement, ExpertShard):
+            part = WeightSlice(placement.dim, rank, opts.ep)
+        elif isinstance(placement, Shard):
+            part = WeightSlice(placement.dim, rank % opts.tp, opts.tp)
+        inputs.append(WeightInput(fqn, tuple(p.shape), p.dtype, part))
+    return inputs
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+def loading_peak(path: str | Path, weights: list[WeightInput]) -> dict[str, int]:
+    """`read_weights(path, weights)` with this process's anonymous memory sampled every 0.2 ms:
+    the peak above what it held before (`peak`), the bytes of the tensors returned (`own`)
+    and of the largest whole parameter part one checkpoint tensor decodes to (`largest`).
+    Linux only (/proc/self/status); a sample can miss a peak shorter than its interval."""
+    import safetensors  # noqa: F401  (its extension loaded before the baseline)
+
+    start, peak, done = _rss_anon(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_anon())
+            time.sleep(2e-4)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        local, _ = read_weights(path, weights)
+        peak[0] = max(peak[0], _rss_anon())
+    finally:
+        done.set()
+        sampler.join()
+    largest = 0
+    for w in weights:
+        size = torch.finfo(w.dtype).bits // 8
+        per_file = w.shape[1:] if ".experts." in w.fqn else w.shape  # one expert per tensor
+        largest = max(largest, size * int(torch.tensor(per_file).prod()))
+    own = sum(t.numel() * t.element_size() for t in local)
+    return {"peak": peak[0] - start, "own": own, "largest": largest}

@@ -169,9 +169,9 @@ _SAFETENSORS_DTYPES = {
     "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
 }  # fmt: skip
 
-_CHUNK = 1 << 20
-"""Elements decoded at a time: the fp32 temporaries of a decode stay a few MiB, however large
-the weight."""
+_CHUNK = 1 << 18
+"""Elements decoded at a time (at least 32 rows): the fp32 temporaries of a decode stay a few
+MiB, however large the weight."""
 
 
 class _Checkpoint:
