@@ -5,8 +5,9 @@ KV cache's bytes per request and per token, read from the planned per-rank graph
 
 It answers "does it fit on 8 devices of N GiB?" for the weights as the program holds them (the
 model's dtype: FP8 / FP4 checkpoint weights are dequantised at load) and the cache as the model
-lays it out (every position of every request in the window cache; the compressed caches hold
-`max_len / ratio` entries). Activations are not counted. Planning flash takes minutes.
+lays it out: per request, a ring of `window` rows per layer (a fixed size) and the compressed
+caches' `max_len / ratio` entries (which grow with the length). Activations are not counted.
+Planning flash takes minutes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ import torch
 from dsv41_compile.model import ModelConfig
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.testing.batches import Request
+
+
+_FIXED = ("cache.window_kv", "cache.pair_state")
+"""The cache tensors of a fixed size per request: the window rings and the ratio-2 pair state."""
 
 
 def _size(n: float) -> str:
@@ -40,8 +45,10 @@ def plan(
 
 def memory_plan(gm: Any, ctx: Any, *, max_len: int) -> dict[str, Any]:
     """The bytes of a planned rank's inputs: `weights[dtype][kind]` (kind "sharded" /
-    "replicated"), `cache` (cache tensor -> bytes), `cache_per_request` and `cache_per_token`
-    (per request, `max_len` positions)."""
+    "replicated"), `cache` (cache tensor -> bytes), and per request of `max_len` positions:
+    `cache_per_request` (all of it), `cache_fixed_per_request` (the window rings and the
+    ratio-2 pair state, whatever the length) and `cache_per_token` (the compressed caches,
+    which grow with the length)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     weights: dict[str, dict[str, int]] = defaultdict(lambda: {"sharded": 0, "replicated": 0})
     cache: dict[str, int] = {}
@@ -58,12 +65,14 @@ def memory_plan(gm: Any, ctx: Any, *, max_len: int) -> dict[str, Any]:
         elif source.startswith("cache.") and value.dim() >= 2:
             cache[source] = int(size)
             rows = value.shape[0]  # the requests' slots + the scratch slot
-    per_request = sum(cache.values()) / rows
+    fixed = sum(n for s, n in cache.items() if s.startswith(_FIXED)) / rows
+    growing = sum(n for s, n in cache.items() if not s.startswith(_FIXED)) / rows
     return {
         "weights": {dtype: dict(kinds) for dtype, kinds in weights.items()},
         "cache": cache,
-        "cache_per_request": per_request,
-        "cache_per_token": per_request / max_len,
+        "cache_per_request": fixed + growing,
+        "cache_fixed_per_request": fixed,
+        "cache_per_token": growing / max_len,
     }
 
 
@@ -90,7 +99,8 @@ def main() -> None:
     print(f"  weights total                {_size(total):>12}")
     print(
         f"  KV cache: {_size(report['cache_per_request'])} per request of {args.max_len} "
-        f"positions, {_size(report['cache_per_token'])} per token"
+        f"positions: {_size(report['cache_fixed_per_request'])} of window rings and pair state, "
+        f"and {_size(report['cache_per_token'])} per token of compressed entries"
     )
 
 

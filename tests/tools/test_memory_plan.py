@@ -8,7 +8,7 @@ from dsv41_compile.testing.presets import compile_config
 F32 = 4
 
 
-def test_weight_bytes_sharded_and_replicated_and_the_window_cache_per_token(load_tool, plan_once):
+def test_weight_bytes_sharded_and_replicated_and_the_window_rings(load_tool, plan_once):
     cfg = compile_config()
     options = {"tp": 4, "ep": 8, "ep_dispatch": "padded", "layout": "sp", "lowering": "eager"}
     gm, ctx, model = plan_once(cfg, options, world_size=8, max_len=4096)
@@ -29,5 +29,7 @@ def test_weight_bytes_sharded_and_replicated_and_the_window_cache_per_token(load
             "replicated": (everything - cfg.n_layers * sharded_full + rope) * F32,
         }
     }
-    # window-only: one fp32 latent of head_dim per layer and position
-    assert report["cache_per_token"] == cfg.n_layers * cfg.head_dim * F32
+    # window-only: per request, a ring of `window` fp32 latents of head_dim per layer, whatever
+    # the length; nothing grows with it
+    assert report["cache_fixed_per_request"] == cfg.n_layers * cfg.window_size * cfg.head_dim * F32
+    assert report["cache_per_token"] == 0

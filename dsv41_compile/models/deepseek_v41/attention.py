@@ -44,26 +44,52 @@ def sink_attention(q_THd: Tensor, kv_TSd: Tensor, visible_TS: Tensor, sink_H: Te
 
 
 def _shifted(x_T: Tensor, shift: int, *, fill: float) -> Tensor:
-    """`x` moved by `shift` = +1 / -1 rows along dim 0 (row t gets row t - shift), with `fill`
-    in the row that has no source. A pad and a slice of constant length: no `T - 1`, and
+    """`x` moved by `shift` rows along dim 0 (row t gets row t - shift), with `fill` in the
+    rows that have no source. A pad and a slice of constant length: no `T - shift`, and
     T = 0 gives an empty result."""
-    pad = [0, 0] * (x_T.dim() - 1) + ([1, 0] if shift == 1 else [0, 1])
+    n = abs(shift)
+    pad = [0, 0] * (x_T.dim() - 1) + ([n, 0] if shift > 0 else [0, n])
     padded = F.pad(x_T, pad, value=fill)
-    return padded[:-1] if shift == 1 else padded[1:]
+    return padded[:-n] if shift > 0 else padded[n:]
 
 
 def window_keys(
-    kv_cache: Tensor, cache_slot_T: Tensor, positions_T: Tensor, window: int
+    ring: Tensor,
+    kv_Td: Tensor,
+    cache_slot_T: Tensor,
+    positions_T: Tensor,
+    start_T: Tensor,
+    window: int,
 ) -> tuple[Tensor, Tensor]:
-    """The `window` latest cache rows of each token's request, ending at its own position.
+    """The `window` latest KV rows of each token's request, ending at its own position.
 
-    Returns keys [T, W, d] and a visibility mask [T, W] (positions < 0 are not visible).
+    Positions from `start_T` (the first of the token's request in this call) on are this call's
+    tokens: a request's tokens are contiguous with consecutive positions, so position q of the
+    token at index t (position p) is `kv_Td[t - (p - q)]`. Older positions come from the
+    request's ring in the cache (position q in row `q % rows`), read before this call writes
+    it (`write_window`). Returns keys [T, W, d] and a visibility mask [T, W] (positions < 0
+    are not visible).
     """
-    key_pos_TW = (
-        positions_T[:, None] - (window - 1) + torch.arange(window, device=positions_T.device)
+    back_W = torch.arange(window, device=positions_T.device) - (window - 1)
+    key_pos_TW = positions_T[:, None] + back_W
+    index_TW = (torch.arange(kv_Td.shape[0], device=positions_T.device)[:, None] + back_W).clamp(
+        min=0
     )
-    kv_TWd = kv_cache[cache_slot_T[:, None], key_pos_TW.clamp(min=0)]
+    cached_TWd = ring[cache_slot_T[:, None], key_pos_TW.clamp(min=0) % ring.shape[1]]
+    in_call_TW = key_pos_TW >= start_T[:, None]
+    kv_TWd = torch.where(in_call_TW[..., None], kv_Td[index_TW], cached_TWd)
     return kv_TWd, key_pos_TW >= 0
+
+
+def write_window(ring: Tensor, kv_Td: Tensor, cache_slot_T: Tensor, positions_T: Tensor) -> None:
+    """This call's KV rows into their requests' rings: position p in row `p % rows`. A row is
+    written once: a token whose row the token `rows` places later takes again (the same
+    request) writes to the scratch slot instead, so each request keeps its last `rows`
+    positions."""
+    rows, scratch = ring.shape[1], ring.shape[0] - 1
+    kept_T = _shifted(cache_slot_T, -rows, fill=-1) != cache_slot_T
+    slot_T = torch.where(kept_T, cache_slot_T, scratch)
+    ring.index_put_((slot_T, torch.where(kept_T, positions_T % rows, 0)), kv_Td)
 
 
 def compressed_visible(positions_T: Tensor, n_entries: int, ratio: int) -> Tensor:
@@ -271,11 +297,18 @@ class Attention(nn.Module):
         q_THd = apply_rope(self.wq_b(q_TQ).view(T, H, d), positions_T, inv_freq)
         kv_Td = apply_rope(self.kv_norm(self.wkv(x_TD)), positions_T, inv_freq)
 
-        # Write first, then read: the window of every token (prefill, decode or both in one
-        # batch) is then a plain gather from the cache.
-        window_cache = cache.window_kv[self.layer_id]
-        window_cache.index_put_((cache_slot_T, positions_T), kv_Td)
-        keys_TSd, visible_TS = window_keys(window_cache, cache_slot_T, positions_T, self.window)
+        # Read, then write: a token's window takes this call's rows from kv_Td and the older
+        # ones from the ring, which this call then overwrites.
+        ring = cache.window_kv[self.layer_id]
+        start_T = torch.where(
+            cache_slot_T == cache.scratch_slot,
+            positions_T,  # a padding row: nothing of it is cached
+            cache.lengths[cache_slot_T.clamp(max=cache.num_slots - 1)],
+        )
+        keys_TSd, visible_TS = window_keys(
+            ring, kv_Td, cache_slot_T, positions_T, start_T, self.window
+        )
+        write_window(ring, kv_Td, cache_slot_T, positions_T)
 
         if self.role.mode != "swa":
             ckv_TKd, picked_TK = self.compressed_keys(

@@ -61,9 +61,8 @@ def test_incremental_equals_one_prefill(step: int) -> None:
     torch.manual_seed(0)
     model = DeepseekV41(ModelConfig.from_name("tiny-swa")).eval()
     prompts = random_prompts([11, 7, 10], model.cfg.vocab_size, seed=2)
-    full = run_by_token(
-        model, model.new_cache(3, 16), [Request(s, p) for s, p in enumerate(prompts)]
-    )
+    full_cache = model.new_cache(3, 16)
+    full = run_by_token(model, full_cache, [Request(s, p) for s, p in enumerate(prompts)])
 
     cache = model.new_cache(3, 16)
     got = {}
@@ -76,6 +75,11 @@ def test_incremental_equals_one_prefill(step: int) -> None:
         torch.stack([got[k] for k in keys]), torch.stack([full[k] for k in keys]), **FP32_TOL
     )
     assert cache.lengths.tolist() == [len(p) for p in prompts]
+    # The window cache is a ring of `window` rows per request, whatever max_len: both ways of
+    # filling it leave each request's last 4 positions in it.
+    for ring, full_ring in zip(cache.window_kv, full_cache.window_kv):
+        assert ring.shape == (4, model.cfg.window_size, model.cfg.head_dim)
+        torch.testing.assert_close(ring[:3], full_ring[:3], **FP32_TOL)
 
 
 def test_padding_rows_change_nothing_and_write_nothing(model: DeepseekV41) -> None:
