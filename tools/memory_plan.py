@@ -22,7 +22,6 @@ from dsv41_compile.model import ModelConfig
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.testing.batches import Request
 
-
 _FIXED = ("cache.window_kv", "cache.pair_state")
 """The cache tensors of a fixed size per request: the window rings and the ratio-2 pair state."""
 

@@ -19,13 +19,12 @@ import torch
 from torch.distributed.tensor import Shard
 
 from dsv41_compile.core.adapter import WeightInput, WeightSlice
-from dsv41_compile.options import BackendOptions
-from dsv41_compile.spmd.placements import ExpertShard
-
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.models.deepseek_v41.adapter import DEEPSEEK_V41
 from dsv41_compile.models.deepseek_v41.checkpoint import read_weights, write_checkpoint
 from dsv41_compile.models.deepseek_v41.hf_config import config_to_hf
+from dsv41_compile.options import BackendOptions
+from dsv41_compile.spmd.placements import ExpertShard
 
 __all__ = ["loading_peak", "rank_weight_inputs", "synthetic_checkpoint"]
 
@@ -43,9 +42,7 @@ def synthetic_checkpoint(
     return model
 
 
-def rank_weight_inputs(
-    cfg: ModelConfig, options: dict[str, Any], rank: int
-) -> list[WeightInput]:
+def rank_weight_inputs(cfg: ModelConfig, options: dict[str, Any], rank: int) -> list[WeightInput]:
     """What rank `rank` holds of each parameter under `options` (the plan's placements): the
     slices the backend's `checkpoint` option reads for it."""
     opts = BackendOptions(**options)

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -254,9 +254,7 @@ class _Checkpoint:
             want[1] //= 2
         dtype, stored = self.header(name)
         if dtype != entry.stored_dtype or stored != want:
-            raise ValueError(
-                f"{where}: {dtype} {stored}, expected {entry.stored_dtype} {want}"
-            )
+            raise ValueError(f"{where}: {dtype} {stored}, expected {entry.stored_dtype} {want}")
         bounds = [(0, n) for n in want]
         if part is not None:
             start, stop = part.bounds(shape[part.dim])
@@ -289,7 +287,9 @@ class _Checkpoint:
                 blocks = (slice(a // BLOCK, -(-b // BLOCK)), slice(c0 // BLOCK, -(-c1 // BLOCK)))
             else:
                 blocks = (slice(a, b), slice(None))
-            decoded = codec.dequantize(weight, self.get(scale, blocks), target.dtype, where, (a, c0))
+            decoded = codec.dequantize(
+                weight, self.get(scale, blocks), target.dtype, where, (a, c0)
+            )
             target[a - r0 : b - r0].copy_(decoded)
 
 

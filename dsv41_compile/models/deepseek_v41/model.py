@@ -15,7 +15,6 @@ from torch import Tensor, nn
 
 from dsv41_compile.models.deepseek_v41.attention import Attention, AttentionState, rope_frequencies
 from dsv41_compile.models.deepseek_v41.cache import KVCache
-from dsv41_compile.runtime.weights import has_no_weights
 from dsv41_compile.models.deepseek_v41.config import LayerRole, ModelConfig, layer_plan
 from dsv41_compile.models.deepseek_v41.layers import (
     Embedding,
@@ -25,6 +24,7 @@ from dsv41_compile.models.deepseek_v41.layers import (
     hc_expand,
 )
 from dsv41_compile.models.deepseek_v41.moe import MoE
+from dsv41_compile.runtime.weights import has_no_weights
 
 
 class Block(nn.Module):
