@@ -2,9 +2,13 @@
 shard files, side by side in one run (alternating, the files in the page cache for both).
 
     python tools/bench_load.py --preset tiny-swa --dim 1024 --inter 1024 --repeats 5
+    python tools/bench_load.py --preset tiny-swa --dim 1024 --inter 1024 --tp 4 --ep 8
 
 Single-device loading: the whole model is read and decoded (FP8 / FP4 to the model's dtype).
-The synthetic checkpoint is written first (`testing.checkpoints`) into `--dir`.
+With `--tp` / `--ep`: each rank of the world (tp x dp = ep, or 8 ranks with ep = 1) reads only
+its slices, as the backend's `checkpoint` option does (`checkpoint.read_weights`), one rank
+after another in this process; the table gives each rank's bytes read and time. The synthetic
+checkpoint is written first (`testing.checkpoints`) into `--dir`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from pathlib import Path
 import torch
 
 from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
-from dsv41_compile.testing.checkpoints import synthetic_checkpoint
+from dsv41_compile.models.deepseek_v41.checkpoint import read_weights
+from dsv41_compile.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint
 
 
 def _sequential_read(files: list[Path]) -> int:
@@ -38,6 +43,8 @@ def main() -> None:
     parser.add_argument("--inter", type=int, help="override the experts' intermediate size")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, help="where the checkpoint is written (a temp dir)")
+    parser.add_argument("--tp", type=int, help="per-rank loading: the tp group size")
+    parser.add_argument("--ep", type=int, default=1, help="per-rank loading: 1 or the world")
     args = parser.parse_args()
     sizes = {"dim": args.dim, "moe_inter_dim": args.inter}
     cfg = ModelConfig.from_name(
@@ -46,6 +53,9 @@ def main() -> None:
     out = args.dir or Path(tempfile.mkdtemp(prefix="dsv41_ckpt_"))
     synthetic_checkpoint(cfg, out)
     files = sorted(out.glob("*.safetensors"))
+    if args.tp is not None:
+        per_rank(cfg, out, files, args)
+        return
     torch.manual_seed(1)
     model = DeepseekV41(cfg)
     load_s, read_s, loaded, raw = [], [], 0, 0
@@ -66,6 +76,31 @@ def main() -> None:
     print(f"  sequential read  {raw / 2**20:8.2f} MiB of files    {read:7.3f} s  "
           f"{raw / read / 1e9:6.3f} GB/s")  # fmt: skip
     print(f"  load / read time: {load / read:.1f}x")
+
+
+def per_rank(cfg: ModelConfig, out: Path, files: list[Path], args: argparse.Namespace) -> None:
+    world = max(args.ep, 8)
+    options = {"tp": args.tp, "ep": args.ep}
+    whole = sum(f.stat().st_size for f in files)
+    print(f"{args.preset} (dim {cfg.dim}, experts {cfg.moe_inter_dim}, {args.dtype}), "
+          f"{whole / 2**20:.2f} MiB in {len(files)} shards, {options}, median of "
+          f"{args.repeats}, each rank beside a sequential read of all the files:")  # fmt: skip
+    print(f"  {'rank':>4} {'read MiB':>9} {'of all':>7} {'load s':>8} {'GB/s':>7} "
+          f"{'all files s':>12} {'GB/s':>7}")  # fmt: skip
+    for rank in range(world):
+        inputs = rank_weight_inputs(cfg, options, rank)
+        load_s, read_s, read = [], [], 0
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            _, per_tensor = read_weights(out, inputs)
+            load_s.append(time.perf_counter() - start)
+            read = sum(per_tensor.values())
+            start = time.perf_counter()
+            raw = _sequential_read(files)
+            read_s.append(time.perf_counter() - start)
+        load, seq = statistics.median(load_s), statistics.median(read_s)
+        print(f"  {rank:>4} {read / 2**20:>9.2f} {read / whole:>7.1%} {load:>8.3f} "
+              f"{read / load / 1e9:>7.3f} {seq:>12.4f} {raw / seq / 1e9:>7.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ def _shifted(x_T: Tensor, shift: int, *, fill: float) -> Tensor:
 
 def window_keys(
     ring: Tensor,
+    rows: int,
     kv_Td: Tensor,
     cache_slot_T: Tensor,
     positions_T: Tensor,
@@ -66,8 +67,8 @@ def window_keys(
     Positions from `start_T` (the first of the token's request in this call) on are this call's
     tokens: a request's tokens are contiguous with consecutive positions, so position q of the
     token at index t (position p) is `kv_Td[t - (p - q)]`. Older positions come from the
-    request's ring in the cache (position q in row `q % rows`), read before this call writes
-    it (`write_window`). Returns keys [T, W, d] and a visibility mask [T, W] (positions < 0
+    request's ring in the cache (`rows` rows, position q in row `q % rows`), read before this
+    call writes it (`write_window`). Returns keys [T, W, d] and a visibility mask [T, W] (positions < 0
     are not visible).
     """
     back_W = torch.arange(window, device=positions_T.device) - (window - 1)
@@ -75,18 +76,20 @@ def window_keys(
     index_TW = (torch.arange(kv_Td.shape[0], device=positions_T.device)[:, None] + back_W).clamp(
         min=0
     )
-    cached_TWd = ring[cache_slot_T[:, None], key_pos_TW.clamp(min=0) % ring.shape[1]]
+    cached_TWd = ring[cache_slot_T[:, None], key_pos_TW.clamp(min=0) % rows]
     in_call_TW = key_pos_TW >= start_T[:, None]
     kv_TWd = torch.where(in_call_TW[..., None], kv_Td[index_TW], cached_TWd)
     return kv_TWd, key_pos_TW >= 0
 
 
-def write_window(ring: Tensor, kv_Td: Tensor, cache_slot_T: Tensor, positions_T: Tensor) -> None:
+def write_window(
+    ring: Tensor, rows: int, kv_Td: Tensor, cache_slot_T: Tensor, positions_T: Tensor
+) -> None:
     """This call's KV rows into their requests' rings: position p in row `p % rows`. A row is
     written once: a token whose row the token `rows` places later takes again (the same
     request) writes to the scratch slot instead, so each request keeps its last `rows`
     positions."""
-    rows, scratch = ring.shape[1], ring.shape[0] - 1
+    scratch = ring.shape[0] - 1
     kept_T = _shifted(cache_slot_T, -rows, fill=-1) != cache_slot_T
     slot_T = torch.where(kept_T, cache_slot_T, scratch)
     ring.index_put_((slot_T, torch.where(kept_T, positions_T % rows, 0)), kv_Td)
@@ -299,16 +302,19 @@ class Attention(nn.Module):
 
         # Read, then write: a token's window takes this call's rows from kv_Td and the older
         # ones from the ring, which this call then overwrites.
-        ring = cache.window_kv[self.layer_id]
+        # The ring's length from the config, not from the cache: under dynamic=True Dynamo
+        # makes the cache's sizes (and its max_len) symbols, which the token count's
+        # generalisation must not meet in a pad.
+        ring, rows = cache.window_kv[self.layer_id], self.window
         start_T = torch.where(
             cache_slot_T == cache.scratch_slot,
             positions_T,  # a padding row: nothing of it is cached
             cache.lengths[cache_slot_T.clamp(max=cache.num_slots - 1)],
         )
         keys_TSd, visible_TS = window_keys(
-            ring, kv_Td, cache_slot_T, positions_T, start_T, self.window
+            ring, rows, kv_Td, cache_slot_T, positions_T, start_T, self.window
         )
-        write_window(ring, kv_Td, cache_slot_T, positions_T)
+        write_window(ring, rows, kv_Td, cache_slot_T, positions_T)
 
         if self.role.mode != "swa":
             ckv_TKd, picked_TK = self.compressed_keys(

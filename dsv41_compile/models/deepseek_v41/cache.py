@@ -2,7 +2,7 @@
 
 A slot is one request. Every layer keeps the rotated, normalised KV latent of the last
 `window_size` positions the slot has seen, in a ring (`window_kv[layer][slot, position %
-rows]`, `rows = min(window_size, max_len)`): attention reads no older one. Each kv-source layer (one that owns a compressor) also keeps, per compressed entry c
+window_size]`): attention reads no older one. Each kv-source layer (one that owns a compressor) also keeps, per compressed entry c
 (covering positions `[c*ratio, (c+1)*ratio)`), the rotated compressed KV and the index key; a
 ratio-2 source keeps the fp32 projections of an incomplete pair's first token
 (`pair_state`), so a pair split across two calls pools exactly as in one prefill.
@@ -28,8 +28,8 @@ class KVCache:
     lengths: Tensor
     """int64 [num_slots]: tokens held per slot (the next position a request must continue at)."""
     window_kv: list[Tensor]
-    """Per layer, [num_slots + 1, min(window_size, max_len), head_dim]: the KV latent of the
-    last positions, position p in row p % rows."""
+    """Per layer, [num_slots + 1, window_size, head_dim]: the KV latent of the last
+    `window_size` positions, position p in row p % window_size."""
     compressed_kv: dict[int, Tensor]
     """Per kv-source layer, [num_slots + 1, ceil(max_len / ratio), head_dim]."""
     index_k: dict[int, Tensor]

@@ -141,10 +141,7 @@ class DeepseekV41(nn.Module):
             num_slots=num_slots,
             max_len=max_len,
             lengths=zeros(num_slots, dtype=torch.int64),
-            window_kv=[
-                zeros(rows, min(max_len, cfg.window_size), cfg.head_dim)
-                for _ in range(cfg.n_layers)
-            ],
+            window_kv=[zeros(rows, cfg.window_size, cfg.head_dim) for _ in range(cfg.n_layers)],
             compressed_kv={
                 i: zeros(rows, -(-max_len // r), cfg.head_dim) for i, r in sources.items()
             },
