@@ -280,7 +280,8 @@ class _Checkpoint:
         if entry.fmt == "fp4" and (c0, c1) != (0, want[1]):
             raise NotImplementedError(f"{where}: an FP4 weight is read in whole rows")
         rows = BLOCK * max(1, _CHUNK // (BLOCK * max(1, c1 - c0)))
-        for a in range(r0, r1, rows):  # chunks start at block boundaries after the first
+        a = r0
+        while a < r1:  # chunks end at multiples of `rows`: block boundaries
             b = min(r1, (a // rows + 1) * rows)
             weight = self.get(name, (slice(a, b), slice(c0, c1)))
             if entry.fmt == "fp8":
@@ -291,6 +292,7 @@ class _Checkpoint:
                 weight, self.get(scale, blocks), target.dtype, where, (a, c0)
             )
             target[a - r0 : b - r0].copy_(decoded)
+            a = b
 
 
 def read_weights(

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from dsv41_compile.core.adapter import WeightInput, WeightSlice
 from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
+from dsv41_compile.models.deepseek_v41 import checkpoint
 from dsv41_compile.models.deepseek_v41.checkpoint import INDEX, checkpoint_layout, read_weights
 from dsv41_compile.models.deepseek_v41.quant import CODECS
 from dsv41_compile.testing.checkpoints import synthetic_checkpoint
@@ -174,10 +175,14 @@ TP_SHARDS = {  # the plan's tp shards of tiny: FQN -> dim (wo_b's quarter is 16 
 }
 
 
-def test_a_rank_reads_exactly_its_slices(written):
+@pytest.mark.parametrize("chunk", [None, 3 * 32 * 32], ids=["one_chunk", "chunks_of_96_rows"])
+def test_a_rank_reads_exactly_its_slices(written, chunk, monkeypatch):
     """`read_weights` with each tp rank's slices (and an EP rank's experts) gives the slices of
     the whole model loaded from the same checkpoint, and reads only their bytes (FP8: the
-    weight's rows or columns, and the scale blocks they touch)."""
+    weight's rows or columns, and the scale blocks they touch). Also decoded in chunks of 96
+    rows, which a rank's 64 rows of wq_b start inside."""
+    if chunk is not None:
+        monkeypatch.setattr(checkpoint, "_CHUNK", chunk)
     out, _ = written
     whole = DeepseekV41.without_weights(CFG)
     load_checkpoint(whole, out)
