@@ -10,6 +10,10 @@ bound. How many programs each rank compiles is Dynamo's choice, counted here (do
 from the next T >= 2 on, and a static one for each of T = 0 and T = 1; with `dynamic=True` the
 dynamic one from the start.
 
+The sp run compiles `DeepseekV41.without_weights` with the `checkpoint` option: each rank reads
+its own slices of a synthetic checkpoint once, for all its programs, and its single-device
+reference is loaded from the whole checkpoint.
+
 Each DP group compiles in one of the two modes, and the two runs swap them: each layout is
 served in both modes, and each mode serves both groups' sequences of T (8, 3, 0 and 8, 1, 6).
 The groups' programs differ; their collectives, which the EP all-to-alls of the sp run share
@@ -24,11 +28,16 @@ as the unmarked mode's static ones for T = 8, 0 and 1 are; tests/test_errors.py 
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
+from dsv41_compile.models.deepseek_v41.checkpoint import INDEX, read_weights
 from dsv41_compile.testing.batches import Request
-from dsv41_compile.testing.cases import CaseSpec, compare_on_rank
+from dsv41_compile.testing.cases import CaseSpec, compare_on_rank, model_config
+from dsv41_compile.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint
 from dsv41_compile.testing.multirank import RankPool
 from dsv41_compile.testing.presets import ONE_LAYER, SINKHORN_3
 
@@ -53,12 +62,15 @@ COMPILES = {
 # two or three times on each of the 8 ranks. (Every attention mode, and the boundary between
 # layers, are tests/distributed/test_numerics.py's.)
 MODEL = {"preset": "tiny-swa", "overrides": (*ONE_LAYER, *SINKHORN_3)}
+_CHECKPOINT = tempfile.TemporaryDirectory(prefix="dsv41_ckpt_")
 RUNS = {
     # sp, experts over the world, padded dispatch: the all-to-alls need the idle group's ranks
+    # and the model without weights: each rank reads its slices of a synthetic checkpoint
     "sp-ep8-padded": CaseSpec(
         steps=STEPS,
         options=(("tp", TP), ("ep", 8), ("ep_dispatch", "padded"), ("lowering", "eager")),
         group_modes=("unmarked", "dynamic"),
+        checkpoint=_CHECKPOINT.name,
         **MODEL,
     ),
     # the replicated baseline, every rank holding every expert
@@ -77,12 +89,18 @@ SEED_LAYOUT = {
 _RESULTS: dict[str, list] = {}
 
 
-@pytest.fixture(scope="module", params=sorted(RUNS))
-def run(request):
-    name = request.param
+def run_of(name: str) -> tuple[str, list]:
+    """One run per configuration on the session's 8 processes, shared by this module's tests."""
     if name not in _RESULTS:
+        if RUNS[name].checkpoint is not None and not (Path(_CHECKPOINT.name) / INDEX).exists():
+            synthetic_checkpoint(model_config(RUNS[name]), _CHECKPOINT.name, seed=1)
         _RESULTS[name] = RankPool.shared(WORLD).run(compare_on_rank, RUNS[name])
     return name, _RESULTS[name]
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def run(request):
+    return run_of(request.param)
 
 
 def test_logits_and_caches_match_single_device_in_every_mode(run):
@@ -113,3 +131,16 @@ def test_recompiles_are_dynamos_and_counted(run):
     for rank, result in enumerate(results):
         for mode, out in result["modes"].items():
             assert out["compiles"] == COMPILES[mode][rank // TP], (mode, rank)
+
+
+def test_every_program_of_a_rank_ran_on_one_read_of_its_slices():
+    """The sp run compiled `DeepseekV41.without_weights` with the `checkpoint` option in both
+    modes: each rank's three programs share one read of its slices, the bytes a direct read of
+    that rank's slices takes (its quarter of the tp-sharded weights, its two experts)."""
+    case = RUNS["sp-ep8-padded"]
+    _, results = run_of("sp-ep8-padded")
+    cfg = model_config(case)
+    options = {k: v for k, v in case.options if k in ("tp", "ep")}
+    for rank, result in enumerate(results):
+        _, direct = read_weights(case.checkpoint, rank_weight_inputs(cfg, options, rank))
+        assert result["checkpoint_read"] == direct, rank
