@@ -267,8 +267,14 @@ def _token_slots(
         if i in token_indices:
             with mode:
                 fakes.append(torch.empty((u,), dtype=x.dtype, device=x.device))
+        elif isinstance(x, torch.Tensor):
+            fakes.append(mode.from_tensor(x))
+        elif isinstance(x, torch.SymInt):
+            # An int input Dynamo made a symbol (dynamic=True: a cache's max_len): its symbol
+            # lives in Dynamo's shape env, not in this one; its example value stands in.
+            fakes.append(x.node.hint if x.node.hint is not None else x)
         else:
-            fakes.append(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x)
+            fakes.append(x)
     by_node: dict[Node, list[tuple[Slot, torch.SymInt]]] = {}
     for (node, slot), symbol in symbols.items():
         by_node.setdefault(node, []).append((slot, symbol))

@@ -156,6 +156,36 @@ def test_one_compile_serves_every_token_count():
     assert len(frames) == 1
 
 
+def test_an_int_input_next_to_t_does_not_stop_a_static_graph_generalising(monkeypatch):
+    """Under dynamic=True Dynamo passes the cache's `max_len` as a symbol of its own shape env.
+    A model that pads by it next to T (here: zeros added to the logits) still has its static
+    T = 0 graph generalised, and matches the eager model at every step (tp = 1: a world of one
+    rank, where the fake process group runs no collective)."""
+    forward = DeepseekV41.forward
+
+    def padded_by_max_len(self, input_ids, positions, slots, cache):
+        n = cache.max_len
+        zeros_T = torch.nn.functional.pad(positions.new_zeros(positions.shape[0]), (0, n))[n:]
+        logits = forward(self, input_ids, positions, slots, cache)
+        return logits + zeros_T[:, None].float()
+
+    monkeypatch.setattr(DeepseekV41, "forward", padded_by_max_len)
+    torch.manual_seed(0)
+    model = DeepseekV41(compile_config("tiny-swa", ONE_LAYER))
+    torch._dynamo.reset()
+    options = {"tp": 1, "lowering": "eager"}
+    compiled = torch.compile(model, backend="dsv41_sp", options=options, dynamic=True)
+    cache, ref_cache = model.new_cache(4, 32), model.new_cache(4, 32)
+    steps = ([Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0)], [Request(0, [6], 3)], [])
+    with fake_process_group(world_size=1, rank=0):
+        clear_mesh_cache()
+        for step in steps:  # T = 5 (dynamic), 1 and 0 (static graphs, generalised)
+            batch = pack(step)
+            got = compiled(*batch, cache)
+            torch.testing.assert_close(got, model(*batch, ref_cache), atol=1e-5, rtol=1e-5)
+        clear_mesh_cache()
+
+
 def test_backend_is_listed_through_the_entry_point_without_importing_the_package():
     code = "import torch._dynamo, sys; sys.exit(0 if 'dsv41_sp' in torch._dynamo.list_backends() else 1)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
