@@ -10,6 +10,7 @@ names); `ModelConfig.from_hf(out_dir)` and `load_checkpoint(model, out_dir)` rea
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -21,7 +22,11 @@ from torch.distributed.tensor import Shard
 from dsv41_compile.core.adapter import WeightInput, WeightSlice
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.models.deepseek_v41.adapter import DEEPSEEK_V41
-from dsv41_compile.models.deepseek_v41.checkpoint import read_weights, write_checkpoint
+from dsv41_compile.models.deepseek_v41.checkpoint import (
+    checkpoint_layout,
+    read_weights,
+    write_checkpoint,
+)
 from dsv41_compile.models.deepseek_v41.hf_config import config_to_hf
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.spmd.placements import ExpertShard
@@ -86,10 +91,11 @@ def loading_peak(path: str | Path, weights: list[WeightInput]) -> dict[str, int]
     finally:
         done.set()
         sampler.join()
-    largest = 0
-    for w in weights:
-        size = torch.finfo(w.dtype).bits // 8
-        per_file = w.shape[1:] if ".experts." in w.fqn else w.shape  # one expert per tensor
-        largest = max(largest, size * int(torch.tensor(per_file).prod()))
+    by_fqn = {w.fqn: w for w in weights}
+    largest = max(
+        math.prod(by_fqn[e.param].shape[e.expert is not None :])  # an expert: one row of it
+        * torch.empty((), dtype=by_fqn[e.param].dtype).element_size()
+        for e in checkpoint_layout({w.fqn: w.shape for w in weights}).values()
+    )
     own = sum(t.numel() * t.element_size() for t in local)
     return {"peak": peak[0] - start, "own": own, "largest": largest}

@@ -331,11 +331,11 @@ def checkpoint_headers(root: Path) -> dict[str, tuple[list[int], str]]:
     return headers
 
 
-def expected_read(root: Path, rank: int) -> dict[str, int]:
+def expected_read(headers: dict[str, tuple[list[int], str]], rank: int) -> dict[str, int]:
     """The bytes rank `rank` should read of each checkpoint tensor: a quarter of a tp-sharded
     weight (and the rows or columns of its scale blocks the quarter touches), the experts of
-    its EP shard and none of the others', all of every other tensor. From the files' headers."""
-    headers = checkpoint_headers(root)
+    its EP shard and none of the others', all of every other tensor. From the files' headers
+    (`checkpoint_headers`)."""
     n_experts = compile_config("tiny", EVERY_MODE_5).n_routed_experts
     mine = range(rank * n_experts // EP, (rank + 1) * n_experts // EP)
     tp_rank = rank % TP
@@ -365,13 +365,14 @@ def test_each_rank_read_only_its_slices_of_the_checkpoint():
     results = results_of(CHECKPOINT_RUN)
     root = Path(spec_of(CHECKPOINT_RUN).checkpoint)
     index = json.loads((root / INDEX).read_text())
+    headers = checkpoint_headers(root)
     for rank, result in enumerate(results):
-        want = expected_read(root, rank)
+        want = expected_read(headers, rank)
         got = {n: result["checkpoint_read"].get(n, 0) for n in want}
         assert got == want, rank
         assert set(result["checkpoint_read"]) <= set(want)
         assert sum(result["reference_read"].values()) == index["metadata"]["total_size"]
-    for name, (shape, dtype) in checkpoint_headers(root).items():
+    for name, (shape, dtype) in headers.items():
         if not name.endswith(".scale") and name.removesuffix(".weight").endswith(tuple(TP_SHARDED)):
             read = sum(results[r]["checkpoint_read"][name] for r in range(TP))
             assert read == math.prod(shape) * SIZE[dtype], name

@@ -257,10 +257,9 @@ class _Checkpoint:
             raise ValueError(f"{where}: {dtype} {stored}, expected {entry.stored_dtype} {want}")
         bounds = [(0, n) for n in want]
         if part is not None:
-            start, stop = part.bounds(shape[part.dim])
-            if entry.fmt == "fp4" and part.dim == 1:
-                start, stop = start // 2, stop // 2
-            bounds[part.dim] = (start, stop)
+            if entry.fmt == "fp4" and part.dim != 0:
+                raise NotImplementedError(f"{where}: an FP4 weight is read in whole rows")
+            bounds[part.dim] = part.bounds(shape[part.dim])
         if not entry.quantized:
             target.copy_(self.get(name, tuple(slice(a, b) for a, b in bounds)))
             return
@@ -277,8 +276,6 @@ class _Checkpoint:
                 f"{BLOCK} elements, rounded up)"
             )
         (r0, r1), (c0, c1) = bounds
-        if entry.fmt == "fp4" and (c0, c1) != (0, want[1]):
-            raise NotImplementedError(f"{where}: an FP4 weight is read in whole rows")
         rows = BLOCK * max(1, _CHUNK // (BLOCK * max(1, c1 - c0)))
         a = r0
         while a < r1:  # chunks end at multiples of `rows`: block boundaries
@@ -311,6 +308,15 @@ def read_weights(
     `load_checkpoint` for what is refused), and every weight is checked against its file's
     header before a byte of it is read."""
     checkpoint = _Checkpoint(path)
+    return _read(checkpoint, weights, skip_unimplemented_parts, into), checkpoint.read
+
+
+def _read(
+    checkpoint: _Checkpoint,
+    weights: Sequence[WeightInput],
+    skip_unimplemented_parts: bool,
+    into: Sequence[torch.Tensor] | None,
+) -> list[torch.Tensor]:
     shapes = {w.fqn: w.shape for w in weights}
     layout = checkpoint_layout(shapes)
     checkpoint.check_names(layout, skip_unimplemented_parts)
@@ -346,7 +352,7 @@ def read_weights(
     unfilled = sorted(fqn for fqn, n in filled.items() if not n)
     if unfilled:  # a parameter no checkpoint name maps to: a bug of the layout
         raise AssertionError(f"checkpoint_layout left parameters unfilled: {unfilled}")
-    return local, checkpoint.read
+    return local
 
 
 def load_checkpoint(
@@ -369,12 +375,10 @@ def load_checkpoint(
             params[fqn] = nn.Parameter(value, requires_grad=param.requires_grad)
             setattr(model.get_submodule(module_name), attr, params[fqn])
     weights = [WeightInput(fqn, tuple(p.shape), p.dtype, None) for fqn, p in params.items()]
-    _, read = read_weights(
-        path, weights, skip_unimplemented_parts=skip_unimplemented_parts,
-        into=list(params.values()),
-    )  # fmt: skip
-    weight_map = _index(Path(path))
+    checkpoint = _Checkpoint(path)
+    _read(checkpoint, weights, skip_unimplemented_parts, list(params.values()))
     per_file: dict[str, int] = {}
-    for name, n in read.items():
-        per_file[weight_map[name]] = per_file.get(weight_map[name], 0) + n
+    for name, n in checkpoint.read.items():
+        file = checkpoint.weight_map[name]
+        per_file[file] = per_file.get(file, 0) + n
     return per_file
