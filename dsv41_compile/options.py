@@ -12,6 +12,7 @@ __all__ = ["BackendOptions"]
 _LOWERINGS = ("auto", "eager", "inductor", "torchair")
 _EMBEDDINGS = ("replicated", "vocab_sharded")
 _EP_DISPATCH = ("exact", "padded")
+_EP_ROWS = ("auto", "per_rank", "per_assignment")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,13 @@ class BackendOptions:
     exactly the valid assignments; data-dependent sizes) or "padded" (every rank sends a
     worst-case buffer of ceil(T/tp) * min(top-k, E/ep) rows to every rank; no host sync, the
     form graph-mode compilers run)."""
+    ep_rows: str = "auto"
+    """What one dispatched row is: "per_assignment" (one row per (token, expert) pair; a token
+    goes to a rank once per expert of it the rank holds) or "per_rank" (one row per (token,
+    destination rank) with that rank's expert ids and weights; the expert rank sums its experts'
+    outputs in fp32 and sends one row back, in the activation dtype: DeepEP's normal mode).
+    "auto": per MoE layer, the one with fewer expected bytes under uniform routing (the
+    choice and both figures are in graph.py, comm.json and tools/explain.py)."""
     layout: str = "sp"
     """A layout of the model family's adapter (`ModelAdapter.layouts`). DeepSeek V4.1's:
     "sp": token-sharded residuals, AllGather in / ReduceScatter out of attention.
@@ -75,6 +83,7 @@ class BackendOptions:
             ("lowering", _LOWERINGS),
             ("embedding", _EMBEDDINGS),
             ("ep_dispatch", _EP_DISPATCH),
+            ("ep_rows", _EP_ROWS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(

@@ -7,7 +7,9 @@ see the same machine state: decode (4 requests x 1 token per DP group), dspark (
 5 tokens: a speculative verification batch) and prefill (2 requests x `--prefill` tokens).
 Step time: the slowest rank's median over `--repeats` (a barrier before and after each call).
 EP bytes: what a rank sent to the other ranks in dispatch + combine per MoE layer (from the
-graph's statistics outputs), against an ideal dispatch of only the valid assignments. On 2
+graph's statistics outputs), against an ideal dispatch of only the valid rows (with the
+default `ep_rows="auto"`: one row per token and destination rank that holds one of its
+experts; with "per_assignment", one per assignment). On 2
 cores the 8 processes share the CPU, so a step time is the whole world's work.
 
     .venv/bin/python tools/bench.py --preset tiny --dim 256 --prefill 256
@@ -205,7 +207,7 @@ def main() -> None:
         "\nstep ms: slowest rank's median; sp/repl: sp's step time over the replicated "
         "baseline's with the same EP dispatch; EP bytes: dispatch + combine sent to other ranks, "
         "mean over ranks and MoE layers; / valid: over an ideal dispatch of only the valid "
-        "assignments"
+        "rows"
     )
 
 

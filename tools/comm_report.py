@@ -1,6 +1,9 @@
-"""Bytes and FLOPs per layer per rank of the sp layout against the replicated baseline.
+"""Bytes and FLOPs per layer per rank of the sp layout against the replicated baseline and the
+seed layout.
 
-Both layouts are planned for rank 0 of a fake world (`planning.plan_rank`: meta tensors, a
+Three configurations: "sp" (layout="sp" with the cuts the options choose, `--ep-rows`, "auto"
+by default), "replicated" (the all-reduce baseline, with the same EP options: like for like)
+and "seed" (the requirement's layout exactly: sp, one EP row per assignment). Each is planned for rank 0 of a fake world (`planning.plan_rank`: meta tensors, a
 `fake` process group, nothing allocated, nothing run) and costed from their rewritten graphs
 (`accounting.py`: ring all-gather / reduce-scatter / all-reduce, pairwise all-to-all; FLOPs of
 the matmul-like nodes). Scenarios give the tokens per DP group: decode (4 requests x 1 token),
@@ -29,7 +32,17 @@ from dsv41_compile.report.accounting import graph_costs, per_layer_formulas, sum
 
 SCENARIOS = (("decode", 4, 1), ("dspark", 16, 5), ("prefill", 2, 2048))
 MAX_LEN = 4096  # cache positions per request: sizes the compressed attention over the cache
-LAYOUTS = ("sp", "replicated")
+CONFIGS = ("seed", "sp", "replicated")
+
+
+def config_options(config: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The backend options of a configuration (module docstring)."""
+    options = {"tp": args.tp, "ep": args.ep, "ep_dispatch": args.ep_dispatch, "lowering": "eager"}
+    if config == "seed":
+        return {**options, "layout": "sp", "ep_rows": "per_assignment"}
+    return {**options, "layout": config, "ep_rows": args.ep_rows}
+
+
 KINDS = ("all_gather(tp)", "reduce_scatter(tp)", "all_reduce(tp)", "all_to_all(ep)")
 
 
@@ -48,22 +61,17 @@ def report(
     cfg = cfg or ModelConfig.from_name(args.preset)
     world = args.ep if args.ep > 1 else args.tp * args.dp
     costs, seconds = {}, {}
-    for layout in LAYOUTS:
-        options = {
-            "tp": args.tp,
-            "ep": args.ep,
-            "ep_dispatch": args.ep_dispatch,
-            "layout": layout,
-            "lowering": "eager",
-        }
+    choices = {}
+    for config in CONFIGS:
         start = time.perf_counter()
-        gm, ctx, _ = plan(cfg, options, world_size=world, max_len=MAX_LEN)
-        costs[layout] = graph_costs(gm, ctx)
-        seconds[layout] = time.perf_counter() - start
+        gm, ctx, _ = plan(cfg, config_options(config, args), world_size=world, max_len=MAX_LEN)
+        costs[config] = graph_costs(gm, ctx)
+        seconds[config] = time.perf_counter() - start
+        choices[config] = sorted({f"ep_rows: {info.why}" for info in ctx.ep_layers})
     scenarios = []
     for name, requests, length in SCENARIOS:
         tokens = requests * length
-        layouts = {layout: summarize(costs[layout], tokens) for layout in LAYOUTS}
+        layouts = {config: summarize(costs[config], tokens) for config in CONFIGS}
         scenarios.append(
             {
                 "name": name,
@@ -80,13 +88,15 @@ def report(
         "ep": args.ep,
         "world_size": world,
         "ep_dispatch": args.ep_dispatch,
+        "options": {config: config_options(config, args) for config in CONFIGS},
+        "choices": choices,
         "planning_seconds": seconds,
         "formulas_per_layer_per_rank": {
-            layout: per_layer_formulas(costs[layout]) for layout in LAYOUTS
+            config: per_layer_formulas(costs[config]) for config in CONFIGS
         },
         "assumptions": (
             "rank 0 (a full token shard); ring all-gather / reduce-scatter / all-reduce, "
-            "pairwise all-to-all; exact EP counts at their balanced-routing expectation, padded "
+            "pairwise all-to-all; exact EP counts at their expectation under uniform routing, padded "
             "Tl_max = ceil(T/tp); routed-expert FLOPs count every row handed to the kernel; "
             f"a cache of {MAX_LEN} positions per request"
         ),
@@ -108,50 +118,50 @@ def print_tables(doc: dict) -> None:
         + ", ".join(f"{k} {v:.1f} s" for k, v in doc["planning_seconds"].items())
     )
     print(f"assumptions: {doc['assumptions']}")
+    for config, options in doc["options"].items():
+        chosen = "; ".join(doc["choices"][config])
+        print(f"  {config:<11} layout={options['layout']} ep_rows={options['ep_rows']}: {chosen}")
     print("per layer per rank, in T (tokens per DP group):")
-    for layout, formulas in doc["formulas_per_layer_per_rank"].items():
+    for config, formulas in doc["formulas_per_layer_per_rank"].items():
         for key, formula in formulas.items():
-            print(f"  {layout:<11} {key:<26} {formula}")
+            print(f"  {config:<11} {key:<26} {formula}")
     print()
     for sc in doc["scenarios"]:
-        sp, rep = (sc["layouts"][k] for k in LAYOUTS)
+        by = [sc["layouts"][k] for k in CONFIGS]
         print(
             f"{sc['name']}: {sc['requests']} requests x {sc['tokens_per_request']} tokens "
             f"= T {sc['tokens_per_dp_group']} per DP group"
         )
-        print(f"  {'bytes sent':<28}{'sp':>12}{'replicated':>12}{'sp/repl':>9}")
-        rows = [(k, sp["collectives"].get(k, {}), rep["collectives"].get(k, {})) for k in KINDS]
-        for kind, a, b in rows:
-            if a or b:
-                _row(kind, a.get("bytes_sent", 0), b.get("bytes_sent", 0))
-        _row("total per layer", sp["bytes_per_layer_per_rank"], rep["bytes_per_layer_per_rank"])
+        print(
+            f"  {'bytes sent':<28}" + "".join(f"{c:>12}" for c in CONFIGS)
+            + f"{'sp/repl':>9}{'sp/seed':>9}"
+        )  # fmt: skip
+        for kind in KINDS:
+            values = [c["collectives"].get(kind, {}).get("bytes_sent", 0) for c in by]
+            if any(values):
+                _row(kind, values)
+        _row("total per layer", [c["bytes_per_layer_per_rank"] for c in by])
         attn = sum(
-            sp["collectives"].get(k, {}).get("bytes_sent", 0)
+            sc["layouts"]["seed"]["collectives"].get(k, {}).get("bytes_sent", 0)
             for k in ("all_gather(tp)", "reduce_scatter(tp)")
         )
         print(
-            f"  attention boundary: sp moves {_fmt(attn)}B (AllGather + ReduceScatter), lower "
-            f"bound {_fmt(sc['attention_lower_bound_bytes'])}B"
+            f"  attention boundary: seed moves {_fmt(attn)}B (AllGather + ReduceScatter), "
+            f"the seed cut's lower bound {_fmt(sc['attention_lower_bound_bytes'])}B"
         )
         for part in ("entry", "exit"):
-            _row(
-                f"{part} (per call)",
-                sp["parts"][part]["bytes_sent"],
-                rep["parts"][part]["bytes_sent"],
-            )
+            _row(f"{part} (per call)", [c["parts"][part]["bytes_sent"] for c in by])
         print(f"  {'FLOPs':<28}")
-        _row(
-            "attention half",
-            sp["attention_flops_per_layer_per_rank"],
-            rep["attention_flops_per_layer_per_rank"],
-        )
-        _row("MoE half", sp["moe_flops_per_layer_per_rank"], rep["moe_flops_per_layer_per_rank"])
+        _row("attention half", [c["attention_flops_per_layer_per_rank"] for c in by])
+        _row("MoE half", [c["moe_flops_per_layer_per_rank"] for c in by])
         print()
 
 
-def _row(label: str, a: float, b: float) -> None:
-    ratio = f"{a / b:.2f}" if b else "-"
-    print(f"  {label:<28}{_fmt(a):>12}{_fmt(b):>12}{ratio:>9}")
+def _row(label: str, values: list[float]) -> None:
+    """seed, sp, replicated, then sp/replicated and sp/seed."""
+    seed, sp, rep = values
+    ratios = "".join(f"{sp / b:>9.2f}" if b else f"{'-':>9}" for b in (rep, seed))
+    print(f"  {label:<28}" + "".join(f"{_fmt(v):>12}" for v in values) + ratios)
 
 
 def plot(doc: dict, path: str) -> None:
@@ -163,14 +173,14 @@ def plot(doc: dict, path: str) -> None:
     scenarios = doc["scenarios"]
     fig, axes = plt.subplots(1, len(scenarios), figsize=(4 * len(scenarios), 4))
     for ax, sc in zip(axes, scenarios):
-        bottom = [0.0, 0.0]
+        bottom = [0.0] * len(CONFIGS)
         for kind in KINDS:
             values = [
-                sc["layouts"][layout]["collectives"].get(kind, {}).get("bytes_sent", 0) / 1e6
-                for layout in LAYOUTS
+                sc["layouts"][config]["collectives"].get(kind, {}).get("bytes_sent", 0) / 1e6
+                for config in CONFIGS
             ]
             if any(values):
-                ax.bar(LAYOUTS, values, bottom=bottom, label=kind)
+                ax.bar(CONFIGS, values, bottom=bottom, label=kind)
                 bottom = [b + v for b, v in zip(bottom, values)]
         ax.set_title(f"{sc['name']} (T={sc['tokens_per_dp_group']})")
         ax.set_ylabel("MB sent per layer per rank")
@@ -188,6 +198,10 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=8, help="1 or the world size")
     parser.add_argument("--dp", type=int, default=2, help="DP groups when ep=1")
     parser.add_argument("--ep-dispatch", choices=("exact", "padded"), default="exact")
+    parser.add_argument(
+        "--ep-rows", choices=("auto", "per_rank", "per_assignment"), default="auto",
+        help="sp's and the baseline's EP rows (the seed: per_assignment)",
+    )  # fmt: skip
     parser.add_argument("--json", help="write the report as JSON here")
     parser.add_argument("--plot", help="draw bytes per collective kind per layer (PNG) here")
     args = parser.parse_args()

@@ -135,9 +135,10 @@ def main() -> None:
     if comm["ep_layers"]:
         print(
             "\nexpert-parallel traffic of layer 0, measured (comm.json ep_steps): valid routed "
-            "assignments dispatched by all 8 ranks, and the dispatch + combine bytes they sent"
+            "assignments dispatched by all 8 ranks, the rows that carried them "
+            f"({comm['ep_layers'][0]['why']}), and the dispatch + combine bytes they sent"
         )
-        print(f"{'step':<20} {'assignments':>11} {'bytes sent':>11} {'overhead':>9}")
+        print(f"{'step':<20} {'assignments':>11} {'rows':>6} {'bytes sent':>11} {'overhead':>9}")
         for i, kind in enumerate(KINDS):
             layers = [r["comm"]["ep_steps"][i]["layers"][0] for r in results]
             sent = sum(x["dispatch_bytes_sent"] + x["combine_bytes_sent"] for x in layers)
@@ -145,7 +146,8 @@ def main() -> None:
                 x["valid_dispatch_bytes_sent"] + x["valid_combine_bytes_sent"] for x in layers
             )
             assignments = sum(x["assignments_sent"] for x in layers)
-            print(f"{kind:<20} {assignments:>11} {sent:>11} {sent - useful:>9}")
+            rows = sum(sum(x["rows_sent_per_rank"]) for x in layers)
+            print(f"{kind:<20} {assignments:>11} {rows:>6} {sent:>11} {sent - useful:>9}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--ep", type=int, default=None, help="1 or the world size (default)")
     parser.add_argument("--ep-dispatch", choices=("exact", "padded"), default="exact")
+    parser.add_argument("--ep-rows", choices=("auto", "per_rank", "per_assignment"), default="auto")
     parser.add_argument("--layer", type=int, default=1, help="decoder layer to print in full")
     parser.add_argument(
         "--embedding", choices=("replicated", "vocab_sharded"), default="replicated"
@@ -56,6 +57,7 @@ def main() -> None:
         "tp": args.tp,
         "ep": ep,
         "ep_dispatch": args.ep_dispatch,
+        "ep_rows": args.ep_rows,
         "layout": args.layout,
         "lowering": "eager",
         "embedding": args.embedding,
@@ -76,6 +78,10 @@ def main() -> None:
     )
     for (region, kind), n in sorted(counts.items()):
         print(f"  {region:<16} {kind:<15} x{n}")
+    if ctx.ep_layers:
+        print("\nchoices per layer:")
+        for info in ctx.ep_layers:
+            print(f"  layer {info.layer:<3} EP rows: {info.why}")
     mode = model.plan[args.layer].mode
     print(f"\nlayer {args.layer} ({mode}) of the rewritten graph; T = the DP group's tokens:\n")
     print(format_graph(gm, labels=labels, groups=groups, region=f"layers.{args.layer}"))

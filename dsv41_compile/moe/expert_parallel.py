@@ -34,6 +34,7 @@ from each rank -- appended to the graph's outputs and described by `ctx.ep_layer
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ from dsv41_compile.core.adapter import RoutedExperts
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.emitter import Emitter, cast
 from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REASON, REGION, SYMBOL, replace_node
-from dsv41_compile.moe.stats import EP_TOKENS, EpLayer
+from dsv41_compile.moe.stats import EP_ROWS, EP_TOKENS, EpLayer
 from dsv41_compile.spmd.placements import ExpertShard
 
 __all__ = ["EP_SOURCE", "dispatched_values", "expert_parallel", "sharded_routed_experts"]
@@ -138,14 +139,17 @@ def _rewrite(
     x_val, w_val = x.meta[GLOBAL_VAL], weights[0].meta[GLOBAL_VAL]
     ep, n_experts = ctx.mesh.ep, w_val.shape[0]
     region = node.meta.get(REGION, "")
-    info = EpLayer(
-        layer=ctx.adapter.site(region).layer,
-        region=region,
-        dispatch=ctx.options.ep_dispatch,
-        ep=ep,
-        experts_per_rank=n_experts // ep,
-        top_k=idx.meta[GLOBAL_VAL].shape[1],
-        token_row_bytes=x_val.shape[1] * x_val.element_size(),
+    info = _choose_rows(
+        EpLayer(
+            layer=ctx.adapter.site(region).layer,
+            region=region,
+            dispatch=ctx.options.ep_dispatch,
+            ep=ep,
+            experts_per_rank=n_experts // ep,
+            top_k=idx.meta[GLOBAL_VAL].shape[1],
+            token_row_bytes=x_val.shape[1] * x_val.element_size(),
+        ),
+        ctx.options.ep_rows,
     )
     emit = _Emitter(graph, ctx.mesh.ep_group_name, x_val.device)
     with emit.inserting_before(node) as added:
@@ -154,13 +158,32 @@ def _rewrite(
             spec.op, p(x), p(idx), p(w), tuple(p(v) for v in weights), tuple(constants),
             x_val.dtype, x_val.shape[1],
         )  # fmt: skip
+        lower = _LOWERINGS[info.dispatch, info.rows]
         if ep_tokens is None:
-            out, stats = _exact(emit, routed, info)
+            out, stats = lower(emit, routed, info)
         else:
-            out, stats = _padded(emit, routed, info, p(ep_tokens))
+            out, stats = lower(emit, routed, info, p(ep_tokens))
     replace_node(node, out.node, added)
+    for new in added:  # the choice, where graph.py shows the dispatch
+        if new.name.startswith("ep_rows"):
+            new.meta[REASON] = f"{new.meta[REASON]} ({info.why})"
     ctx.ep_layers.append(info)
     return stats.node
+
+
+def _choose_rows(info: EpLayer, option: str) -> EpLayer:
+    """`info` with its row form: the option's, or ("auto") the one whose dispatch + combine
+    moves fewer bytes per token (`EpLayer.bytes_per_token`), with both figures in `why`."""
+    forms = {rows: dataclasses.replace(info, rows=rows) for rows in EP_ROWS}
+    cost = {rows: form.bytes_per_token() for rows, form in forms.items()}
+    chosen = min(EP_ROWS, key=cost.__getitem__) if option == "auto" else option
+    (other,) = set(EP_ROWS) - {chosen}
+    expected = "expected" if info.dispatch == "exact" else "padded"
+    why = (
+        f"ep_rows={option!r}: {chosen}, {cost[chosen]:,.0f} B per token "
+        f"({expected}, dispatch + combine) against {cost[other]:,.0f} B {other}"
+    )
+    return dataclasses.replace(forms[chosen], why=why)
 
 
 def _ep_tokens_input(graph: Graph, ctx: CompileContext) -> Node:
@@ -194,12 +217,7 @@ def _exact(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, Proxy]:
         "EP count exchange: how many assignments each rank sends this rank",
     )
     counts = aten.unbind.int(aten.cat.default([sent, received]))
-    splits = []
-    for i in range(2 * ep):
-        name = f"ep_send_{i}" if i < ep else f"ep_recv_{i - ep}"
-        count = emit.named(aten._local_scalar_dense.default(counts[i]), name)  # host read
-        aten.sym_constrain_range_for_size.default(count)
-        splits.append(count)
+    splits = [_host_count(emit, counts[i], i, ep) for i in range(2 * ep)]
     send_splits, recv_splits = splits[:ep], splits[ep:]
     n_send = send_splits[0]
     for count in send_splits[1:]:
@@ -291,6 +309,7 @@ def _exchange(
     recv_splits: list[Any],
     why: tuple[str, str, str],
     with_routes: bool = False,
+    k: int = 1,
 ) -> Any:
     """Dispatch the token rows and routes, run the local experts, combine: the expert outputs
     of the sent rows, back in send order (and the received routes, if asked)."""
@@ -304,9 +323,10 @@ def _exchange(
         "ep_routes",
         why[1],
     )
-    y = _local_experts(emit, op, rows, routes)
+    y = _local_experts(emit, op, rows, routes, k)
     y_back = emit.named(
-        # the expert outputs in the activation dtype: computed in it, so the cast is exact
+        # the expert outputs in the activation dtype: exact for one route per row (computed in
+        # it); per rank, each rank's fp32 partial sum is rounded once (DeepEP's combine)
         emit.a2a(cast(y, torch.float32, op.dtype), send_splits, recv_splits),
         "ep_combined",
         why[2],
@@ -314,24 +334,159 @@ def _exchange(
     return (y_back, routes) if with_routes else y_back
 
 
-def _local_experts(emit: _Emitter, op: _Routed, rows: Proxy, routes: Proxy) -> Proxy:
-    """The routed-experts op on the received rows: one assignment per row, this rank's experts;
-    rows with expert index -1 contribute nothing."""
-    local = aten._to_copy.default(aten.select.int(routes, 1, 0), dtype=torch.int64)
-    weight = aten.select.int(routes, 1, 1)
-    y = op.op(
-        rows,
-        aten.unsqueeze.default(local, 1),
-        aten.unsqueeze.default(weight, 1),
-        *op.experts,
-        *op.constants,
-    )
+def _local_experts(emit: _Emitter, op: _Routed, rows: Proxy, routes: Proxy, k: int) -> Proxy:
+    """The routed-experts op on the received rows, `k` routes per row (`[n, 2k]`: local expert
+    indices, then routing weights), this rank's experts; a route with index -1 contributes
+    nothing. Per row: the weighted sum of its routes' expert outputs, in fp32."""
+    local = aten._to_copy.default(aten.slice.Tensor(routes, 1, 0, k), dtype=torch.int64)
+    weight = aten.clone.default(
+        aten.slice.Tensor(routes, 1, k, 2 * k), memory_format=torch.contiguous_format
+    )  # the op's contract: routing tables as the gate made them, dense
+    y = op.op(rows, local, weight, *op.experts, *op.constants)
     return emit.named(y, "ep_local_experts", "this rank's experts on the received rows")
 
 
-def _stats(emit: _Emitter, sent: Proxy, received: Proxy) -> Proxy:
+def _stats(emit: _Emitter, *counts: Proxy) -> Proxy:
     return emit.named(
-        aten.stack.default([sent, received]),
+        aten.stack.default(list(counts)),
         "ep_stats",
-        "EP statistics output: assignments sent to / received from each rank",
+        "EP statistics output: assignments sent to / received from each rank"
+        + (", then rows" if len(counts) == 4 else ""),
     )
+
+
+def _exact_per_rank(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, Proxy]:
+    """One row per (token, destination rank) that holds one of the token's experts, in
+    (destination, token) order, carrying the token's K routes with the other ranks' set to
+    -1; the expert rank returns one row, its experts' weighted sum."""
+    ep, K = info.ep, info.top_k
+    hit_RTK, local_TK = _per_rank_routes(emit, op, info)
+    hit_RT = aten.gt.Scalar(aten.sum.dim_IntList(hit_RTK, [2]), 0)  # [ep, Tl]
+    sent_rows = emit.named(aten.sum.dim_IntList(hit_RT, [1]), "ep_sent")
+    sent = aten.sum.dim_IntList(hit_RTK, [1, 2])  # assignments, for the statistics
+    received = emit.named(
+        emit.a2a(aten.stack.default([sent_rows, sent], 1), [1] * ep, [1] * ep),
+        "ep_received",
+        "EP count exchange: how many rows (and assignments) each rank sends this rank",
+    )  # [ep, 2]
+    counts = aten.unbind.int(aten.cat.default([sent_rows, aten.select.int(received, 1, 0)]))
+    splits = [_host_count(emit, counts[i], i, ep) for i in range(2 * ep)]
+    send_splits, recv_splits = splits[:ep], splits[ep:]
+    n_send = send_splits[0]
+    for count in send_splits[1:]:
+        n_send = n_send + count
+    flat = aten.view.default(hit_RT, [-1])  # (rank, token) pairs, rank-major
+    miss = aten._to_copy.default(aten.logical_not.default(flat), dtype=torch.int64)
+    _, order = aten.sort.stable(miss, stable=True)  # hits first, in (rank, token) order
+    pair = emit.named(aten.narrow.default(order, 0, 0, n_send), "ep_pair")
+    tl = aten.sym_size.int(op.x, 0)
+    token = emit.named(aten.remainder.Scalar(pair, tl), "ep_token")
+    routes_PK = aten.view.default(_route_table(op, hit_RTK, local_TK), [-1, 2 * K])
+    route = aten.index_select.default(routes_PK, 0, pair)
+    x_send = _dispatched(aten.index_select.default(op.x, 0, token))
+    y_back = _exchange(emit, op, x_send, route, send_splits, recv_splits, _EXACT_PER_RANK_WHY,
+                       k=K)  # fmt: skip
+    zeros = aten.zeros_like.default(op.x, dtype=torch.float32)
+    out = aten.index_add.default(zeros, 0, token, cast(y_back, op.dtype, torch.float32))
+    received_assignments = aten.select.int(received, 1, 1)
+    stats = _stats(emit, sent, received_assignments, sent_rows, aten.select.int(received, 1, 0))
+    return emit.named(out, "ep_routed_out"), stats
+
+
+def _padded_per_rank(
+    emit: _Emitter, op: _Routed, info: EpLayer, ep_tokens: Proxy
+) -> tuple[Proxy, Proxy]:
+    """Every rank sends every rank a buffer of C = Tl_max rows: token t's row at t of the
+    destination's block if the destination holds one of its experts, else an empty row
+    (routes -1) that costs bytes but no expert compute."""
+    ep, K = info.ep, info.top_k
+    capacity = ep_tokens * info.rows_per_token  # = Tl_max
+    n_rows = capacity * ep
+    hit_RTK, local_TK = _per_rank_routes(emit, op, info)
+    hit_RT = aten.gt.Scalar(aten.sum.dim_IntList(hit_RTK, [2]), 0)
+    sent_rows = emit.named(aten.sum.dim_IntList(hit_RT, [1]), "ep_sent")
+    sent = aten.sum.dim_IntList(hit_RTK, [1, 2])
+    tl = aten.sym_size.int(op.x, 0)
+    position = aten.add.Tensor(
+        aten.unsqueeze.default(aten.mul.Tensor(emit.arange(ep), capacity), 1),
+        aten.unsqueeze.default(emit.arange(tl), 0),
+    )  # [ep, Tl]: row r*C + t
+    slot = emit.named(
+        aten.view.default(aten.where.ScalarOther(hit_RT, position, n_rows), [-1]), "ep_slot"
+    )  # unhit pairs go to a scratch row past the end, which is never sent
+    token = emit.named(aten.repeat.default(emit.arange(tl), [ep]), "ep_token")
+    x_buf = aten.index_put.default(
+        aten.new_zeros.default(op.x, [n_rows + 1, op.dim]),
+        [slot],
+        _dispatched(aten.index_select.default(op.x, 0, token)),
+    )
+    empty = emit.call(
+        aten.full.default, [n_rows + 1, 2 * K], -1.0, dtype=torch.float32, device=emit.device
+    )
+    route_buf = aten.index_put.default(
+        empty, [slot], aten.view.default(_route_table(op, hit_RTK, local_TK), [-1, 2 * K])
+    )
+    splits = [capacity] * ep
+    x_send = aten.split_with_sizes.default(x_buf, [n_rows, 1])[0]
+    route_send = aten.split_with_sizes.default(route_buf, [n_rows, 1])[0]
+    y_back, routes = _exchange(
+        emit, op, x_send, route_send, splits, splits, _PADDED_PER_RANK_WHY, True, k=K
+    )
+    y_back = aten.cat.default([y_back, aten.new_zeros.default(y_back, [1, op.dim])])
+    contributions = cast(aten.index_select.default(y_back, 0, slot), op.dtype, torch.float32)
+    zeros = aten.zeros_like.default(op.x, dtype=torch.float32)
+    out = aten.index_add.default(zeros, 0, token, contributions)
+    routed = aten.ge.Scalar(aten.slice.Tensor(routes, 1, 0, K), 0)  # [n_rows, K]
+    per_row = aten.sum.dim_IntList(aten.view.default(routed, [ep, -1, K]), [2])  # [ep, C]
+    received = aten.sum.dim_IntList(per_row, [1])
+    received_rows = aten.sum.dim_IntList(aten.gt.Scalar(per_row, 0), [1])
+    stats = _stats(emit, sent, received, sent_rows, received_rows)
+    return emit.named(out, "ep_routed_out"), stats
+
+
+def _per_rank_routes(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, Proxy]:
+    """`hit [ep, Tl, K]`: route k of token t goes to rank r; `local [Tl, K]`: its expert's
+    index on that rank."""
+    per_rank = info.experts_per_rank
+    assigned = _dispatched(aten.ge.Scalar(op.topk_idx, 0))
+    dest = aten.where.ScalarOther(
+        assigned, aten.floor_divide.default(op.topk_idx, per_rank), info.ep
+    )  # [Tl, K]; ep: no assignment, matches no rank
+    ranks = aten.view.default(emit.arange(info.ep), [info.ep, 1, 1])
+    hit = emit.named(aten.eq.Tensor(aten.unsqueeze.default(dest, 0), ranks), "ep_hit")
+    return hit, aten.remainder.Scalar(op.topk_idx, per_rank)
+
+
+def _route_table(op: _Routed, hit_RTK: Proxy, local_TK: Proxy) -> Proxy:
+    """`[ep, Tl, 2K]` fp32: for each (rank, token), the token's K local expert indices where
+    the rank holds the expert (else -1), then their routing weights (else 0)."""
+    local = aten.where.ScalarOther(hit_RTK, aten.unsqueeze.default(local_TK, 0), -1)
+    weight = aten.where.ScalarOther(hit_RTK, aten.unsqueeze.default(op.topk_weight, 0), 0.0)
+    local = aten._to_copy.default(local, dtype=torch.float32)
+    return aten.cat.default([local, weight], 2)
+
+
+def _host_count(emit: _Emitter, count: Proxy, i: int, ep: int) -> Proxy:
+    name = f"ep_send_{i}" if i < ep else f"ep_recv_{i - ep}"
+    value = emit.named(aten._local_scalar_dense.default(count), name)  # host read
+    aten.sym_constrain_range_for_size.default(value)
+    return value
+
+
+_EXACT_PER_RANK_WHY = (
+    "EP dispatch: each token's row once to each rank holding one of its experts",
+    "EP dispatch: the token's K routes on that rank (local expert index or -1, weight)",
+    "EP combine: each row's weighted sum over the rank's experts back to its source rank",
+)
+_PADDED_PER_RANK_WHY = (
+    "EP dispatch (padded, per rank): C = Tl_max token rows to every rank",
+    "EP dispatch (padded, per rank): the token's K routes there (local index or -1, weight)",
+    "EP combine (padded, per rank): each row's sum over the rank's experts back to its source",
+)
+
+_LOWERINGS = {
+    ("exact", "per_assignment"): _exact,
+    ("padded", "per_assignment"): _padded,
+    ("exact", "per_rank"): _exact_per_rank,
+    ("padded", "per_rank"): _padded_per_rank,
+}

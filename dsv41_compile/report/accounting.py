@@ -7,7 +7,9 @@ Every cost is a node of the per-rank graph:
 - FLOPs: `2*M*N*K` per `mm` / `addmm`, `2*B*M*N*K` per `bmm` / `baddbmm`, and, per row handed
   to a routed-experts op and route, two FLOPs per element of one expert's weights (DeepSeek's
   SwiGLU expert: `6*D*I`; the kernel computes only valid routes, a static-shape kernel would
-  compute every row it is given -- this counts the rows given). Elementwise work is not counted.
+  compute every row it is given -- this counts the rows given; with one row per token and rank
+  and exact sizes, a row's K routes count as the expected valid ones, K*Tl/ep per peer).
+  Elementwise work is not counted.
 
 Each cost belongs to one part of the model: `entry` (before layer 0: embedding, masks),
 `attention` (a layer's attention half: its mHC pre, norm, attention, mHC post and the
@@ -18,8 +20,9 @@ Sizes are formulas in T, the DP group's token count (sympy), for the rank with t
 token shard. Two kinds of size are not functions of T alone and are replaced, stated here:
 `Tl_max` (the padded EP lowering's largest shard over the EP group) is ceil(T/tp), i.e. every
 DP group serves T tokens; the exact EP lowering's data-dependent counts (`ep_send_j`,
-`ep_recv_j`) take their expectation under balanced routing, K*ceil(T/tp)/ep assignments per
-(source, destination) pair.
+`ep_recv_j`) take their expectation under uniform routing, per (source, destination) pair:
+K*ceil(T/tp)/ep rows of one assignment each, or, with one row per (token, rank),
+ceil(T/tp) * (1 - C(E - E/ep, K)/C(E, K)) rows (`moe.stats.EpLayer.expected_rows_per_peer`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import module_paths
 from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols
+from dsv41_compile.moe.stats import EpLayer
 from dsv41_compile.report.comm import collective_bytes, collective_kind
 
 __all__ = ["PARTS", "Cost", "graph_costs", "per_layer_formulas", "summarize"]
@@ -158,6 +162,12 @@ def _flops(node: Node, ctx: CompileContext) -> sympy.Expr:
         x, topk_idx = node.args[:2]
         rows = _size(x.meta["val"].shape[0])
         routes = _size(topk_idx.meta["val"].shape[1])
+        info = _ep_layer(node, ctx)
+        if info is not None and info.rows == "per_rank" and info.dispatch == "exact":
+            # a received row carries K routes, the valid ones are those of this rank: in
+            # expectation K/ep assignments per token and peer over its expected rows
+            expected = info.expected_rows_per_peer
+            routes = sympy.Rational(info.top_k * expected.denominator, info.ep * expected.numerator)
         per_expert = sum(
             sympy.Mul(*(_size(s) for s in node.args[i].meta["val"].shape[1:]))
             for i in spec.weight_args()
@@ -177,14 +187,22 @@ def _size(s: object) -> sympy.Expr:
 def _substitutions(gm: GraphModule, ctx: CompileContext) -> dict[object, sympy.Expr]:
     tl = FloorDiv(T + ctx.mesh.tp - 1, ctx.mesh.tp)  # ceil(T/tp), printed as the graph does
     names = {k: (tl if v == TL_MAX else v) for k, v in graph_symbols(gm).items()}
-    by_layer = {info.region: info for info in ctx.ep_layers}
     for node in gm.graph.nodes:
         if node.target is aten._local_scalar_dense.default:
-            info = next((i for r, i in by_layer.items() if r in module_paths(node)), None)
+            info = _ep_layer(node, ctx)
             if info is None:
                 raise InternalError("a host read outside an expert-parallel MoE", node)
-            names[node.meta["val"].node.expr] = info.top_k * tl / info.ep
+            expected = info.expected_rows_per_peer
+            names[node.meta["val"].node.expr] = (
+                sympy.Rational(expected.numerator, expected.denominator) * tl
+            )
     return names
+
+
+def _ep_layer(node: Node, ctx: CompileContext) -> EpLayer | None:
+    """The expert-parallel MoE layer `node` belongs to, if any."""
+    paths = module_paths(node)
+    return next((info for info in ctx.ep_layers if info.region in paths), None)
 
 
 def _in_t(expr: sympy.Expr, names: dict[object, sympy.Expr], node: Node) -> sympy.Expr:

@@ -91,15 +91,14 @@ class _Printer:
         return node.name
 
     def reason(self, text: str) -> str:
-        """A reason names nodes: with stable names, by theirs."""
-        if not self.stable:
-            return text
-        return _WORD.sub(
-            lambda m: (
-                self.name(self.by_name[m.group()]) if m.group() in self.by_name else m.group()
-            ),
-            text,
-        )
+        """A reason names nodes: with stable names, by theirs. Only FX's counter names
+        (`add_3`) are taken for nodes: a plain word ("index") is prose."""
+
+        def word(m: re.Match) -> str:
+            w = m.group()
+            return self.name(self.by_name[w]) if w in self.by_name and "_" in w else w
+
+        return _WORD.sub(word, text) if self.stable else text
 
     def arg(self, a: object) -> str:
         if isinstance(a, Node):

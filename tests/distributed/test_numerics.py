@@ -21,14 +21,17 @@ Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPo
 - one window-only layer (tiny-swa's), the replicated baseline, ep=8 padded, as handed to
   torchair (graph-mode rewrites and torchair's AOT step, run eagerly:
   `testing.torchair_standin`);
-- one window-only layer, sp, ep=8 exact, inductor, vocab-sharded embedding: a cold compile
-  cache shared by the 8 ranks (the session's);
+- one window-only layer, sp, ep=8 exact with one row per assignment, inductor, vocab-sharded
+  embedding: a cold compile cache shared by the 8 ranks (the session's);
 - one window-only layer, bf16, experts replicated (ep=1);
 - on one rank: the five every-mode layers as handed to torchair.
 These call the model with `mark_token_dim`; tests/distributed/test_front_door.py calls it the
 other ways. The EP runs also check the requirement's assignment counts and the traffic each
-rank records in comm.json. The EP exchange adds no tolerance: a token's expert outputs are the
-single-device kernel's values, added in fp32 at the source.
+rank records in comm.json. The EP runs use the default `ep_rows="auto"` (one row per token
+and destination rank) except the inductor run (one row per assignment). The EP exchange adds
+no tolerance: a token's expert outputs are the single-device kernel's values, added in fp32 --
+at the source one per assignment, or per rank on the expert rank and then over the ranks at
+the source (expert order, re-associated; in fp32 the combine's cast is the identity).
 """
 
 from __future__ import annotations
@@ -99,7 +102,12 @@ RUNS = {
         lowering="torchair",
     ),
     "tiny-swa-ep-exact-inductor-vocab": spec(
-        "tiny-swa", overrides=ONE_LAYER, ep=EP, lowering="inductor", embedding="vocab_sharded"
+        "tiny-swa",
+        overrides=ONE_LAYER,
+        ep=EP,
+        lowering="inductor",
+        embedding="vocab_sharded",
+        ep_rows="per_assignment",
     ),
     "tiny-swa-bf16-eager": spec(
         "tiny-swa", overrides=(*ONE_LAYER, ("dtype", "bfloat16")), lowering="eager"
@@ -270,6 +278,10 @@ def test_requirement_example_dispatches_each_valid_assignment_once(name):
     for layer in range(cfg.n_layers):
         assert sum(rank[layer]["assignments_sent"] for rank in first) == 96
         assert sum(rank[layer]["assignments_received"] for rank in first) == 96
+        if first[0][layer]["rows"] == "per_rank":  # one row per token and destination rank
+            rows = sum(sum(rank[layer]["rows_sent_per_rank"]) for rank in first)
+            assert 16 <= rows < 96  # each token reaches 1 to 6 ranks; 16 x 6 is unlikely
+            assert rows == sum(sum(rank[layer]["rows_received_per_rank"]) for rank in first)
     if RUNS[name].capture:
         rows = [r["captures"]["layers.0.ffn.shared_expert"][0][0].shape[0] for r in results]
         assert rows == [2] * WORLD
@@ -284,7 +296,6 @@ def test_ep_traffic_adds_up_on_every_step(name):
     case, results = RUNS[name], results_of(name)
     cfg = model_config(case)
     K, D, per_rank = cfg.n_activated_experts, cfg.dim, cfg.n_routed_experts // EP
-    row = D * 4 + 8  # fp32 token row + (local expert, weight)
     padded = dict(case.options).get("ep_dispatch") == "padded"
     for i, step in enumerate(STEPS):
         calls = [r["comm"]["ep_steps"][i] for r in results]
@@ -295,21 +306,31 @@ def test_ep_traffic_adds_up_on_every_step(name):
         ]
         for layer in range(cfg.n_layers):
             records = [c["layers"][layer] for c in calls]
+            per_row = K if records[0]["rows"] == "per_rank" else 1  # routes per row
+            row = D * 4 + 8 * per_row  # fp32 token row + (local expert, weight) per route
             sent = [rec["assignments_sent_per_rank"] for rec in records]
             received = [rec["assignments_received_per_rank"] for rec in records]
             assert sent == [list(col) for col in zip(*received)], (name, i, layer)
             assert sum(rec["assignments_sent"] for rec in records) == K * valid_tokens(step)
+            rows_sent = [rec["rows_sent_per_rank"] for rec in records]
+            rows_received = [rec["rows_received_per_rank"] for rec in records]
+            assert rows_sent == [list(col) for col in zip(*rows_received)], (name, i, layer)
+            for rows, assignments in zip(sum(rows_sent, []), sum(sent, [])):
+                # a row carries 1 to min(K, E/ep) of a token's assignments (one per assignment)
+                assert rows <= assignments <= min(K, per_rank) * rows
+                assert per_row == K or rows == assignments
             for r, rec in enumerate(records):
-                to_peers = rec["assignments_sent"] - sent[r][r]
-                back = rec["assignments_received"] - received[r][r]
+                to_peers = sum(rows_sent[r]) - rows_sent[r][r]
+                back = sum(rows_received[r]) - rows_received[r][r]
                 assert rec["valid_dispatch_bytes_sent"] == to_peers * row
                 assert rec["valid_combine_bytes_sent"] == back * D * 4
                 if padded:
-                    rows = (EP - 1) * calls[r]["ep_tokens"] * min(K, per_rank)
-                    assert rec["dispatch_bytes_sent"] == rows * row
-                    assert rec["combine_bytes_sent"] == rows * D * 4
+                    n = (EP - 1) * calls[r]["ep_tokens"] * (1 if per_row == K else min(K, per_rank))
+                    assert rec["dispatch_bytes_sent"] == n * row
+                    assert rec["combine_bytes_sent"] == n * D * 4
                 else:
-                    assert rec["dispatch_bytes_sent"] == to_peers * row + (EP - 1) * 8
+                    counts = (EP - 1) * 8 * (2 if per_row == K else 1)
+                    assert rec["dispatch_bytes_sent"] == to_peers * row + counts
                     assert rec["combine_bytes_sent"] == back * D * 4
 
 

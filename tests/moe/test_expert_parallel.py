@@ -4,14 +4,16 @@ tests/distributed/test_numerics.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
+from fractions import Fraction
 
 import expecttest
 import pytest
 import torch
 
-from dsv41_compile.core.meta import REGION
+from dsv41_compile.core.meta import REASON, REGION
 from dsv41_compile.moe.stats import EpLayer
 from dsv41_compile.report.comm import collective_kind
 from dsv41_compile.spmd.placements import ExpertShard
@@ -21,6 +23,7 @@ from dsv41_compile.testing.presets import ONE_LAYER, compile_config
 
 aten = torch.ops.aten
 TINY_SWA = compile_config()  # 16 experts, top-6: 2 experts per rank at ep=8
+ONE_LAYER_SWA = compile_config("tiny-swa", ONE_LAYER)
 
 
 def ep_options(dispatch: str, **extra) -> dict:
@@ -98,10 +101,60 @@ def test_exact_dispatch_reads_the_counts_once_per_layer(exact_rank5):
 
 
 def test_statistics_are_extra_graph_outputs(exact_rank5):
-    gm, _, _ = exact_rank5
+    gm, ctx, _ = exact_rank5
     outputs = gm.graph.output_node().args[0]
     assert [n.name for n in outputs[-2:]] == ["ep_stats", "ep_stats_1"]
-    assert [tuple(n.meta["val"].shape) for n in outputs[-2:]] == [(2, 8)] * 2
+    # assignments sent / received, rows sent / received (one row per token and rank)
+    assert [layer.rows for layer in ctx.ep_layers] == ["per_rank"] * 2
+    assert [tuple(n.meta["val"].shape) for n in outputs[-2:]] == [(4, 8)] * 2
+
+
+@pytest.mark.parametrize(("dispatch", "rows", "per_token"), [
+    ("padded", "per_rank", 1), ("padded", "per_assignment", 2),
+])  # fmt: skip
+def test_padded_buffer_rows_per_peer(dispatch, rows, per_token):
+    """Every peer's block holds C = Tl_max rows (one per token and rank) or
+    Tl_max * min(K, E/ep) = 2 Tl_max (one per assignment; 2 experts per rank)."""
+    gm, _, _ = compile_on_fake_rank(2, ep_options(dispatch, ep_rows=rows), cfg=ONE_LAYER_SWA)
+    (tl_max,) = [n.meta["val"] for n in gm.graph.nodes if n.name == "ep_tokens"]
+    a2a = [n for n in gm.graph.nodes if collective_kind(n) == "all_to_all"]
+    assert len(a2a) == 3  # rows, routes, combine
+    for node in a2a:
+        assert [s.meta["val"] for s in node.args[1]] == [per_token * tl_max] * 8
+    widths = [n.meta["val"].shape[1] for n in a2a]
+    assert widths == [64, 2 * (6 if rows == "per_rank" else 1), 64]  # routes: K ids, K weights
+
+
+def test_auto_picks_the_form_with_fewer_expected_bytes_and_says_why(exact_rank5):
+    gm, ctx, _ = exact_rank5
+    (layer, _) = ctx.ep_layers
+    # 16 experts, top-6, 2 per rank: a token reaches 1 - C(14, 6)/C(16, 6) = 5/8 of the ranks
+    assert layer.expected_rows_per_peer == 1 - Fraction(3003, 8008)
+    per_assignment = dataclasses.replace(layer, rows="per_assignment")
+    assert per_assignment.expected_rows_per_peer == Fraction(6, 8)
+    # 7 peers * rows * (2 * 256 B fp32 rows + route bytes)
+    assert layer.bytes_per_token() == pytest.approx(7 * 5 / 8 * (512 + 48))
+    assert per_assignment.bytes_per_token() == pytest.approx(7 * 6 / 8 * (512 + 8))
+    (dispatch,) = [n for n in gm.graph.nodes if n.name == "ep_rows"]
+    assert dispatch.meta[REASON].endswith(
+        "(ep_rows='auto': per_rank, 2,450 B per token (expected, dispatch + combine) "
+        "against 2,730 B per_assignment)"
+    )
+
+
+def test_expected_rows_per_token_at_flash_sizes():
+    """384 experts, top-6, ep=8: 4.43 destination ranks per token (DeepEP's dedup) against 6;
+    with one expert per rank the forms send the same rows, and the per-assignment form's
+    smaller routes win."""
+    flash = EpLayer(
+        layer=0, region="", dispatch="exact", ep=8, experts_per_rank=48, top_k=6,
+        token_row_bytes=2 * 5120, rows="per_rank",
+    )  # fmt: skip
+    assert float(flash.expected_rows_per_peer * 8) == pytest.approx(4.4298, abs=1e-4)
+    one_each = dataclasses.replace(flash, experts_per_rank=1, token_row_bytes=16)
+    assert one_each.expected_rows_per_peer == Fraction(6, 8)
+    other = dataclasses.replace(one_each, rows="per_assignment")
+    assert other.bytes_per_token() < one_each.bytes_per_token()
 
 
 @pytest.mark.parametrize("dispatch", ["exact", "padded"])
@@ -143,12 +196,30 @@ def test_step_record_bytes_by_hand():
     assert padded["valid_combine_bytes_sent"] == 4 * 128
 
 
+def test_step_record_bytes_by_hand_one_row_per_rank():
+    layer = EpLayer(
+        layer=0, region="layers.0.ffn", dispatch="exact", ep=4, experts_per_rank=2, top_k=3,
+        token_row_bytes=64 * 2, rows="per_rank",
+    )  # fmt: skip
+    # assignments sent, received; rows sent, received (a row carries 1 or 2 assignments)
+    stats = torch.tensor([[2, 5, 0, 1], [3, 4, 1, 0], [1, 3, 0, 1], [2, 3, 1, 0]])
+    record = layer.step_record(stats, ep_tokens=3, rank=1)
+    assert record["assignments_sent"] == 8 and record["rows_sent_per_rank"] == [1, 3, 0, 1]
+    # to peers 0, 2, 3: 2 rows of 128 B + 3 routes of 8 B; two counts per peer
+    assert record["dispatch_bytes_sent"] == 2 * (128 + 24) + 3 * 16
+    assert record["combine_bytes_sent"] == (2 + 1 + 0) * 128  # rows received from peers
+    padded = EpLayer(**{**layer.__dict__, "dispatch": "padded"}).step_record(stats, 3, rank=1)
+    assert padded["dispatch_bytes_sent"] == 3 * 3 * (128 + 24)  # C = 3 tokens per peer
+    assert padded["combine_bytes_sent"] == 3 * 3 * 128
+    assert padded["valid_dispatch_bytes_sent"] == 2 * 152
+
+
 class TestMoeSnapshot(expecttest.TestCase):
     def test_moe_block_of_layer_0_exact_dispatch(self):
-        """Gate on the local token shard, dispatch (count exchange, host read of the splits,
-        rows and routes), this rank's two experts, combine, fp32 sum at the source, shared
-        expert on the local rows. No TP collective, no all-reduce."""
-        gm, ctx, _ = compile_on_fake_rank(5, ep_options("exact"))
+        """One row per assignment. Gate on the local token shard, dispatch (count exchange,
+        host read of the splits, rows and routes), this rank's two experts, combine, fp32 sum
+        at the source, shared expert on the local rows. No TP collective, no all-reduce."""
+        gm, ctx, _ = compile_on_fake_rank(5, ep_options("exact", ep_rows="per_assignment"))
         self.assertExpectedInline(
             layer_text(gm, ctx, "layers.0.ffn"),
             """\
@@ -255,29 +326,150 @@ v78 = _to_copy(v75, dtype=f32)  # f32[u10+u3+u4+u5+u6+u7+u8+u9]
 v79 = stack([v78, v77], 1)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 2]
 v80 = index_select(in0, 0, ep_token)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]
 v81 = _c10d_functional.all_to_all_single(v80, [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], 'ep')  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
-ep_rows = _c10d_functional.wait_tensor(v81)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]  <- EP dispatch: each assignment's token row to the rank of its expert
+ep_rows = _c10d_functional.wait_tensor(v81)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]  <- EP dispatch: each assignment's token row to the rank of its expert (ep_rows='per_assignment': per_assignment, 2,730 B per token (expected, dispatch + combine) against 2,450 B per_rank)
 v82 = _c10d_functional.all_to_all_single(v79, [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], 'ep')  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 2]
-ep_routes = _c10d_functional.wait_tensor(v82)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 2]  <- EP dispatch: each assignment's local expert in4 and routing weight
-v83 = select(ep_routes, 1, 0)  # f32[u11+u12+u13+u14+u15+u16+u17+u18]
-v84 = _to_copy(v83, dtype=i64)  # i64[u11+u12+u13+u14+u15+u16+u17+u18]
-v85 = select(ep_routes, 1, 1)  # f32[u11+u12+u13+u14+u15+u16+u17+u18]
-v86 = unsqueeze(v84, 1)  # i64[u11+u12+u13+u14+u15+u16+u17+u18, 1]
-v87 = unsqueeze(v85, 1)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 1]
-ep_local_experts = dsv41.routed_experts(ep_rows, v86, v87, layers.0.ffn.experts.w1, layers.0.ffn.experts.w2, layers.0.ffn.experts.w3, 10.0)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
-v88 = _c10d_functional.all_to_all_single(ep_local_experts, [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], 'ep')  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]
-ep_combined = _c10d_functional.wait_tensor(v88)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]  <- EP combine: weighted expert outputs back to their source rank
-v89 = zeros_like(in0, dtype=f32)  # f32[((T+3)//4), 64]
-ep_routed_out = index_add(v89, 0, ep_token, ep_combined)  # S(0) f32[((T+3)//4), 64]
+ep_routes = _c10d_functional.wait_tensor(v82)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 2]  <- EP dispatch: each assignment's local expert index and routing weight
+v83 = slice(ep_routes, 1, 0, 1)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 1]
+v84 = _to_copy(v83, dtype=i64)  # i64[u11+u12+u13+u14+u15+u16+u17+u18, 1]
+v85 = slice(ep_routes, 1, 1, 2)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 1]
+v86 = clone(v85, memory_format=torch.contiguous_format)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 1]
+ep_local_experts = dsv41.routed_experts(ep_rows, v84, v86, layers.0.ffn.experts.w1, layers.0.ffn.experts.w2, layers.0.ffn.experts.w3, 10.0)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
+v87 = _c10d_functional.all_to_all_single(ep_local_experts, [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], 'ep')  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]
+ep_combined = _c10d_functional.wait_tensor(v87)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]  <- EP combine: weighted expert outputs back to their source rank
+v88 = zeros_like(in0, dtype=f32)  # f32[((T+3)//4), 64]
+ep_routed_out = index_add(v88, 0, ep_token, ep_combined)  # S(0) f32[((T+3)//4), 64]
 ep_stats = stack([ep_sent, ep_received])  # i64[2, 8]
-v90 = t(layers.0.ffn.shared_expert.w1.weight)  # R f32[64, 32]
-v91 = mm(in0, v90)  # S(0) f32[((T+3)//4), 32]
-v92 = t(layers.0.ffn.shared_expert.w3.weight)  # R f32[64, 32]
-v93 = mm(in0, v92)  # S(0) f32[((T+3)//4), 32]
-v94 = clamp(v93, -10.0, 10.0)  # S(0) f32[((T+3)//4), 32]
-v95 = clamp(v91, None, 10.0)  # S(0) f32[((T+3)//4), 32]
-v96 = silu(v95)  # S(0) f32[((T+3)//4), 32]
-v97 = mul(v96, v94)  # S(0) f32[((T+3)//4), 32]
-v98 = t(layers.0.ffn.shared_expert.w2.weight)  # R f32[32, 64]
-v99 = mm(v97, v98)  # S(0) f32[((T+3)//4), 64]
-v100 = add(ep_routed_out, v99)  # S(0) f32[((T+3)//4), 64]""",
+v89 = t(layers.0.ffn.shared_expert.w1.weight)  # R f32[64, 32]
+v90 = mm(in0, v89)  # S(0) f32[((T+3)//4), 32]
+v91 = t(layers.0.ffn.shared_expert.w3.weight)  # R f32[64, 32]
+v92 = mm(in0, v91)  # S(0) f32[((T+3)//4), 32]
+v93 = clamp(v92, -10.0, 10.0)  # S(0) f32[((T+3)//4), 32]
+v94 = clamp(v90, None, 10.0)  # S(0) f32[((T+3)//4), 32]
+v95 = silu(v94)  # S(0) f32[((T+3)//4), 32]
+v96 = mul(v95, v93)  # S(0) f32[((T+3)//4), 32]
+v97 = t(layers.0.ffn.shared_expert.w2.weight)  # R f32[32, 64]
+v98 = mm(v96, v97)  # S(0) f32[((T+3)//4), 64]
+v99 = add(ep_routed_out, v98)  # S(0) f32[((T+3)//4), 64]""",
+        )
+
+    def test_dispatch_of_layer_0_one_row_per_token_and_rank(self):
+        """One row per (token, destination rank): which ranks each route hits, rows and
+        assignments counted per destination and exchanged, the (rank, token) pairs that hit
+        sent in rank order with the token's K routes (-1 where another rank holds the
+        expert), this rank's experts summing a row's routes, the sums combined back and added
+        in fp32 in rank order (= expert order). From the gate's output to the statistics."""
+        gm, ctx, _ = compile_on_fake_rank(5, ep_options("exact", ep_rows="per_rank"))
+        text = layer_text(gm, ctx, "layers.0.ffn").splitlines()
+        start = next(i for i, line in enumerate(text) if " ge(" in line)
+        end = next(i for i, line in enumerate(text) if line.startswith("ep_stats"))
+        self.assertExpectedInline(
+            "\n".join(text[start : end + 1]),
+            """\
+v23 = ge(v18, 0)  # b8[((T+3)//4), 6]
+v24 = floor_divide(v18, 2)  # i64[((T+3)//4), 6]
+v25 = where(v23, v24, 8)  # i64[((T+3)//4), 6]
+v26 = arange(8, dtype=i64)  # i64[8]
+v27 = view(v26, [8, 1, 1])  # i64[8, 1, 1]
+v28 = unsqueeze(v25, 0)  # i64[1, ((T+3)//4), 6]
+ep_hit = eq(v28, v27)  # b8[8, ((T+3)//4), 6]
+v29 = remainder(v18, 2)  # i64[((T+3)//4), 6]
+v30 = sum(ep_hit, [2])  # i64[8, ((T+3)//4)]
+v31 = gt(v30, 0)  # b8[8, ((T+3)//4)]
+ep_sent = sum(v31, [1])  # i64[8]
+v32 = sum(ep_hit, [1, 2])  # i64[8]
+v33 = stack([ep_sent, v32], 1)  # i64[8, 2]
+v34 = _c10d_functional.all_to_all_single(v33, [1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1], 'ep')  # i64[8, 2]
+ep_received = _c10d_functional.wait_tensor(v34)  # i64[8, 2]  <- EP count exchange: how many rows (and assignments) each rank sends this rank
+v35 = select(ep_received, 1, 0)  # i64[8]
+v36 = cat([ep_sent, v35])  # i64[16]
+v37 = unbind(v36)  # (i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[])
+v38 = getitem(v37, 0)  # i64[]
+ep_send_0 = _local_scalar_dense(v38)  # u3
+v39 = sym_constrain_range_for_size(ep_send_0)
+v40 = getitem(v37, 1)  # i64[]
+ep_send_1 = _local_scalar_dense(v40)  # u4
+v41 = sym_constrain_range_for_size(ep_send_1)
+v42 = getitem(v37, 2)  # i64[]
+ep_send_2 = _local_scalar_dense(v42)  # u5
+v43 = sym_constrain_range_for_size(ep_send_2)
+v44 = getitem(v37, 3)  # i64[]
+ep_send_3 = _local_scalar_dense(v44)  # u6
+v45 = sym_constrain_range_for_size(ep_send_3)
+v46 = getitem(v37, 4)  # i64[]
+ep_send_4 = _local_scalar_dense(v46)  # u7
+v47 = sym_constrain_range_for_size(ep_send_4)
+v48 = getitem(v37, 5)  # i64[]
+ep_send_5 = _local_scalar_dense(v48)  # u8
+v49 = sym_constrain_range_for_size(ep_send_5)
+v50 = getitem(v37, 6)  # i64[]
+ep_send_6 = _local_scalar_dense(v50)  # u9
+v51 = sym_constrain_range_for_size(ep_send_6)
+v52 = getitem(v37, 7)  # i64[]
+ep_send_7 = _local_scalar_dense(v52)  # u10
+v53 = sym_constrain_range_for_size(ep_send_7)
+v54 = getitem(v37, 8)  # i64[]
+ep_recv_0 = _local_scalar_dense(v54)  # u11
+v55 = sym_constrain_range_for_size(ep_recv_0)
+v56 = getitem(v37, 9)  # i64[]
+ep_recv_1 = _local_scalar_dense(v56)  # u12
+v57 = sym_constrain_range_for_size(ep_recv_1)
+v58 = getitem(v37, 10)  # i64[]
+ep_recv_2 = _local_scalar_dense(v58)  # u13
+v59 = sym_constrain_range_for_size(ep_recv_2)
+v60 = getitem(v37, 11)  # i64[]
+ep_recv_3 = _local_scalar_dense(v60)  # u14
+v61 = sym_constrain_range_for_size(ep_recv_3)
+v62 = getitem(v37, 12)  # i64[]
+ep_recv_4 = _local_scalar_dense(v62)  # u15
+v63 = sym_constrain_range_for_size(ep_recv_4)
+v64 = getitem(v37, 13)  # i64[]
+ep_recv_5 = _local_scalar_dense(v64)  # u16
+v65 = sym_constrain_range_for_size(ep_recv_5)
+v66 = getitem(v37, 14)  # i64[]
+ep_recv_6 = _local_scalar_dense(v66)  # u17
+v67 = sym_constrain_range_for_size(ep_recv_6)
+v68 = getitem(v37, 15)  # i64[]
+ep_recv_7 = _local_scalar_dense(v68)  # u18
+v69 = sym_constrain_range_for_size(ep_recv_7)
+v70 = ep_send_0 + ep_send_1  # u3+u4
+v71 = v70 + ep_send_2  # u3+u4+u5
+v72 = v71 + ep_send_3  # u3+u4+u5+u6
+v73 = v72 + ep_send_4  # u3+u4+u5+u6+u7
+v74 = v73 + ep_send_5  # u3+u4+u5+u6+u7+u8
+v75 = v74 + ep_send_6  # u3+u4+u5+u6+u7+u8+u9
+v76 = v75 + ep_send_7  # u10+u3+u4+u5+u6+u7+u8+u9
+v77 = view(v31, [-1])  # b8[8*(((T+3)//4))]
+v78 = logical_not(v77)  # b8[8*(((T+3)//4))]
+v79 = _to_copy(v78, dtype=i64)  # i64[8*(((T+3)//4))]
+v80 = sort(v79, stable=True)  # (i64[8*(((T+3)//4))], i64[8*(((T+3)//4))])
+v81 = getitem(v80, 0)  # i64[8*(((T+3)//4))]
+v82 = getitem(v80, 1)  # i64[8*(((T+3)//4))]
+ep_pair = narrow(v82, 0, 0, v76)  # i64[u10+u3+u4+u5+u6+u7+u8+u9]
+v83 = sym_size(in0, 0)  # ((T+3)//4)
+ep_token = remainder(ep_pair, v83)  # i64[u10+u3+u4+u5+u6+u7+u8+u9]
+v84 = unsqueeze(v29, 0)  # i64[1, ((T+3)//4), 6]
+v85 = where(ep_hit, v84, -1)  # i64[8, ((T+3)//4), 6]
+v86 = unsqueeze(v22, 0)  # f32[1, ((T+3)//4), 6]
+v87 = where(ep_hit, v86, 0.0)  # f32[8, ((T+3)//4), 6]
+v88 = _to_copy(v85, dtype=f32)  # f32[8, ((T+3)//4), 6]
+v89 = cat([v88, v87], 2)  # f32[8, ((T+3)//4), 12]
+v90 = view(v89, [-1, 12])  # f32[8*(((T+3)//4)), 12]
+v91 = index_select(v90, 0, ep_pair)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 12]
+v92 = index_select(in0, 0, ep_token)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]
+v93 = _c10d_functional.all_to_all_single(v92, [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], 'ep')  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
+ep_rows = _c10d_functional.wait_tensor(v93)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]  <- EP dispatch: each token's row once to each rank holding one of its experts (ep_rows='per_rank': per_rank, 2,450 B per token (expected, dispatch + combine) against 2,730 B per_assignment)
+v94 = _c10d_functional.all_to_all_single(v91, [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], 'ep')  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 12]
+ep_routes = _c10d_functional.wait_tensor(v94)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 12]  <- EP dispatch: the token's K routes on that rank (local expert index or -1, weight)
+v95 = slice(ep_routes, 1, 0, 6)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 6]
+v96 = _to_copy(v95, dtype=i64)  # i64[u11+u12+u13+u14+u15+u16+u17+u18, 6]
+v97 = slice(ep_routes, 1, 6, 12)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 6]
+v98 = clone(v97, memory_format=torch.contiguous_format)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 6]
+ep_local_experts = dsv41.routed_experts(ep_rows, v96, v98, layers.0.ffn.experts.w1, layers.0.ffn.experts.w2, layers.0.ffn.experts.w3, 10.0)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
+v99 = _c10d_functional.all_to_all_single(ep_local_experts, [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], 'ep')  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]
+ep_combined = _c10d_functional.wait_tensor(v99)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]  <- EP combine: each row's weighted sum over the rank's experts back to its source rank
+v100 = zeros_like(in0, dtype=f32)  # f32[((T+3)//4), 64]
+ep_routed_out = index_add(v100, 0, ep_token, ep_combined)  # S(0) f32[((T+3)//4), 64]
+v101 = select(ep_received, 1, 1)  # i64[8]
+v102 = select(ep_received, 1, 0)  # i64[8]
+ep_stats = stack([v32, v101, ep_sent, v102])  # i64[4, 8]""",
         )

@@ -9,6 +9,7 @@ DP group: Tl = 2 rows per rank. Costs are per layer.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -31,8 +32,9 @@ ROUTE = 8  # (local expert index, weight) per dispatched row
 def plan(plan_once):
     """(layout, EP dispatch) -> (gm, ctx), at comm_report's options and cache size."""
 
-    def planned(layout: str, dispatch: str):
+    def planned(layout: str, dispatch: str, rows: str = "per_assignment"):
         options = {"tp": TP, "ep": EP, "ep_dispatch": dispatch, "layout": layout}
+        options["ep_rows"] = rows
         options["lowering"] = "eager"
         cfg = compile_config()
         gm, ctx, _ = plan_once(cfg, options, world_size=WORLD, max_len=4096)
@@ -90,6 +92,37 @@ def test_exact_dispatch_counts_take_their_balanced_expectation(plan):
     routed = 3 * 2 * K * TL * D * I  # K*Tl rows received in expectation, one route each
     mhc = 2 * TL * (N * D) * (2 * N + N * N) + 2 * TL * N * N * D
     assert summary["moe_flops_per_layer_per_rank"] == mhc + 2 * TL * D * E + 6 * TL * D * I + routed
+
+
+# One row per (token, rank): a token reaches a given rank with probability
+# p = 1 - C(E - E/ep, K) / C(E, K) = 1 - C(14, 6) / C(16, 6) = 5/8.
+P_HIT = 1 - math.comb(E - E // EP, K) / math.comb(E, K)
+
+
+def test_exact_dispatch_one_row_per_rank_by_hand(plan):
+    gm, ctx = plan("sp", "exact", "per_rank")
+    summary = summarize(graph_costs(gm, ctx), T)
+    assert P_HIT == 5 / 8
+    moved = P_HIT * TL * (EP - 1)  # rows to the other ranks, each way
+    counts = (EP - 1) * 2 * 8  # rows and assignments per peer
+    expected = counts + moved * (D * F32 + K * ROUTE) + moved * D * F32
+    assert summary["collectives"]["all_to_all(ep)"]["bytes_sent"] == pytest.approx(expected)
+    # the experts compute the valid routes only: K*Tl in expectation, as per assignment
+    routed = 3 * 2 * K * TL * D * I
+    mhc = 2 * TL * (N * D) * (2 * N + N * N) + 2 * TL * N * N * D
+    flops = summary["moe_flops_per_layer_per_rank"]
+    assert flops == pytest.approx(mhc + 2 * TL * D * E + 6 * TL * D * I + routed)
+
+
+def test_padded_dispatch_one_row_per_rank_by_hand(plan):
+    gm, ctx = plan("sp", "padded", "per_rank")
+    summary = summarize(graph_costs(gm, ctx), T)
+    ep = (EP - 1) * TL * (D * F32 + K * ROUTE + D * F32)  # C = Tl rows per peer
+    assert summary["collectives"]["all_to_all(ep)"]["bytes_sent"] == ep
+    routed = 3 * 2 * (EP * TL * K) * D * I  # every row's K route slots handed to the kernel
+    mhc = 2 * TL * (N * D) * (2 * N + N * N) + 2 * TL * N * N * D
+    flops = summary["moe_flops_per_layer_per_rank"]
+    assert flops == mhc + 2 * TL * D * E + 6 * TL * D * I + routed
 
 
 def test_sp_has_no_all_reduce_and_replicated_one_per_layer(plan):

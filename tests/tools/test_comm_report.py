@@ -1,5 +1,6 @@
 """tools/comm_report.py on tiny-swa (`testing.presets.compile_config()`: costs are per layer): the
-report's JSON layout, both layouts costed from their graphs, and the plot written. The
+report's JSON layout, the seed, sp and replicated configurations costed from their graphs, and
+the plot written. The
 plans are tests/report/test_accounting.py's (the same graphs, planned once on the worker both
 files run on)."""
 
@@ -13,26 +14,38 @@ from dsv41_compile.testing.presets import compile_config
 
 def test_report_json_and_plot(tmp_path, plan_once, load_tool):
     tool = load_tool("comm_report")
-    args = argparse.Namespace(preset="tiny-swa", tp=4, ep=8, dp=2, ep_dispatch="padded")
+    args = argparse.Namespace(
+        preset="tiny-swa", tp=4, ep=8, dp=2, ep_dispatch="padded", ep_rows="auto"
+    )
     cfg = compile_config()
     doc = json.loads(json.dumps(tool.report(args, plan=plan_once, cfg=cfg)))  # JSON-serialisable
     assert [s["name"] for s in doc["scenarios"]] == ["decode", "dspark", "prefill"]
     assert [s["tokens_per_dp_group"] for s in doc["scenarios"]] == [4, 80, 4096]
+    assert doc["options"]["seed"]["ep_rows"] == "per_assignment"
+    assert doc["options"]["sp"]["ep_rows"] == doc["options"]["replicated"]["ep_rows"] == "auto"
+    assert doc["choices"]["sp"] == [
+        "ep_rows: ep_rows='auto': per_rank, 3,920 B per token (padded, dispatch + combine) "
+        "against 7,280 B per_assignment"
+    ]
     for scenario in doc["scenarios"]:
-        sp, rep = scenario["layouts"]["sp"], scenario["layouts"]["replicated"]
-        for layout in (sp, rep):
+        seed, sp, rep = (scenario["layouts"][k] for k in ("seed", "sp", "replicated"))
+        for layout in (seed, sp, rep):
             assert {"bytes_per_layer_per_rank", "flops_per_layer_per_rank", "collectives"} <= set(
                 layout
             )
         assert set(sp["collectives"]) == {"all_gather(tp)", "reduce_scatter(tp)", "all_to_all(ep)"}
         assert set(rep["collectives"]) == {"all_reduce(tp)", "all_gather(tp)", "all_to_all(ep)"}
-        # sp's attention boundary is the lower bound when tp divides T; the EP bytes are equal
+        # the seed's attention boundary is its lower bound when tp divides T; sp and the
+        # baseline move the same EP bytes (the same options), fewer than the seed's
         boundary = sum(
-            sp["collectives"][k]["bytes_sent"] for k in ("all_gather(tp)", "reduce_scatter(tp)")
+            seed["collectives"][k]["bytes_sent"] for k in ("all_gather(tp)", "reduce_scatter(tp)")
         )
         assert boundary == scenario["attention_lower_bound_bytes"]
         assert sp["collectives"]["all_to_all(ep)"] == rep["collectives"]["all_to_all(ep)"]
+        ep_bytes = [c["collectives"]["all_to_all(ep)"]["bytes_sent"] for c in (sp, seed)]
+        assert ep_bytes[0] < ep_bytes[1]
         assert sp["bytes_per_layer_per_rank"] < rep["bytes_per_layer_per_rank"]
+        assert sp["bytes_per_layer_per_rank"] < seed["bytes_per_layer_per_rank"]
     path = tmp_path / "bytes.png"
     tool.plot(doc, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
