@@ -304,11 +304,15 @@ def _context(
         raise InternalError(f"the AOT graph has {len(placeholders)} inputs, Dynamo's {expected}")
     param_fqns = {placeholders[i].name: fqn for i, fqn in inputs.param_fqns.items()}
     input_sources = {placeholders[i].name: name for i, name in inputs.input_names.items()}
+    # "auto" cuts decided for this model's sizes: the passes see the options they chose.
+    params = {fqn: placeholders[i].meta["val"] for i, fqn in inputs.param_fqns.items()}
+    opts, choices = adapter.resolve(opts, params)
     return CompileContext(
         mesh=mesh,
         options=opts,
         adapter=adapter,
         plan=adapter.plan(opts),
+        choices=choices,
         target=target,
         param_fqns=param_fqns,
         buffers=frozenset(placeholders[i].name for i in inputs.buffers),

@@ -13,6 +13,7 @@ _LOWERINGS = ("auto", "eager", "inductor", "torchair")
 _EMBEDDINGS = ("replicated", "vocab_sharded")
 _EP_DISPATCH = ("exact", "padded")
 _EP_ROWS = ("auto", "per_rank", "per_assignment")
+_ATTN_EXITS = ("auto", "reduce_scatter", "all_to_all")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +37,17 @@ class BackendOptions:
     outputs in fp32 and sends one row back, in the activation dtype: DeepEP's normal mode).
     "auto": per MoE layer, the one with fewer expected bytes under uniform routing (the
     choice and both figures are in graph.py, comm.json and tools/explain.py)."""
+    attn_exit: str = "auto"
+    """How attention's output leaves the TP group in the sp layout: "reduce_scatter" (the
+    row-parallel output projection's fp32 partial sum, reduce-scattered to token shards: the
+    requirement's layout) or "all_to_all" (the projection's input moves to the token shards in
+    the activation dtype and each rank runs the whole projection on its tokens: no cross-rank
+    sum, exact, but the projection's weight is replicated on every TP rank). "auto": the one
+    with fewer bytes, unless the replicated weights exceed `extra_weight_bytes`. The model
+    family decides what the projection is (DeepSeek V4.1: `wo_b`)."""
+    extra_weight_bytes: int | None = None
+    """The most bytes of weights per rank the cuts may replicate beyond the layout's own
+    shards (None: no limit; 0: none, so "auto" never replicates a weight)."""
     layout: str = "sp"
     """A layout of the model family's adapter (`ModelAdapter.layouts`). DeepSeek V4.1's:
     "sp": token-sharded residuals, AllGather in / ReduceScatter out of attention.
@@ -84,6 +96,7 @@ class BackendOptions:
             ("embedding", _EMBEDDINGS),
             ("ep_dispatch", _EP_DISPATCH),
             ("ep_rows", _EP_ROWS),
+            ("attn_exit", _ATTN_EXITS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(
@@ -95,6 +108,14 @@ class BackendOptions:
         if unknown:
             raise ValueError(f"dump_after names no pass: {unknown}; the passes are {PASS_NAMES}")
         self._check_target(self.lowering)
+        budget = self.extra_weight_bytes
+        if budget is not None and (not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"extra_weight_bytes must be None or an int >= 0, got {budget!r}")
+        if self.attn_exit == "all_to_all" and self.layout != "sp":
+            raise ValueError(
+                f"attn_exit='all_to_all' is a cut of the sp layout; layout={self.layout!r} "
+                "all-reduces attention's output (use attn_exit='auto' or 'reduce_scatter')"
+            )
         if self.checkpoint is not None and not isinstance(self.checkpoint, str):
             object.__setattr__(self, "checkpoint", os.fspath(self.checkpoint))
         if self.skip_unimplemented_parts and self.checkpoint is None:

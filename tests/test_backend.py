@@ -31,6 +31,12 @@ def rank1():
 
 
 @pytest.fixture(scope="module")
+def seed_rank1():
+    """The requirement's layout exactly: the wo_b partial reduce-scattered."""
+    return compile_on_fake_rank(1, {"tp": 4, "attn_exit": "reduce_scatter"})
+
+
+@pytest.fixture(scope="module")
 def rank6_dumped(tmp_path_factory):
     """Rank 6 (the other DP group, another tp_rank) compiled with a dump: its dump folder."""
     dump = tmp_path_factory.mktemp("dump")
@@ -41,8 +47,10 @@ def collectives(gm) -> list:
     return [n for n in gm.graph.nodes if collective_kind(n)]
 
 
-def test_one_all_gather_of_the_2d_attention_input_and_one_fp32_reduce_scatter_per_layer(rank1):
-    gm, ctx, logits = rank1
+def test_one_all_gather_of_the_2d_attention_input_and_one_fp32_reduce_scatter_per_layer(
+    seed_rank1,
+):
+    gm, ctx, logits = seed_rank1
     assert logits.shape == (8, 512)
     per_layer = Counter()
     for node in collectives(gm):
@@ -69,6 +77,32 @@ def test_one_all_gather_of_the_2d_attention_input_and_one_fp32_reduce_scatter_pe
     assert not any(collective_kind(n) == "all_reduce" for n in gm.graph.nodes)
 
 
+def test_auto_exits_attention_with_an_all_to_all_of_wo_bs_input(rank1):
+    """tiny-swa, tp=4: of wo_a's output [T, 64] (fp32 here) each rank holds 16 columns; the all-to-all moves 3/4 x 16 x 4 = 48 B per token against the ReduceScatter's
+    3/4 x 64 x 4 = 192 B, and wo_b (64 x 64 fp32) is replicated: 3/4 of it, 12,288 B, more per layer and rank."""
+    gm, ctx, logits = rank1
+    assert logits.shape == (8, 512)
+    kinds = Counter((n.meta[REGION], collective_kind(n)) for n in collectives(gm))
+    assert kinds == {
+        ("layers.0.attn", "all_gather"): 1,
+        ("layers.0.attn.wo_b", "all_to_all"): 1,
+        ("layers.1.attn", "all_gather"): 1,
+        ("layers.1.attn.wo_b", "all_to_all"): 1,
+        ("head", "all_gather"): 1,
+    }
+    for node in collectives(gm):
+        if collective_kind(node) == "all_to_all":
+            assert tuple(node.args[0].meta["val"].shape[1:]) == (16,)  # [Tpad, W/tp] in
+            assert node.meta[REASON].endswith(
+                "; attn_exit='auto': all_to_all, 48 B per token against 192 B "
+                "reduce_scatter; wo_b replicated: +24,576 B of weights per rank"
+            )
+    assert ctx.options.attn_exit == "all_to_all"
+    wo_b = [s for s in ctx.param_shards.values() if s.fqn.endswith("wo_b.weight")]
+    assert wo_b == []  # whole on every rank
+    assert not any(collective_kind(n) in ("reduce_scatter", "all_reduce") for n in gm.graph.nodes)
+
+
 def test_graph_text_is_identical_on_every_rank(rank1, rank6_dumped):
     """Rank 1 against rank 6: another tp_rank (2, not 1) of the other DP group, compiled with a
     dump, which changes nothing in the graph. What lets one rank of a host compile for all
@@ -88,7 +122,7 @@ def test_vocab_sharded_embedding_enters_with_one_reduce_scatter():
     partials = first.args[0].meta["val"]
     assert partials.dim() == 2 and partials.shape[1] == 64  # [T, D], not the [T, 4, D] streams
     assert partials.dtype == torch.float32
-    assert [collective_kind(n) for n in rest] == ["all_gather", "reduce_scatter", "all_gather"]
+    assert [collective_kind(n) for n in rest] == ["all_gather", "all_to_all", "all_gather"]
 
 
 def test_dump_writes_graph_and_comm_records(rank6_dumped):
@@ -98,7 +132,7 @@ def test_dump_writes_graph_and_comm_records(rank6_dumped):
     comm = json.loads((dump / "rank6" / "comm.json").read_text())
     assert (comm["rank"], comm["tp_rank"], comm["dp_rank"]) == (6, 2, 1)
     kinds = [c["kind"] for c in comm["collectives"]]
-    assert kinds == ["all_gather", "reduce_scatter"] * 2 + ["all_gather"]
+    assert kinds == ["all_gather", "all_to_all"] * 2 + ["all_gather"]
     first = comm["collectives"][0]
     assert first["layer"] == 0 and first["axis"] == "tp" and first["group_size"] == 4
     assert first["input_shape"] == ["((T + 3)//4)", "64"]
@@ -111,9 +145,10 @@ def test_dump_writes_graph_and_comm_records(rank6_dumped):
     }
 
 
-def test_bf16_rounding_boundaries_are_the_single_device_ones():
+@pytest.mark.parametrize("attn_exit", ["reduce_scatter", "all_to_all"])
+def test_bf16_rounding_boundaries_are_the_single_device_ones(attn_exit):
     cfg = compile_config("tiny-swa", ONE_LAYER, (("dtype", "bfloat16"),))
-    gm, _, _ = compile_on_fake_rank(3, {"tp": 4}, cfg=cfg)
+    gm, _, _ = compile_on_fake_rank(3, {"tp": 4, "attn_exit": attn_exit}, cfg=cfg)
     inserted = [
         n
         for n in gm.graph.nodes
@@ -128,8 +163,13 @@ def test_bf16_rounding_boundaries_are_the_single_device_ones():
         source_val = source.meta["val"]
         if isinstance(source_val, torch.Tensor):
             assert node.meta["val"].dtype == source_val.dtype, node.name
-    scatters = [n for n in collectives(gm) if collective_kind(n) == "reduce_scatter"]
-    assert [n.args[0].meta["val"].dtype for n in scatters] == [torch.float32]
+    # the exit: the fp32 partial reduce-scattered, or wo_b's input moved in the activation
+    # dtype (wo_b then computes in fp32 on the token shard, as on one device)
+    exits = [n for n in collectives(gm) if collective_kind(n) in ("reduce_scatter", "all_to_all")]
+    exits = [n for n in exits if n.meta[REGION].startswith("layers.0.attn") or
+             collective_kind(n) == "reduce_scatter"]  # fmt: skip
+    expected = torch.float32 if attn_exit == "reduce_scatter" else torch.bfloat16
+    assert [n.args[0].meta["val"].dtype for n in exits] == [expected]
     gathers = [n for n in collectives(gm) if collective_kind(n) == "all_gather"]
     assert [n.args[0].meta["val"].dtype for n in gathers] == [torch.bfloat16] * 2
 
@@ -380,6 +420,13 @@ v175 = permute(v174, [1, 0, 3, 2])  # S(1) f32[T, 1, 16, 1]
 v176 = view(v175, [positions.size()[0], 1, 16])  # S(1) f32[T, 1, 16]
 v177 = clone(v176, memory_format=torch.contiguous_format)  # S(1) f32[T, 1, 16]
 v178 = _unsafe_view(v177, [positions.size()[0], 16])  # S(1) f32[T, 16]
-v179 = t(layers.1.attn.wo_b.weight)  # S(0) f32[16, 64]
-v180 = mm(v178, v179)  # P f32[T, 64]""",
+v179 = t(layers.1.attn.wo_b.weight)  # R f32[64, 64]
+v180 = constant_pad_nd(v178, [0, 0, 0, in2], 0)  # f32[4*(((T+3)//4)), 16]
+v181 = _c10d_functional.all_to_all_single(v180, [in4, in4, in4, in4], [in4, in4, in4, in4], 'tp')  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v187 in layers.1.attn.wo_b needs v178 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 48 B per token against 192 B reduce_scatter; wo_b replicated: +24,576 B of weights per rank
+v182 = _c10d_functional.wait_tensor(v181)  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v187 in layers.1.attn.wo_b needs v178 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 48 B per token against 192 B reduce_scatter; wo_b replicated: +24,576 B of weights per rank
+v183 = unflatten(v182, 0, [4, in4])  # f32[4, ((T+3)//4), 16]
+v184 = permute(v183, [1, 0, 2])  # f32[((T+3)//4), 4, 16]
+v185 = clone(v184, memory_format=torch.contiguous_format)  # f32[((T+3)//4), 4, 16]
+v186 = view(v185, [-1, 64])  # S(0) f32[((T+3)//4), 64]
+v187 = mm(v186, v179)  # S(0) f32[((T+3)//4), 64]""",
         )

@@ -224,8 +224,9 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
     [
         (
             {"tp": 4, "pipeline": 2},
-            "unknown dsv41_sp option(s) ['pipeline']; the options are ['check_inputs', "
-            "'checkpoint', 'dump_after', 'dump_dir', 'embedding', 'ep', 'ep_dispatch', 'ep_rows', 'layout', "
+            "unknown dsv41_sp option(s) ['pipeline']; the options are ['attn_exit', "
+            "'check_inputs', 'checkpoint', 'dump_after', 'dump_dir', 'embedding', 'ep', "
+            "'ep_dispatch', 'ep_rows', 'extra_weight_bytes', 'layout', "
             "'lowering', 'share_compile', 'skip_unimplemented_parts', 'tp']",
         ),
         ({"tp": 4, "ep": 0}, "ep must be a positive int, got 0"),

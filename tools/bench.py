@@ -1,8 +1,10 @@
-"""Step time of the sp layout against the replicated baseline on 8 CPU ranks, with both EP
-dispatch lowerings, side by side on the same batches.
+"""Step time of the sp layout against the replicated baseline and the seed layout on 8 CPU
+ranks, with both EP dispatch lowerings (or `--dispatch`), side by side on the same batches.
 
-8 gloo processes (tp=4, dp=2, ep=8). Every rank compiles the model once per configuration
-(layout x EP dispatch) and then runs the scenarios with the configurations alternating, so all
+8 gloo processes (tp=4, dp=2, ep=8). The configurations: "sp" (the default options: the cuts
+"auto" picks), "replicated" (the all-reduce baseline, the same EP options) and "seed" (the
+requirement's layout exactly: `attn_exit="reduce_scatter"`, `ep_rows="per_assignment"`).
+Every rank compiles the model once per configuration (x EP dispatch) and then runs the scenarios with the configurations alternating, so all
 see the same machine state: decode (4 requests x 1 token per DP group), dspark (16 requests x
 5 tokens: a speculative verification batch) and prefill (2 requests x `--prefill` tokens).
 Step time: the slowest rank's median over `--repeats` (a barrier before and after each call).
@@ -26,7 +28,13 @@ from typing import Any
 import torch
 
 WORLD, TP, EP = 8, 4, 8
-CONFIGS = (("sp", "exact"), ("replicated", "exact"), ("sp", "padded"), ("replicated", "padded"))
+LAYOUTS = ("seed", "sp", "replicated")
+SEED = {"layout": "sp", "attn_exit": "reduce_scatter", "ep_rows": "per_assignment"}
+
+
+def configs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    dispatches = ("exact", "padded") if args.dispatch == "both" else (args.dispatch,)
+    return [(layout, dispatch) for dispatch in dispatches for layout in LAYOUTS]
 
 
 def scenarios(prefill: int) -> dict[str, list[list[Any]]]:
@@ -67,7 +75,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     model = DeepseekV41(cfg)
     cases = scenarios(args.prefill)
     max_len = args.prefill + 8
-    total = len(CONFIGS) + len(cases) * args.repeats * len(CONFIGS)
+    configs_ = configs(args)
+    total = len(configs_) + len(cases) * args.repeats * len(configs_)
     done = 0
 
     def tick(what: str) -> None:
@@ -81,7 +90,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     # One reset before all compiles: Dynamo keeps every configuration's graph on the model's
     # code object (a reset between them would throw the earlier ones away).
     torch._dynamo.reset()
-    for config in CONFIGS:
+    for config in configs_:
         layout, dispatch = config
         options = {
             "tp": TP,
@@ -89,6 +98,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
             "layout": layout,
             "ep_dispatch": dispatch,
             "lowering": args.lowering,
+            **(SEED if layout == "seed" else {}),
         }
         compiled[config] = torch.compile(model, backend="dsv41_sp", options=options, fullgraph=True)
         caches[config] = model.new_cache(16, max_len)
@@ -109,12 +119,12 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
         for request in requests:
             continued.lengths[request.slot] = request.start
         validate_batch(ids, positions, slots, continued, vocab_size=cfg.vocab_size)
-        times: dict[tuple[str, str], list[float]] = {c: [] for c in CONFIGS}
-        for config in CONFIGS:  # warm-up: the first call at a new T is not timed
+        times: dict[tuple[str, str], list[float]] = {c: [] for c in configs_}
+        for config in configs_:  # warm-up: the first call at a new T is not timed
             dsv41_compile.mark_token_dim(ids, positions, slots)
             compiled[config](ids, positions, slots, caches[config])
         for _ in range(args.repeats):
-            for config in CONFIGS:  # alternate the configurations
+            for config in configs_:  # alternate the configurations
                 dsv41_compile.mark_token_dim(ids, positions, slots)
                 torch.distributed.barrier()
                 start = time.perf_counter()
@@ -133,7 +143,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
                     )
                 ],
             }
-            for config in CONFIGS
+            for config in configs_
         }
     return out
 
@@ -156,29 +166,31 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=256, help="tokens per prefill request")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
+    parser.add_argument("--dispatch", choices=("both", "exact", "padded"), default="both")
     args = parser.parse_args()
     cfg = model_config(args)
+    configs_ = configs(args)
     print(
         f"{args.preset} (D={cfg.dim}, {cfg.n_layers} layers), 8 ranks (tp={TP}, "
         f"dp={WORLD // TP}, ep={EP}), {args.lowering} lowering, {args.repeats} repeats; "
-        f"compiling {len(CONFIGS)} configurations on every rank..."
+        f"compiling {len(configs_)} configurations on every rank..."
     )
     results = run_ranks(run_rank, WORLD, args)
     print(
         "compile + first call, slowest rank: "
         + ", ".join(
-            f"{'/'.join(c)} {max(r['compile_s'][c] for r in results):.0f} s" for c in CONFIGS
+            f"{'/'.join(c)} {max(r['compile_s'][c] for r in results):.0f} s" for c in configs_
         )
     )
     print(
         f"\n{'scenario':<9} {'T/group':>7} {'layout':<11} {'EP':<7} {'step ms':>8} "
-        f"{'sp/repl':>8} {'EP bytes/layer/rank':>20} {'/ valid':>8}"
+        f"{'sp/repl':>8} {'sp/seed':>8} {'EP bytes/layer/rank':>20} {'/ valid':>8}"
     )
     for name in results[0]["cases"]:
         step_ms = {}
-        for config in CONFIGS:
+        for config in configs_:
             step_ms[config] = 1e3 * max(r["cases"][name][config]["median_s"] for r in results)
-        for config in CONFIGS:
+        for config in configs_:
             layout, dispatch = config
             per_rank = [r["cases"][name][config] for r in results]
             n_layers = max(len(per_rank[0]["ep"]), 1)
@@ -192,20 +204,19 @@ def main() -> None:
                 for r in per_rank
                 for x in r["ep"]
             )
-            ratio = (
-                f"{step_ms[config] / step_ms[('replicated', dispatch)]:.2f}"
-                if layout == "sp"
-                else ""
-            )
+            ratios = [
+                f"{step_ms[config] / step_ms[(other, dispatch)]:.2f}" if layout == "sp" else ""
+                for other in ("replicated", "seed")
+            ]
             overhead = f"{sent / valid:.2f}" if valid else "-"
             print(
-                f"{name if config == CONFIGS[0] else '':<9} {per_rank[0]['T']:>7} {layout:<11} "
-                f"{dispatch:<7} {step_ms[config]:>8.1f} {ratio:>8} "
+                f"{name if config == configs_[0] else '':<9} {per_rank[0]['T']:>7} {layout:<11} "
+                f"{dispatch:<7} {step_ms[config]:>8.1f} {ratios[0]:>8} {ratios[1]:>8} "
                 f"{sent / WORLD / n_layers:>20.0f} {overhead:>8}"
             )
     print(
-        "\nstep ms: slowest rank's median; sp/repl: sp's step time over the replicated "
-        "baseline's with the same EP dispatch; EP bytes: dispatch + combine sent to other ranks, "
+        "\nstep ms: slowest rank's median; sp/repl, sp/seed: sp's step time over the replicated "
+        "baseline's and the seed layout's with the same EP dispatch; EP bytes: dispatch + combine sent to other ranks, "
         "mean over ranks and MoE layers; / valid: over an ideal dispatch of only the valid "
         "rows"
     )

@@ -3,7 +3,8 @@ seed layout.
 
 Three configurations: "sp" (layout="sp" with the cuts the options choose, `--ep-rows`, "auto"
 by default), "replicated" (the all-reduce baseline, with the same EP options: like for like)
-and "seed" (the requirement's layout exactly: sp, one EP row per assignment). Each is planned for rank 0 of a fake world (`planning.plan_rank`: meta tensors, a
+and "seed" (the requirement's layout exactly: sp, the wo_b partial reduce-scattered, one EP row
+per assignment). Each is planned for rank 0 of a fake world (`planning.plan_rank`: meta tensors, a
 `fake` process group, nothing allocated, nothing run) and costed from their rewritten graphs
 (`accounting.py`: ring all-gather / reduce-scatter / all-reduce, pairwise all-to-all; FLOPs of
 the matmul-like nodes). Scenarios give the tokens per DP group: decode (4 requests x 1 token),
@@ -39,11 +40,19 @@ def config_options(config: str, args: argparse.Namespace) -> dict[str, Any]:
     """The backend options of a configuration (module docstring)."""
     options = {"tp": args.tp, "ep": args.ep, "ep_dispatch": args.ep_dispatch, "lowering": "eager"}
     if config == "seed":
-        return {**options, "layout": "sp", "ep_rows": "per_assignment"}
-    return {**options, "layout": config, "ep_rows": args.ep_rows}
+        return {
+            **options,
+            "layout": "sp",
+            "ep_rows": "per_assignment",
+            "attn_exit": "reduce_scatter",
+        }
+    exit = args.attn_exit if config == "sp" else "auto"  # the baseline all-reduces
+    return {**options, "layout": config, "ep_rows": args.ep_rows, "attn_exit": exit}
 
 
-KINDS = ("all_gather(tp)", "reduce_scatter(tp)", "all_reduce(tp)", "all_to_all(ep)")
+KINDS = (
+    "all_gather(tp)", "reduce_scatter(tp)", "all_to_all(tp)", "all_reduce(tp)", "all_to_all(ep)"
+)  # fmt: skip
 
 
 def attention_lower_bound(cfg: ModelConfig, tokens: int, tp: int) -> int:
@@ -67,7 +76,7 @@ def report(
         gm, ctx, _ = plan(cfg, config_options(config, args), world_size=world, max_len=MAX_LEN)
         costs[config] = graph_costs(gm, ctx)
         seconds[config] = time.perf_counter() - start
-        choices[config] = sorted({f"ep_rows: {info.why}" for info in ctx.ep_layers})
+        choices[config] = sorted({*ctx.choices.values(), *(info.why for info in ctx.ep_layers)})
     scenarios = []
     for name, requests, length in SCENARIOS:
         tokens = requests * length
@@ -120,7 +129,7 @@ def print_tables(doc: dict) -> None:
     print(f"assumptions: {doc['assumptions']}")
     for config, options in doc["options"].items():
         chosen = "; ".join(doc["choices"][config])
-        print(f"  {config:<11} layout={options['layout']} ep_rows={options['ep_rows']}: {chosen}")
+        print(f"  {config:<11} {options['layout']}: {chosen}")
     print("per layer per rank, in T (tokens per DP group):")
     for config, formulas in doc["formulas_per_layer_per_rank"].items():
         for key, formula in formulas.items():
@@ -201,6 +210,10 @@ def main() -> None:
     parser.add_argument(
         "--ep-rows", choices=("auto", "per_rank", "per_assignment"), default="auto",
         help="sp's and the baseline's EP rows (the seed: per_assignment)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--attn-exit", choices=("auto", "reduce_scatter", "all_to_all"), default="auto",
+        help="sp's attention exit (the seed: reduce_scatter)",
     )  # fmt: skip
     parser.add_argument("--json", help="write the report as JSON here")
     parser.add_argument("--plot", help="draw bytes per collective kind per layer (PNG) here")

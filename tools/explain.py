@@ -13,7 +13,6 @@ from collections import Counter
 
 from dsv41_compile.core.meta import REGION
 from dsv41_compile.model import ModelConfig
-from dsv41_compile.models.deepseek_v41.plan import deepseek_v41_plan
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.comm import collective_kind
 from dsv41_compile.report.dump import graph_labels
@@ -29,6 +28,9 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=None, help="1 or the world size (default)")
     parser.add_argument("--ep-dispatch", choices=("exact", "padded"), default="exact")
     parser.add_argument("--ep-rows", choices=("auto", "per_rank", "per_assignment"), default="auto")
+    parser.add_argument(
+        "--attn-exit", choices=("auto", "reduce_scatter", "all_to_all"), default="auto"
+    )
     parser.add_argument("--layer", type=int, default=1, help="decoder layer to print in full")
     parser.add_argument(
         "--embedding", choices=("replicated", "vocab_sharded"), default="replicated"
@@ -39,7 +41,20 @@ def main() -> None:
     cfg = ModelConfig.from_name(args.preset)
     world = args.tp * args.dp
     ep = world if args.ep is None else args.ep
-    plan = deepseek_v41_plan(embedding=args.embedding, ep=ep, layout=args.layout)
+    options = {
+        "tp": args.tp,
+        "ep": ep,
+        "ep_dispatch": args.ep_dispatch,
+        "ep_rows": args.ep_rows,
+        "attn_exit": args.attn_exit,
+        "layout": args.layout,
+        "lowering": "eager",
+        "embedding": args.embedding,
+    }
+    start = time.perf_counter()
+    gm, ctx, model = plan_rank(cfg, options, world_size=world)
+    seconds = time.perf_counter() - start
+    plan = ctx.plan  # with the options' "auto" cuts decided for this model
     print(
         f"{args.layout} plan for {args.preset}, tp={args.tp}, ep={ep} (unlisted parameters "
         f"are replicated; "
@@ -52,19 +67,6 @@ def main() -> None:
     for pattern, placement in plan.exits:
         print(f"  leaving   {pattern:<32} {format_placement(placement)}")
     print(f"  partial sums go to {format_placement(plan.partial_to)} before any use")
-
-    options = {
-        "tp": args.tp,
-        "ep": ep,
-        "ep_dispatch": args.ep_dispatch,
-        "ep_rows": args.ep_rows,
-        "layout": args.layout,
-        "lowering": "eager",
-        "embedding": args.embedding,
-    }
-    start = time.perf_counter()
-    gm, ctx, model = plan_rank(cfg, options, world_size=world)
-    seconds = time.perf_counter() - start
     labels, groups = graph_labels(ctx)
 
     counts = Counter(
@@ -78,10 +80,11 @@ def main() -> None:
     )
     for (region, kind), n in sorted(counts.items()):
         print(f"  {region:<16} {kind:<15} x{n}")
-    if ctx.ep_layers:
-        print("\nchoices per layer:")
-        for info in ctx.ep_layers:
-            print(f"  layer {info.layer:<3} EP rows: {info.why}")
+    print("\nchoices per layer (every layer where a pattern says layers.*):")
+    for pattern, why in ctx.choices.items():
+        print(f"  {pattern:<20} {why}")
+    for info in ctx.ep_layers:
+        print(f"  {info.region:<20} {info.why}")
     mode = model.plan[args.layer].mode
     print(f"\nlayer {args.layer} ({mode}) of the rewritten graph; T = the DP group's tokens:\n")
     print(format_graph(gm, labels=labels, groups=groups, region=f"layers.{args.layer}"))

@@ -10,6 +10,7 @@ never names a module of a particular model.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -144,6 +145,19 @@ class ModelAdapter(abc.ABC):
         """Raise a ValueError that says what to change when `options` cannot shard a model
         with these parameter shapes (FQN -> shape); the passes would otherwise find out deep
         in the graph."""
+
+    def resolve(
+        self, options: BackendOptions, params: Mapping[str, torch.Tensor]
+    ) -> tuple[BackendOptions, dict[str, str]]:
+        """`options` with every `"auto"` cut decided for a model with these parameters (FQN ->
+        example value: shapes and dtypes), and why: module FQN pattern -> the choice and the bytes of its alternatives (shown
+        where the cut's collectives are). A family without cuts asked for one refuses."""
+        if options.attn_exit == "all_to_all":
+            raise NotImplementedError(
+                f"the {self.name} model family has no attention exit all-to-all; use "
+                "attn_exit='reduce_scatter' (or 'auto')"
+            )
+        return dataclasses.replace(options, attn_exit="reduce_scatter"), {}
 
     def read_weights(
         self, path: str, weights: Sequence[WeightInput], *, skip_unimplemented_parts: bool

@@ -56,6 +56,10 @@ class CompileContext:
     token_input: str
     """Placeholder name of the first token input: its length is the token count T."""
     fake_mode: FakeTensorMode
+    choices: dict[str, str] = field(default_factory=dict)
+    """The cuts the adapter decided (`ModelAdapter.resolve`): module FQN pattern of the
+    consumer region where the cut's collective runs -> the choice and its alternatives' bytes
+    (appended to the collective's reason)."""
     comm: list[dict[str, Any]] = field(default_factory=list)
     """One record per collective (`report.comm.comm_records`), filled by verify."""
     sizes: TokenSizes | None = None

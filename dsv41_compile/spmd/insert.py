@@ -19,6 +19,7 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REGION, RULE
 from dsv41_compile.spmd.annotate import exit_placement
 from dsv41_compile.spmd.placements import format_placement
+from dsv41_compile.spmd.plan import pattern_matches
 from dsv41_compile.spmd.transitions import TokenSizes, pad_value, redistribute
 
 __all__ = ["insert_collectives"]
@@ -45,7 +46,7 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> None:
             fill = pad_value(consumer, position, ctx.adapter)
             key = (arg, dst, fill)
             if key not in done:
-                why = _why(arg, consumer, dst)
+                why = _why(arg, consumer, dst) + _choice(consumer, ctx)
                 site = arg if exit_placement(arg, consumer, ctx) == dst else consumer
                 with graph.inserting_before(consumer):
                     out = redistribute(graph, arg, src, dst, sizes, site=site, why=why, fill=fill)
@@ -58,6 +59,15 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> None:
         node.kwargs = torch.fx.node.map_arg(node.kwargs, fix)
     gm.graph.lint()
     gm.recompile()
+
+
+def _choice(consumer: Node, ctx: CompileContext) -> str:
+    """The adapter's decision behind a collective entering `consumer`'s region, if any."""
+    region = consumer.meta.get(REGION, "")
+    for pattern, why in ctx.choices.items():
+        if pattern_matches(pattern, region):
+            return f"; {why}"
+    return ""
 
 
 def _why(value: Node, consumer: Node, dst: Placement) -> str:

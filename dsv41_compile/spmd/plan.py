@@ -21,11 +21,16 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-__all__ = ["ShardingPlan"]
+__all__ = ["ShardingPlan", "pattern_matches"]
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+
+
+def pattern_matches(pattern: str, fqn: str) -> bool:
+    """Whether the module / parameter FQN `fqn` matches `pattern` (`*`: one path segment)."""
+    return _compile(pattern).match(fqn) is not None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ No collective is chosen anywhere else.
     P     -> S(0)   pad the token dim to tp*Tl, reduce_scatter_tensor(sum)  ReduceScatter(tp)
     R     -> S(d)   pad, view as [tp, n/tp] on dim d, take row tp_rank      none
     P     -> R      all_reduce(sum) + wait (the replicated baseline only)   AllReduce(tp)
-    S(a)  -> S(b)   all-to-all: in neither layout                           (error)
+    S(1)  -> S(0)   pad the token dim, all_to_all_single, regroup columns   AllToAll(tp)
+                    (a 2-D value: [T, W/tp] -> [Tl, W]; sp's exit all-to-all)
+    S(a)  -> S(b)   any other                                               (error)
     R     -> P      never needed                                            (error)
 
 Which of P -> S(0) and P -> R runs is the plan's choice (`ShardingPlan.partial_to`).
@@ -148,6 +150,32 @@ def _reduce_scatter(
 def _all_reduce(graph: Graph, value: Node, src, dst, sizes: TokenSizes, fill: int) -> list[Node]:
     reduced = graph.call_function(c10d.all_reduce.default, (value, "sum", sizes.group_name))
     return [reduced, graph.call_function(c10d.wait_tensor.default, (reduced,))]
+
+
+@transition(lambda src, dst: src == Shard(1) and _is_token_shard(dst))
+def _all_to_all(graph: Graph, value: Node, src, dst, sizes: TokenSizes, fill: int) -> list[Node]:
+    """`[T, W/tp]` (this rank's columns of every token) -> `[Tl, W]` (every column of its
+    tokens): chunk j of the padded rows goes to rank j, and the chunk from rank j holds rank
+    j's columns, which take their place in column order."""
+    val = value.meta["val"]
+    if val.dim() != 2:
+        raise NotImplementedError(
+            f"{describe(value)}: the S(1) -> S(0) all-to-all moves 2-D values, got {val.dim()}-D"
+        )
+    padded = _pad_tokens(graph, value, 2, sizes, fill)
+    splits = [sizes.Tl] * sizes.tp
+    sent = graph.call_function(
+        c10d.all_to_all_single.default, (padded, splits, splits, sizes.group_name)
+    )
+    waited = graph.call_function(c10d.wait_tensor.default, (sent,))
+    blocks = graph.call_function(aten.unflatten.int, (waited, 0, [sizes.tp, sizes.Tl]))
+    by_token = graph.call_function(aten.permute.default, (blocks, [1, 0, 2]))
+    dense = graph.call_function(
+        aten.clone.default, (by_token,), {"memory_format": torch.contiguous_format}
+    )
+    # the value's global shape: W, which this rank now holds whole
+    out = graph.call_function(aten.view.default, (dense, [sizes.Tl, val.shape[1]]))
+    return [padded, sent, waited, blocks, by_token, dense, out]
 
 
 @transition(lambda src, dst: isinstance(src, Replicate) and isinstance(dst, Shard))

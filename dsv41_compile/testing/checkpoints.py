@@ -50,10 +50,11 @@ def synthetic_checkpoint(
 def rank_weight_inputs(cfg: ModelConfig, options: dict[str, Any], rank: int) -> list[WeightInput]:
     """What rank `rank` holds of each parameter under `options` (the plan's placements): the
     slices the backend's `checkpoint` option reads for it."""
-    opts = BackendOptions(**options)
+    model = DeepseekV41.without_weights(cfg)
+    opts, _ = DEEPSEEK_V41.resolve(BackendOptions(**options), dict(model.named_parameters()))
     plan = DEEPSEEK_V41.plan(opts)
     inputs = []
-    for fqn, p in DeepseekV41.without_weights(cfg).named_parameters():
+    for fqn, p in model.named_parameters():
         placement, part = plan.param_placement(fqn), None
         if isinstance(placement, ExpertShard):
             part = WeightSlice(placement.dim, rank, opts.ep)

@@ -21,14 +21,16 @@ Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPo
 - one window-only layer (tiny-swa's), the replicated baseline, ep=8 padded, as handed to
   torchair (graph-mode rewrites and torchair's AOT step, run eagerly:
   `testing.torchair_standin`);
-- one window-only layer, sp, ep=8 exact with one row per assignment, inductor, vocab-sharded
-  embedding: a cold compile cache shared by the 8 ranks (the session's);
+- one window-only layer, the seed layout exactly (sp, the wo_b partial reduce-scattered, ep=8
+  exact with one row per assignment), inductor, vocab-sharded embedding: a cold compile cache
+  shared by the 8 ranks (the session's);
 - one window-only layer, bf16, experts replicated (ep=1);
 - on one rank: the five every-mode layers as handed to torchair.
 These call the model with `mark_token_dim`; tests/distributed/test_front_door.py calls it the
 other ways. The EP runs also check the requirement's assignment counts and the traffic each
-rank records in comm.json. The EP runs use the default `ep_rows="auto"` (one row per token
-and destination rank) except the inductor run (one row per assignment). The EP exchange adds
+rank records in comm.json. The other runs take the default cuts (`attn_exit="auto"`: wo_b's
+input moved to its tokens' ranks by an all-to-all, wo_b whole on every rank, no cross-rank
+sum; `ep_rows="auto"`: one EP row per token and destination rank). The EP exchange adds
 no tolerance: a token's expert outputs are the single-device kernel's values, added in fp32 --
 at the source one per assignment, or per rank on the expert rank and then over the ranks at
 the source (expert order, re-associated; in fp32 the combine's cast is the identity).
@@ -108,6 +110,7 @@ RUNS = {
         lowering="inductor",
         embedding="vocab_sharded",
         ep_rows="per_assignment",
+        attn_exit="reduce_scatter",
     ),
     "tiny-swa-bf16-eager": spec(
         "tiny-swa", overrides=(*ONE_LAYER, ("dtype", "bfloat16")), lowering="eager"
@@ -334,8 +337,10 @@ def test_ep_traffic_adds_up_on_every_step(name):
                     assert rec["combine_bytes_sent"] == back * D * 4
 
 
-TP_SHARDED = {"attn.wq_b": 0, "attn.wo_a": 0, "attn.wo_b": 1, "attn.attn_sink": 0}
-"""The plan's tp shards (`models/deepseek_v41/plan.py`): checkpoint name suffix -> dim."""
+TP_SHARDED = {"attn.wq_b": 0, "attn.wo_a": 0, "attn.attn_sink": 0}
+"""The plan's tp shards (`models/deepseek_v41/plan.py`): checkpoint name suffix -> dim. The
+checkpoint run exits attention with the all-to-all (`attn_exit="auto"` at tiny's sizes), so
+`wo_b` is whole on every rank."""
 
 
 SIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}

@@ -56,10 +56,10 @@ def test_moe_halves_talk_only_over_ep_and_attention_only_over_tp(fixture, a2a, r
     assert logits.shape == (8, 512)
     assert collectives_by_region(gm, ctx) == {
         ("layers.0.attn", "all_gather", "tp"): 1,
-        ("layers.0", "reduce_scatter", "tp"): 1,  # the partial of wo_b, at the residual add
+        ("layers.0.attn.wo_b", "all_to_all", "tp"): 1,  # wo_b's input to its tokens' ranks
         ("layers.0.ffn", "all_to_all", "ep"): a2a,  # (counts,) rows, routes, combine
         ("layers.1.attn", "all_gather", "tp"): 1,
-        ("layers.1", "reduce_scatter", "tp"): 1,
+        ("layers.1.attn.wo_b", "all_to_all", "tp"): 1,
         ("layers.1.ffn", "all_to_all", "ep"): a2a,
         ("head", "all_gather", "tp"): 1,
     }
@@ -115,9 +115,10 @@ def test_statistics_are_extra_graph_outputs(exact_rank5):
 def test_padded_buffer_rows_per_peer(dispatch, rows, per_token):
     """Every peer's block holds C = Tl_max rows (one per token and rank) or
     Tl_max * min(K, E/ep) = 2 Tl_max (one per assignment; 2 experts per rank)."""
-    gm, _, _ = compile_on_fake_rank(2, ep_options(dispatch, ep_rows=rows), cfg=ONE_LAYER_SWA)
+    gm, ctx, _ = compile_on_fake_rank(2, ep_options(dispatch, ep_rows=rows), cfg=ONE_LAYER_SWA)
     (tl_max,) = [n.meta["val"] for n in gm.graph.nodes if n.name == "ep_tokens"]
-    a2a = [n for n in gm.graph.nodes if collective_kind(n) == "all_to_all"]
+    a2a = [n for n in gm.graph.nodes if collective_kind(n) == "all_to_all"
+           and n.args[-1] == ctx.mesh.ep_group_name]  # fmt: skip
     assert len(a2a) == 3  # rows, routes, combine
     for node in a2a:
         assert [s.meta["val"] for s in node.args[1]] == [per_token * tl_max] * 8

@@ -32,9 +32,11 @@ ROUTE = 8  # (local expert index, weight) per dispatched row
 def plan(plan_once):
     """(layout, EP dispatch) -> (gm, ctx), at comm_report's options and cache size."""
 
-    def planned(layout: str, dispatch: str, rows: str = "per_assignment"):
+    def planned(
+        layout: str, dispatch: str, rows: str = "per_assignment", exit: str = "reduce_scatter"
+    ):
         options = {"tp": TP, "ep": EP, "ep_dispatch": dispatch, "layout": layout}
-        options["ep_rows"] = rows
+        options["ep_rows"], options["attn_exit"] = rows, exit
         options["lowering"] = "eager"
         cfg = compile_config()
         gm, ctx, _ = plan_once(cfg, options, world_size=WORLD, max_len=4096)
@@ -112,6 +114,24 @@ def test_exact_dispatch_one_row_per_rank_by_hand(plan):
     mhc = 2 * TL * (N * D) * (2 * N + N * N) + 2 * TL * N * N * D
     flops = summary["moe_flops_per_layer_per_rank"]
     assert flops == pytest.approx(mhc + 2 * TL * D * E + 6 * TL * D * I + routed)
+
+
+def test_attention_exit_all_to_all_by_hand(plan):
+    """wo_a's output [T, G*o_lora = 64]: each rank sends 3 of its 4 token chunks of its 16
+    columns, and runs wo_b (64 x 64) on its Tl rows instead of a quarter of it on T rows."""
+    seed_gm, seed_ctx = plan("sp", "padded")
+    gm, ctx = plan("sp", "padded", exit="all_to_all")
+    seed, summary = (summarize(graph_costs(g, c), T) for g, c in ((seed_gm, seed_ctx), (gm, ctx)))
+    a2a = (TP - 1) * TL * (64 // TP) * F32
+    assert summary["collectives"]["all_to_all(tp)"] == {
+        "count": 1, "bytes_sent": a2a, "bytes_received": a2a,
+    }  # fmt: skip
+    assert "reduce_scatter(tp)" not in summary["collectives"]
+    assert seed["collectives"]["reduce_scatter(tp)"]["bytes_sent"] == (TP - 1) * TL * D * F32
+    # wo_b: 2*T*(64/tp)*D on the seed's rank, 2*Tl*64*D here: the same FLOPs at T = tp*Tl
+    assert (
+        summary["attention_flops_per_layer_per_rank"] == seed["attention_flops_per_layer_per_rank"]
+    )
 
 
 def test_padded_dispatch_one_row_per_rank_by_hand(plan):

@@ -15,17 +15,21 @@ from dsv41_compile.testing.presets import compile_config
 def test_report_json_and_plot(tmp_path, plan_once, load_tool):
     tool = load_tool("comm_report")
     args = argparse.Namespace(
-        preset="tiny-swa", tp=4, ep=8, dp=2, ep_dispatch="padded", ep_rows="auto"
-    )
+        preset="tiny-swa", tp=4, ep=8, dp=2, ep_dispatch="padded", ep_rows="auto",
+        attn_exit="auto",
+    )  # fmt: skip
     cfg = compile_config()
     doc = json.loads(json.dumps(tool.report(args, plan=plan_once, cfg=cfg)))  # JSON-serialisable
     assert [s["name"] for s in doc["scenarios"]] == ["decode", "dspark", "prefill"]
     assert [s["tokens_per_dp_group"] for s in doc["scenarios"]] == [4, 80, 4096]
     assert doc["options"]["seed"]["ep_rows"] == "per_assignment"
     assert doc["options"]["sp"]["ep_rows"] == doc["options"]["replicated"]["ep_rows"] == "auto"
+    assert doc["options"]["seed"]["attn_exit"] == "reduce_scatter"
     assert doc["choices"]["sp"] == [
-        "ep_rows: ep_rows='auto': per_rank, 3,920 B per token (padded, dispatch + combine) "
-        "against 7,280 B per_assignment"
+        "attn_exit='auto': all_to_all, 48 B per token against 192 B reduce_scatter; wo_b "
+        "replicated: +24,576 B of weights per rank",
+        "ep_rows='auto': per_rank, 3,920 B per token (padded, dispatch + combine) "
+        "against 7,280 B per_assignment",
     ]
     for scenario in doc["scenarios"]:
         seed, sp, rep = (scenario["layouts"][k] for k in ("seed", "sp", "replicated"))
@@ -33,7 +37,10 @@ def test_report_json_and_plot(tmp_path, plan_once, load_tool):
             assert {"bytes_per_layer_per_rank", "flops_per_layer_per_rank", "collectives"} <= set(
                 layout
             )
-        assert set(sp["collectives"]) == {"all_gather(tp)", "reduce_scatter(tp)", "all_to_all(ep)"}
+        assert set(seed["collectives"]) == {
+            "all_gather(tp)", "reduce_scatter(tp)", "all_to_all(ep)"
+        }  # fmt: skip
+        assert set(sp["collectives"]) == {"all_gather(tp)", "all_to_all(tp)", "all_to_all(ep)"}
         assert set(rep["collectives"]) == {"all_reduce(tp)", "all_gather(tp)", "all_to_all(ep)"}
         # the seed's attention boundary is its lower bound when tp divides T; sp and the
         # baseline move the same EP bytes (the same options), fewer than the seed's

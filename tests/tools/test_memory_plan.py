@@ -11,8 +11,13 @@ F32 = 4
 def test_weight_bytes_sharded_and_replicated_and_the_window_rings(load_tool, plan_once):
     cfg = compile_config()
     options = {"tp": 4, "ep": 8, "ep_dispatch": "padded", "layout": "sp", "lowering": "eager"}
+    options["attn_exit"] = "reduce_scatter"  # wo_b row-parallel (the exit all-to-all: below)
     gm, ctx, model = plan_once(cfg, options, world_size=8, max_len=4096)
     report = load_tool("memory_plan").memory_plan(gm, ctx, max_len=4096)
+    a2a = {**options, "attn_exit": "all_to_all"}
+    a2a_report = load_tool("memory_plan").memory_plan(
+        *plan_once(cfg, a2a, world_size=8, max_len=4096)[:2], max_len=4096
+    )
 
     H, d, G, o, q = cfg.n_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank, cfg.q_lora_rank
     E, I, D = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
@@ -29,6 +34,14 @@ def test_weight_bytes_sharded_and_replicated_and_the_window_rings(load_tool, pla
             "replicated": (everything - cfg.n_layers * sharded_full + rope) * F32,
         }
     }
+    # the exit all-to-all keeps all of wo_b on every rank: 3/4 of it more per layer
+    extra = cfg.n_layers * D * G * o * 3 // 4 * F32
+    assert a2a_report["weights"]["float32"]["replicated"] == (
+        report["weights"]["float32"]["replicated"] + cfg.n_layers * D * G * o * F32
+    )
+    assert a2a_report["weights"]["float32"]["sharded"] == (
+        report["weights"]["float32"]["sharded"] - (cfg.n_layers * D * G * o * F32 - extra)
+    )
     # window-only: per request, a ring of `window` fp32 latents of head_dim per layer, whatever
     # the length; nothing grows with it
     assert report["cache_fixed_per_request"] == cfg.n_layers * cfg.window_size * cfg.head_dim * F32

@@ -7,6 +7,7 @@ half (`hc_attn`, `attn_norm`, `attn`) and the MoE half (`hc_ffn`, `ffn_norm`, `f
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -50,7 +51,53 @@ class DeepseekV41Adapter(ModelAdapter):
         return any(fqn.split(".")[0] in _TOP_LEVEL for fqn in param_fqns)
 
     def plan(self, options: BackendOptions) -> ShardingPlan:
-        return deepseek_v41_plan(embedding=options.embedding, ep=options.ep, layout=options.layout)
+        return deepseek_v41_plan(
+            embedding=options.embedding,
+            ep=options.ep,
+            layout=options.layout,
+            attn_exit=options.attn_exit,
+        )
+
+    def resolve(
+        self, options: BackendOptions, params: Mapping[str, torch.Tensor]
+    ) -> tuple[BackendOptions, dict[str, str]]:
+        """The attention exit: per token and rank, the ReduceScatter of the fp32 `[T, D]`
+        partial moves (tp-1)/tp * 4D bytes, the all-to-all of `wo_a`'s output groups (tp-1)/tp
+        * G*o_lora/tp activation bytes; the all-to-all replicates `wo_b` (D x G*o_lora per
+        layer) on every TP rank. The layers' `wo_b` have one shape: one choice for all."""
+        wo_b = [v for fqn, v in params.items() if fqn.endswith(".attn.wo_b.weight")]
+        if options.layout != "sp" or options.tp == 1 or not wo_b:
+            return dataclasses.replace(options, attn_exit="reduce_scatter"), {}
+        tp, (dim, width), act = options.tp, wo_b[0].shape, wo_b[0].element_size()
+        cost = {
+            "reduce_scatter": (tp - 1) * dim * 4 / tp,
+            "all_to_all": (tp - 1) * width // tp * act / tp,
+        }
+        extra = sum(v.numel() * v.element_size() for v in wo_b) * (tp - 1) // tp
+        budget = options.extra_weight_bytes
+        fits = budget is None or extra <= budget
+        chosen = options.attn_exit
+        if chosen == "auto":
+            cheaper = min(cost, key=cost.__getitem__)
+            chosen = cheaper if fits else "reduce_scatter"
+        elif chosen == "all_to_all" and not fits:
+            raise ValueError(
+                f"attn_exit='all_to_all' replicates wo_b on every TP rank: {extra:,} more bytes "
+                f"of weights per rank than extra_weight_bytes={budget:,} allows; raise the "
+                "budget or use attn_exit='reduce_scatter'"
+            )
+        (other,) = set(cost) - {chosen}
+        why = (
+            f"attn_exit={options.attn_exit!r}: {chosen}, {cost[chosen]:,.0f} B per token "
+            f"against {cost[other]:,.0f} B {other}"
+        )
+        if chosen == "all_to_all":
+            why += f"; wo_b replicated: +{extra:,} B of weights per rank"
+        elif not fits:
+            why += f" (all_to_all would replicate {extra:,} B > extra_weight_bytes)"
+        # where the exit's collective runs: entering wo_b, or at the layer's residual add
+        region = "layers.*.attn.wo_b" if chosen == "all_to_all" else "layers.*"
+        return dataclasses.replace(options, attn_exit=chosen), {region: why}
 
     def site(self, module_path: str) -> Site:
         match = _LAYER.match(module_path)
@@ -90,8 +137,10 @@ class DeepseekV41Adapter(ModelAdapter):
     def expected_collectives(self, options: BackendOptions) -> LayerCollectives:
         if options.layout == "sp":
             # The normed [Tl, D] attention input gathered (not the [Tl, n, D] residual), the
-            # fp32 wo_b partial reduce-scattered; the MoE half talks over ep only.
-            return LayerCollectives(("all_gather", "reduce_scatter"), (), gathered_ndim=2)
+            # fp32 wo_b partial reduce-scattered, or wo_b's input moved to its tokens' ranks
+            # (attn_exit); the MoE half talks over ep only.
+            out = "all_to_all" if options.attn_exit == "all_to_all" else "reduce_scatter"
+            return LayerCollectives(("all_gather", out), (), gathered_ndim=2)
         # The baseline: the wo_b partial all-reduced; with experts sharded, the owners' MoE
         # output all-gathered back to the TP group.
         return LayerCollectives(("all_reduce",), ("all_gather",) if options.ep > 1 else ())

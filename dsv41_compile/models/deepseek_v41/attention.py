@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from dsv41_compile.models.deepseek_v41.cache import KVCache
 from dsv41_compile.models.deepseek_v41.config import LayerRole, ModelConfig
 from dsv41_compile.models.deepseek_v41.layers import (
+    Fp32Linear,
     RMSNorm,
     apply_rope,
     rope_inv_freq,
@@ -277,7 +278,7 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.empty(cfg.n_heads, dtype=torch.float32))
         group_width = cfg.n_heads // cfg.o_groups * cfg.head_dim
         self.wo_a = nn.Linear(group_width, cfg.o_groups * cfg.o_lora_rank, bias=False, dtype=dtype)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False, dtype=dtype)
+        self.wo_b = Fp32Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False, dtype=dtype)
         if role.mode == "full":
             self.compressor = Compressor(cfg, role.ratio)
         if role.mode in ("full", "reindex"):
@@ -328,8 +329,9 @@ class Attention(nn.Module):
 
         wo_a_GOK = self.wo_a.weight.view(G, self.o_lora_rank, -1)
         z_TGO = torch.einsum("tgk,gok->tgo", o_THd.reshape(T, G, H // G * d), wo_a_GOK)
-        # fp32 output: under tensor parallelism this is the partial sum that is reduce-scattered.
-        return F.linear(z_TGO.flatten(1).float(), self.wo_b.weight.float())
+        # fp32 output: under tensor parallelism either the partial sum that is reduce-scattered,
+        # or (the exit all-to-all) each token's whole projection on the rank that holds it.
+        return self.wo_b(z_TGO.flatten(1))
 
     def compressed_keys(
         self,

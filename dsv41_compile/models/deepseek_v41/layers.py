@@ -39,6 +39,15 @@ class Embedding(nn.Embedding):
         return F.embedding(input, self.weight)
 
 
+class Fp32Linear(nn.Linear):
+    """A linear layer computed in fp32 (input and weight upcast, fp32 out): the attention
+    output projection `wo_b`, whose output the fp32 residual stream adds. A module of its own
+    so that a layout can place what enters it: its input, in the activation dtype."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class RMSNorm(nn.Module):
     """`w * x / rms(x)`, computed in fp32 (weight stored fp32) and cast back to the input dtype."""
 

@@ -12,7 +12,11 @@ __all__ = ["deepseek_v41_plan"]
 
 
 def deepseek_v41_plan(
-    *, embedding: str = "replicated", ep: int = 1, layout: str = "sp"
+    *,
+    embedding: str = "replicated",
+    ep: int = 1,
+    layout: str = "sp",
+    attn_exit: str = "reduce_scatter",
 ) -> ShardingPlan:
     """`layout="sp"` (docs/backend.md, "The layout"): heads and output groups sharded over tp, latents /
     compressor / indexer replicated, row-parallel `wo_b` (a partial sum, reduce-scattered),
@@ -23,13 +27,20 @@ def deepseek_v41_plan(
     activation outside attention is replicated over the TP group: the `wo_b` partial is
     all-reduced, mHC / norms / gate / shared expert run on all T tokens. With ep > 1 each token
     is dispatched by exactly one TP rank (the routed-experts rule takes token shards) and the
-    MoE's output leaves the MoE replicated (one AllGather)."""
+    MoE's output leaves the MoE replicated (one AllGather).
+
+    `attn_exit="all_to_all"` (sp only): `wo_b` replicated and its input token-sharded where it
+    enters `wo_b`: the `[T, G/tp*o_lora]` output groups of `wo_a` move to their tokens' ranks
+    (all-to-all over tp, in the activation dtype) and each rank projects its own tokens with the
+    whole `wo_b`: no partial sum, no ReduceScatter."""
     params: list[tuple[str, Placement]] = [
         ("layers.*.attn.wq_b.weight", Shard(0)),  # [H*d, q_lora]: heads
         ("layers.*.attn.attn_sink", Shard(0)),  # [H]
         ("layers.*.attn.wo_a.weight", Shard(0)),  # [G*o_lora, H/G*d]: output groups
-        ("layers.*.attn.wo_b.weight", Shard(1)),  # [D, G*o_lora]: row-parallel
     ]
+    exit_all_to_all = layout == "sp" and attn_exit == "all_to_all"
+    if not exit_all_to_all:
+        params.append(("layers.*.attn.wo_b.weight", Shard(1)))  # [D, G*o_lora]: row-parallel
     if embedding == "vocab_sharded":
         params.append(("embed.weight", Shard(0)))
     if ep > 1:
@@ -53,4 +64,6 @@ def deepseek_v41_plan(
         ("layers.*.ffn", Shard(0)),
         ("head", Replicate()),
     )
+    if exit_all_to_all:
+        anchors += (("layers.*.attn.wo_b", Shard(0)),)
     return ShardingPlan(params=tuple(params), anchors=anchors)
