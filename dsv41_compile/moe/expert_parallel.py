@@ -19,14 +19,21 @@ rows it holds):
 plus one `[2, ep]` int64 output per MoE layer -- the assignments this rank sent to and received
 from each rank -- appended to the graph's outputs and described by `ctx.ep_layers`.
 
+That is one row per (token, expert) assignment (`ep_rows="per_assignment"`). With
+`ep_rows="per_rank"` (DeepEP's normal mode) a row is a (token, destination rank) pair: the
+token's row goes once to each rank holding at least one of its experts, with its K routes (the
+other ranks' set to -1), the expert rank's kernel sums its experts' weighted outputs in fp32,
+one row comes back, and the source adds the ranks' sums in rank order (= expert order).
+`"auto"` takes, per layer, the form with fewer bytes per token (`EpLayer.bytes_per_token`).
+
 `ep_dispatch` chooses how the all-to-all is sized:
 - "exact": exchange the per-destination counts (an all-to-all of ep integers), read them on the
   host, send exactly the valid assignments, in expert order (so a token's outputs are added in
   the single-device kernel's order). Padding rows (SP padding, `slots == -1`) have
   `topk_idx == -1`: no assignment, no row.
 - "padded": no host read in the graph, no data-dependent size. Every rank sends every rank a
-  buffer of C = Tl_max * min(K, E/ep) rows, the most one source can route to one destination
-  (a token's K experts are distinct), so nothing is ever dropped; unused rows carry expert
+  buffer of C = Tl_max * min(K, E/ep) rows (Tl_max with one row per rank), the most one source
+  can route to one destination (a token's K experts are distinct), so nothing is ever dropped; unused rows carry expert
   index -1 and cost bytes but no expert compute. Tl_max, the largest token-shard length over
   the EP group (DP groups serve different T), is the graph input `ep_tokens`: the runtime
   agrees on it with one all-reduce(max) of an integer before the call, outside the graph.
