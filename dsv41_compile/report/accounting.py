@@ -166,8 +166,8 @@ def _flops(node: Node, ctx: CompileContext) -> sympy.Expr:
         if info is not None and info.rows == "per_rank" and info.dispatch == "exact":
             # a received row carries K routes, the valid ones are those of this rank: in
             # expectation K/ep assignments per token and peer over its expected rows
-            expected = info.expected_rows_per_peer
-            routes = sympy.Rational(info.top_k * expected.denominator, info.ep * expected.numerator)
+            expected = _rows_per_peer(info)
+            routes = info.top_k / (info.ep * expected)
         per_expert = sum(
             sympy.Mul(*(_size(s) for s in node.args[i].meta["val"].shape[1:]))
             for i in spec.weight_args()
@@ -192,12 +192,15 @@ def _substitutions(gm: GraphModule, ctx: CompileContext) -> dict[object, sympy.E
             info = _ep_layer(node, ctx)
             if info is None:
                 raise InternalError("a host read outside an expert-parallel MoE", node)
-            # a readable fraction (exact for tiny's 5/8; within 1e-8 of flash's C(336,6)/C(384,6))
-            expected = info.expected_rows_per_peer.limit_denominator(10_000)
-            names[node.meta["val"].node.expr] = (
-                sympy.Rational(expected.numerator, expected.denominator) * tl
-            )
+            names[node.meta["val"].node.expr] = _rows_per_peer(info) * tl
     return names
+
+
+def _rows_per_peer(info: EpLayer) -> sympy.Rational:
+    """`EpLayer.expected_rows_per_peer` as a readable fraction: exact for tiny's 5/8, within
+    1e-8 of flash's 1 - C(336, 6)/C(384, 6)."""
+    expected = info.expected_rows_per_peer.limit_denominator(10_000)
+    return sympy.Rational(expected.numerator, expected.denominator)
 
 
 def _ep_layer(node: Node, ctx: CompileContext) -> EpLayer | None:
