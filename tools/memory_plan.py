@@ -82,10 +82,14 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=8)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--layout", default="sp", choices=("sp", "replicated"))
+    parser.add_argument(
+        "--attn-exit", default="auto", choices=("auto", "reduce_scatter", "all_to_all"),
+        help="the all-to-all exit holds wo_b whole on every rank",
+    )  # fmt: skip
     parser.add_argument("--max-len", type=int, default=4096, help="positions per request")
     parser.add_argument("--slots", type=int, default=4, help="requests the cache holds")
     args = parser.parse_args()
-    options = {"tp": args.tp, "ep": args.ep, "layout": args.layout}
+    options = {"tp": args.tp, "ep": args.ep, "layout": args.layout, "attn_exit": args.attn_exit}
     cfg = ModelConfig.from_name(args.preset)
     gm, ctx = plan(cfg, options, world_size=args.world, max_len=args.max_len, num_slots=args.slots)
     report = memory_plan(gm, ctx, max_len=args.max_len)
