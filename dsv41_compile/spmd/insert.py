@@ -16,7 +16,7 @@ from torch.distributed.tensor import Placement
 from torch.fx import GraphModule, Node
 
 from dsv41_compile.core.context import CompileContext
-from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REGION, RULE
+from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REASON, REGION, RULE
 from dsv41_compile.spmd.annotate import exit_placement
 from dsv41_compile.spmd.placements import format_placement
 from dsv41_compile.spmd.plan import pattern_matches
@@ -46,10 +46,11 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> None:
             fill = pad_value(consumer, position, ctx.adapter)
             key = (arg, dst, fill)
             if key not in done:
-                why = _why(arg, consumer, dst) + _choice(consumer, ctx)
+                why = _why(arg, consumer, dst)
                 site = arg if exit_placement(arg, consumer, ctx) == dst else consumer
                 with graph.inserting_before(consumer):
                     out = redistribute(graph, arg, src, dst, sizes, site=site, why=why, fill=fill)
+                _note_choice(arg, out, consumer, ctx)
                 out.meta[OUT] = dst
                 out.meta[GLOBAL_VAL] = arg.meta[GLOBAL_VAL]  # same global value, new placement
                 done[key] = out
@@ -61,13 +62,16 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> None:
     gm.recompile()
 
 
-def _choice(consumer: Node, ctx: CompileContext) -> str:
-    """The adapter's decision behind a collective entering `consumer`'s region, if any."""
+def _note_choice(value: Node, out: Node, consumer: Node, ctx: CompileContext) -> None:
+    """Append the adapter's decision (`ctx.choices`) for `consumer`'s region to the reason of
+    the collectives among the nodes that turned `value` into `out`."""
     region = consumer.meta.get(REGION, "")
-    for pattern, why in ctx.choices.items():
-        if pattern_matches(pattern, region):
-            return f"; {why}"
-    return ""
+    why = next((w for p, w in ctx.choices.items() if pattern_matches(p, region)), None)
+    node: Node | None = out
+    while why is not None and isinstance(node, Node) and node is not value:
+        if getattr(node.target, "namespace", None) == "_c10d_functional":
+            node.meta[REASON] = f"{node.meta[REASON]}; {why}"
+        node = next((a for a in node.args if isinstance(a, Node)), None)
 
 
 def _why(value: Node, consumer: Node, dst: Placement) -> str:
