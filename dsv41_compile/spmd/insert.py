@@ -16,7 +16,7 @@ from torch.distributed.tensor import Placement
 from torch.fx import GraphModule, Node
 
 from dsv41_compile.core.context import CompileContext
-from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REASON, REGION, RULE
+from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REGION, RULE
 from dsv41_compile.spmd.annotate import exit_placement
 from dsv41_compile.spmd.placements import format_placement
 from dsv41_compile.spmd.plan import pattern_matches
@@ -49,8 +49,10 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> None:
                 why = _why(arg, consumer, dst)
                 site = arg if exit_placement(arg, consumer, ctx) == dst else consumer
                 with graph.inserting_before(consumer):
-                    out = redistribute(graph, arg, src, dst, sizes, site=site, why=why, fill=fill)
-                _note_choice(arg, out, consumer, ctx)
+                    out = redistribute(
+                        graph, arg, src, dst, sizes,
+                        site=site, why=why, fill=fill, choice=_choice(consumer, ctx),
+                    )  # fmt: skip
                 out.meta[OUT] = dst
                 out.meta[GLOBAL_VAL] = arg.meta[GLOBAL_VAL]  # same global value, new placement
                 done[key] = out
@@ -62,16 +64,10 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> None:
     gm.recompile()
 
 
-def _note_choice(value: Node, out: Node, consumer: Node, ctx: CompileContext) -> None:
-    """Append the adapter's decision (`ctx.choices`) for `consumer`'s region to the reason of
-    the collectives among the nodes that turned `value` into `out`."""
+def _choice(consumer: Node, ctx: CompileContext) -> str | None:
+    """The adapter's decision (`ctx.choices`) behind a transition into `consumer`'s region."""
     region = consumer.meta.get(REGION, "")
-    why = next((w for p, w in ctx.choices.items() if pattern_matches(p, region)), None)
-    node: Node | None = out
-    while why is not None and isinstance(node, Node) and node is not value:
-        if getattr(node.target, "namespace", None) == "_c10d_functional":
-            node.meta[REASON] = f"{node.meta[REASON]}; {why}"
-        node = next((a for a in node.args if isinstance(a, Node)), None)
+    return next((why for p, why in ctx.choices.items() if pattern_matches(p, region)), None)
 
 
 def _why(value: Node, consumer: Node, dst: Placement) -> str:

@@ -207,11 +207,13 @@ def redistribute(
     site: Node,
     why: str,
     fill: int = 0,
+    choice: str | None = None,
 ) -> Node:
     """Nodes turning `value` (placed `src`) into `dst`, inserted at the graph's current insert
     point by the first registered transition that applies; they carry the module and source
     line of `site` (the consumer, or the producer when the value leaves a module with an exit
-    placement). Padding rows are `fill`. Returns the new value."""
+    placement). Padding rows are `fill`; `choice`, a decision behind the transition (the
+    adapter's cut), is added to its collectives' reason. Returns the new value."""
     if src == dst:
         return value
     emit = next((emit for applies, emit in _TRANSITIONS if applies(src, dst)), None)
@@ -220,6 +222,8 @@ def redistribute(
     nodes = emit(graph, value, src, dst, sizes, fill)
     for n in nodes:
         n.meta[REASON] = f"{format_placement(src)} -> {format_placement(dst)}: {why}"
+        if choice is not None and getattr(n.target, "namespace", None) == "_c10d_functional":
+            n.meta[REASON] += f"; {choice}"
         for key in ("stack_trace", "nn_module_stack", REGION):
             if key in site.meta:
                 n.meta[key] = site.meta[key]
