@@ -150,8 +150,9 @@ class ModelAdapter(abc.ABC):
         self, options: BackendOptions, params: Mapping[str, torch.Tensor]
     ) -> tuple[BackendOptions, dict[str, str]]:
         """`options` with every `"auto"` cut decided for a model with these parameters (FQN ->
-        example value: shapes and dtypes), and why: module FQN pattern -> the choice and the bytes of its alternatives (shown
-        where the cut's collectives are). A family without cuts asked for one refuses."""
+        example value: shapes and dtypes), and why: module FQN pattern -> the choice and the
+        bytes of its alternatives (shown where the cut's collectives are). A family without
+        cuts asked for one refuses."""
         if options.attn_exit == "all_to_all":
             raise NotImplementedError(
                 f"the {self.name} model family has no attention exit all-to-all; use "

@@ -223,12 +223,7 @@ def _exact(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, Proxy]:
         "ep_received",
         "EP count exchange: how many assignments each rank sends this rank",
     )
-    counts = aten.unbind.int(aten.cat.default([sent, received]))
-    splits = [_host_count(emit, counts[i], i, ep) for i in range(2 * ep)]
-    send_splits, recv_splits = splits[:ep], splits[ep:]
-    n_send = send_splits[0]
-    for count in send_splits[1:]:
-        n_send = n_send + count
+    send_splits, recv_splits, n_send = _exact_splits(emit, sent, received, ep)
     assignment = emit.named(aten.narrow.default(order, 0, 0, n_send), "ep_assignment")
     token = emit.named(aten.floor_divide.default(assignment, K), "ep_token")
     local = aten.remainder.Scalar(aten.narrow.default(sorted_key, 0, 0, n_send), per_rank)
@@ -367,21 +362,14 @@ def _exact_per_rank(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, 
     (destination, token) order, carrying the token's K routes with the other ranks' set to
     -1; the expert rank returns one row, its experts' weighted sum."""
     ep, K = info.ep, info.top_k
-    hit_RTK, local_TK = _per_rank_routes(emit, op, info)
-    hit_RT = aten.gt.Scalar(aten.sum.dim_IntList(hit_RTK, [2]), 0)  # [ep, Tl]
-    sent_rows = emit.named(aten.sum.dim_IntList(hit_RT, [1]), "ep_sent")
-    sent = aten.sum.dim_IntList(hit_RTK, [1, 2])  # assignments, for the statistics
+    hit_RTK, local_TK, hit_RT, sent_rows, sent = _per_rank_routes(emit, op, info)
     received = emit.named(
         emit.a2a(aten.stack.default([sent_rows, sent], 1), [1] * ep, [1] * ep),
         "ep_received",
         "EP count exchange: how many rows (and assignments) each rank sends this rank",
     )  # [ep, 2]
-    counts = aten.unbind.int(aten.cat.default([sent_rows, aten.select.int(received, 1, 0)]))
-    splits = [_host_count(emit, counts[i], i, ep) for i in range(2 * ep)]
-    send_splits, recv_splits = splits[:ep], splits[ep:]
-    n_send = send_splits[0]
-    for count in send_splits[1:]:
-        n_send = n_send + count
+    received_rows = aten.select.int(received, 1, 0)
+    send_splits, recv_splits, n_send = _exact_splits(emit, sent_rows, received_rows, ep)
     flat = aten.view.default(hit_RT, [-1])  # (rank, token) pairs, rank-major
     miss = aten._to_copy.default(aten.logical_not.default(flat), dtype=torch.int64)
     _, order = aten.sort.stable(miss, stable=True)  # hits first, in (rank, token) order
@@ -409,10 +397,7 @@ def _padded_per_rank(
     ep, K = info.ep, info.top_k
     capacity = ep_tokens * info.rows_per_token  # = Tl_max
     n_rows = capacity * ep
-    hit_RTK, local_TK = _per_rank_routes(emit, op, info)
-    hit_RT = aten.gt.Scalar(aten.sum.dim_IntList(hit_RTK, [2]), 0)
-    sent_rows = emit.named(aten.sum.dim_IntList(hit_RT, [1]), "ep_sent")
-    sent = aten.sum.dim_IntList(hit_RTK, [1, 2])
+    hit_RTK, local_TK, hit_RT, sent_rows, sent = _per_rank_routes(emit, op, info)
     tl = aten.sym_size.int(op.x, 0)
     position = aten.add.Tensor(
         aten.unsqueeze.default(aten.mul.Tensor(emit.arange(ep), capacity), 1),
@@ -451,17 +436,22 @@ def _padded_per_rank(
     return emit.named(out, "ep_routed_out"), stats
 
 
-def _per_rank_routes(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, Proxy]:
+def _per_rank_routes(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, ...]:
     """`hit [ep, Tl, K]`: route k of token t goes to rank r; `local [Tl, K]`: its expert's
-    index on that rank."""
+    index on that rank; `hit [ep, Tl]`: token t has a row for rank r; the rows and the
+    assignments this rank sends each rank (`[ep]` each)."""
     per_rank = info.experts_per_rank
     assigned = _dispatched(aten.ge.Scalar(op.topk_idx, 0))
     dest = aten.where.ScalarOther(
         assigned, aten.floor_divide.default(op.topk_idx, per_rank), info.ep
     )  # [Tl, K]; ep: no assignment, matches no rank
     ranks = aten.view.default(emit.arange(info.ep), [info.ep, 1, 1])
-    hit = emit.named(aten.eq.Tensor(aten.unsqueeze.default(dest, 0), ranks), "ep_hit")
-    return hit, aten.remainder.Scalar(op.topk_idx, per_rank)
+    hit_RTK = emit.named(aten.eq.Tensor(aten.unsqueeze.default(dest, 0), ranks), "ep_hit")
+    local_TK = aten.remainder.Scalar(op.topk_idx, per_rank)
+    hit_RT = aten.gt.Scalar(aten.sum.dim_IntList(hit_RTK, [2]), 0)
+    rows = emit.named(aten.sum.dim_IntList(hit_RT, [1]), "ep_sent")
+    assignments = aten.sum.dim_IntList(hit_RTK, [1, 2])
+    return hit_RTK, local_TK, hit_RT, rows, assignments
 
 
 def _route_table(op: _Routed, hit_RTK: Proxy, local_TK: Proxy) -> Proxy:
@@ -471,6 +461,19 @@ def _route_table(op: _Routed, hit_RTK: Proxy, local_TK: Proxy) -> Proxy:
     weight = aten.where.ScalarOther(hit_RTK, aten.unsqueeze.default(op.topk_weight, 0), 0.0)
     local = aten._to_copy.default(local, dtype=torch.float32)
     return aten.cat.default([local, weight], 2)
+
+
+def _exact_splits(
+    emit: _Emitter, sent: Proxy, received: Proxy, ep: int
+) -> tuple[list[Any], list[Any], Any]:
+    """The exchanged per-peer counts read on the host: the send splits, the receive splits
+    and the number of rows sent."""
+    counts = aten.unbind.int(aten.cat.default([sent, received]))
+    splits = [_host_count(emit, counts[i], i, ep) for i in range(2 * ep)]
+    n_send = splits[0]
+    for count in splits[1:ep]:
+        n_send = n_send + count
+    return splits[:ep], splits[ep:], n_send
 
 
 def _host_count(emit: _Emitter, count: Proxy, i: int, ep: int) -> Proxy:

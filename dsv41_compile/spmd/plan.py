@@ -46,7 +46,7 @@ class ShardingPlan:
 
     def param_placement(self, fqn: str) -> Placement:
         for pattern, placement in self.params:
-            if _compile(pattern).match(fqn):
+            if pattern_matches(pattern, fqn):
                 return placement
         return Replicate()
 
@@ -65,6 +65,6 @@ def _innermost(
 ) -> tuple[str, Placement] | None:
     for path in reversed(module_paths):
         for pattern, placement in table:
-            if _compile(pattern).match(path):
+            if pattern_matches(pattern, path):
                 return path, placement
     return None

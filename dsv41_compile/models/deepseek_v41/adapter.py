@@ -69,9 +69,9 @@ class DeepseekV41Adapter(ModelAdapter):
         if options.layout != "sp" or options.tp == 1 or not wo_b:
             return dataclasses.replace(options, attn_exit="reduce_scatter"), {}
         tp, (dim, width), act = options.tp, wo_b[0].shape, wo_b[0].element_size()
-        cost = {
-            "reduce_scatter": (tp - 1) * dim * 4 / tp,
-            "all_to_all": (tp - 1) * width // tp * act / tp,
+        cost = {  # ring collectives: (tp-1)/tp of each token's row leaves the rank
+            "reduce_scatter": (tp - 1) / tp * dim * 4,
+            "all_to_all": (tp - 1) / tp * (width // tp) * act,
         }
         extra = sum(v.numel() * v.element_size() for v in wo_b) * (tp - 1) // tp
         budget = options.extra_weight_bytes
