@@ -14,6 +14,7 @@ _EMBEDDINGS = ("replicated", "vocab_sharded")
 _EP_DISPATCH = ("exact", "padded")
 _EP_ROWS = ("auto", "per_rank", "per_assignment")
 _ATTN_EXITS = ("auto", "reduce_scatter", "all_to_all")
+_ATTN_ENTRIES = ("auto", "input")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +38,13 @@ class BackendOptions:
     outputs in fp32 and sends one row back, in the activation dtype: DeepEP's normal mode).
     "auto": per MoE layer, the one with fewer expected bytes under uniform routing (the
     choice and both figures are in graph.py, comm.json and tools/explain.py)."""
+    attn_entry: str = "auto"
+    """What attention's entry AllGather moves in the sp layout: "input" (the normed `[Tl, D]`
+    input: the requirement's layout) or "auto" (per layer, the cheapest cut between the input
+    and the ops that need all tokens: the per-token ops before it -- projections with
+    replicated weights, norms, rope -- run on the token shard and their narrower outputs are
+    gathered; the input itself when nothing is cheaper). The choice and its bytes are in
+    graph.py, comm.json and tools/explain.py."""
     attn_exit: str = "auto"
     """How attention's output leaves the TP group in the sp layout: "reduce_scatter" (the
     row-parallel output projection's fp32 partial sum, reduce-scattered to token shards: the
@@ -97,6 +105,7 @@ class BackendOptions:
             ("ep_dispatch", _EP_DISPATCH),
             ("ep_rows", _EP_ROWS),
             ("attn_exit", _ATTN_EXITS),
+            ("attn_entry", _ATTN_ENTRIES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(

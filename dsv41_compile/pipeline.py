@@ -7,6 +7,7 @@ from __future__ import annotations
 from dsv41_compile.core.passes import Pass
 from dsv41_compile.moe.expert_parallel import expert_parallel
 from dsv41_compile.spmd.annotate import annotate
+from dsv41_compile.spmd.entry_cut import entry_cut
 from dsv41_compile.spmd.insert import insert_collectives
 from dsv41_compile.spmd.localize import localize
 from dsv41_compile.spmd.token_sizes import token_sizes
@@ -18,6 +19,7 @@ __all__ = ["PASS_NAMES", "PIPELINE"]
 PIPELINE: tuple[Pass, ...] = (
     Pass("token_sizes", token_sizes),  # every read of T from the token input
     Pass("annotate", annotate),  # a placement per node: the plan, then the op rules
+    Pass("entry_cut", entry_cut),  # per-token ops before the entry gather, if it is cheaper
     Pass("insert", insert_collectives),  # the transition table at every mismatch
     Pass("localize", localize),  # global shapes -> per-rank shapes, parameter shards
     Pass("expert_parallel", expert_parallel, enabled=lambda ctx: ctx.mesh.ep > 1),

@@ -11,17 +11,18 @@ import expecttest
 import pytest
 import torch
 import torch._dynamo
+from torch.distributed.tensor import Shard
 
 import dsv41_compile
 from dsv41_compile.core.mesh import clear_mesh_cache
-from dsv41_compile.core.meta import REASON, REGION
+from dsv41_compile.core.meta import GLOBAL_VAL, OUT, REASON, REGION, module_paths
 from dsv41_compile.model import DeepseekV41
 from dsv41_compile.report.comm import collective_kind
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.fake_rank import compile_on_fake_rank, layer_text
-from dsv41_compile.testing.presets import ONE_LAYER, compile_config
+from dsv41_compile.testing.presets import ONE_LAYER, WIDE, compile_config
 from dsv41_compile.testing.torch_shims import fake_process_group
 
 
@@ -32,8 +33,8 @@ def rank1():
 
 @pytest.fixture(scope="module")
 def seed_rank1():
-    """The requirement's layout exactly: the wo_b partial reduce-scattered."""
-    return compile_on_fake_rank(1, {"tp": 4, "attn_exit": "reduce_scatter"})
+    """The requirement's layout exactly: the input gathered, the wo_b partial reduce-scattered."""
+    return compile_on_fake_rank(1, {"tp": 4, "attn_entry": "input", "attn_exit": "reduce_scatter"})
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,62 @@ def test_auto_exits_attention_with_an_all_to_all_of_wo_bs_input(rank1):
     wo_b = [s for s in ctx.param_shards.values() if s.fqn.endswith("wo_b.weight")]
     assert wo_b == []  # whole on every rank
     assert not any(collective_kind(n) in ("reduce_scatter", "all_reduce") for n in gm.graph.nodes)
+
+
+@pytest.fixture(scope="module")
+def wide_rank1():
+    """One window-only layer at twice tiny's width (D = 128), the default options."""
+    return compile_on_fake_rank(1, {"tp": 4}, cfg=compile_config("tiny-swa", ONE_LAYER, WIDE))
+
+
+def test_auto_entry_gathers_the_q_and_kv_latents_where_they_are_narrower(wide_rank1):
+    """D = 128: wq_a -> q_norm and wkv -> kv_norm run on the token shard and their [Tl, 32]
+    fp32 outputs are gathered, 2 x 128 B per token row against the input's 512 B; the input
+    itself is not gathered. The ops after them (head-sharded wq_b, rope, the window, the cache
+    write) see all T rows, as before."""
+    gm, ctx, logits = wide_rank1
+    assert logits.shape == (8, 512)
+    gathers = [n for n in collectives(gm) if n.meta[REGION] == "layers.0.attn"]
+    assert [collective_kind(n) for n in gathers] == ["all_gather", "all_gather"]
+    sources = [n.args[0] for n in gathers]
+    assert [module_paths(s)[-1] for s in sources] == [
+        "layers.0.attn.q_norm", "layers.0.attn.kv_norm",
+    ]  # fmt: skip
+    for source in sources:
+        assert (source.meta[OUT], source.meta["val"].dtype) == (Shard(0), torch.float32)
+        assert source.meta[GLOBAL_VAL].shape[1:] == (32,)
+    cut = ctx.entry_cuts["layers.0.attn"]
+    assert cut.gathered == tuple(sources) and cut.row_bytes == (128, 128)
+    assert cut.input_row_bytes == 128 * 4
+    why = (
+        "attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm "
+        "128 = 256 B per token row against 512 B for the input"
+    )
+    for node in gathers:
+        assert node.meta[REASON].endswith(f"; {why}"), node.meta[REASON]
+    moved = Counter(module_paths(n)[-1].removeprefix("layers.0.attn.") for n in cut.sharded)
+    assert moved == {"wq_a": 1, "q_norm": 6, "wkv": 1, "kv_norm": 6}  # two mm, two RMSNorms
+    # the projections of the latents read the token shard: [Tl, 128] @ [128, 32]
+    mms = [n for n in cut.sharded if n.target is torch.ops.aten.mm.default]
+    assert len(mms) == 2
+    for mm in mms:
+        assert mm.meta[OUT] == Shard(0) and mm.args[0].meta["val"].shape[1] == 128
+    assert not any(collective_kind(n) == "all_gather" and n.args[0].meta["val"].shape[-1] == 128
+                   and n.meta[REGION] == "layers.0.attn" for n in gm.graph.nodes)  # fmt: skip
+
+
+def test_auto_entry_keeps_the_input_where_nothing_is_narrower(rank1, seed_rank1):
+    """tiny (D = 64): the latents' 32 + 32 equal the input's 64, a tie, which goes to the fewer
+    collectives: the input, the requirement's layout. attn_entry="input" plans no cut."""
+    _, ctx, _ = rank1
+    for layer in (0, 1):
+        cut = ctx.entry_cuts[f"layers.{layer}.attn"]
+        assert not cut.sharded and cut.input_row_bytes == 256
+        assert ctx.choices[f"layers.{layer}.attn"] == (
+            "attn_entry='auto': the input, 256 B per token row (no cheaper cut)"
+        )
+    _, seed_ctx, _ = seed_rank1
+    assert seed_ctx.plan.entry_cuts == () and seed_ctx.entry_cuts == {}
 
 
 def test_graph_text_is_identical_on_every_rank(rank1, rank6_dumped):
@@ -232,201 +289,212 @@ def test_backend_is_listed_through_the_entry_point_without_importing_the_package
 
 
 class TestLayerSnapshot(expecttest.TestCase):
-    def test_attention_of_layer_1_of_tiny_swa_tp4(self):
-        """The attention block of one decoder layer: all-gathered input, head-sharded queries,
-        sink and output groups, replicated latent KV and cache, the fp32 partial of wo_b. (The
-        rest of the layer -- mHC with its Sinkhorn iterations, norms, MoE -- is ~400 token-sharded
-        pointwise nodes; the counts test above pins its collectives.)"""
-        gm, ctx, _ = compile_on_fake_rank(1, {"tp": 4})
+    def test_attention_under_auto_at_twice_tiny_swa_width_tp4(self):
+        """The attention block of one decoder layer (D = 128) under the default cuts: q and kv
+        latents made on the token shard and gathered (the entry cut), head-sharded queries, sink
+        and output groups, replicated window and cache, wo_b's input moved to its tokens' ranks
+        by the exit all-to-all and projected there by the whole wo_b. (The rest of the layer --
+        mHC with its Sinkhorn iterations, norms, MoE -- is ~400 token-sharded pointwise nodes;
+        the counts tests above pin its collectives.)"""
+        cfg = compile_config("tiny-swa", ONE_LAYER, WIDE)
+        gm, ctx, _ = compile_on_fake_rank(1, {"tp": 4}, cfg=cfg)
         self.assertExpectedInline(
-            layer_text(gm, ctx, "layers.1.attn"),
+            layer_text(gm, ctx, "layers.0.attn"),
             """\
-v0 = t(layers.1.attn.wq_a.weight)  # R f32[64, 32]
-v1 = _c10d_functional.all_gather_into_tensor(in0, 4, 'tp')  # f32[4*(((T+3)//4)), 64]  <- S(0) -> R: v5 in layers.1.attn needs in0 as R
-v2 = _c10d_functional.wait_tensor(v1)  # f32[4*(((T+3)//4)), 64]  <- S(0) -> R: v5 in layers.1.attn needs in0 as R
-v3 = split_with_sizes(v2, [in1, in2])  # (f32[T, 64], f32[-T+4*(((T+3)//4)), 64])
-v4 = getitem(v3, 0)  # R f32[T, 64]
-v5 = mm(v4, v0)  # R f32[T, 32]
-v6 = pow(v5, 2)  # R f32[T, 32]
-v7 = mean(v6, [-1], True)  # R f32[T, 1]
-v8 = add(v7, 1e-06)  # R f32[T, 1]
-v9 = rsqrt(v8)  # R f32[T, 1]
-v10 = mul(v5, v9)  # R f32[T, 32]
-v11 = mul(layers.1.attn.q_norm.weight, v10)  # R f32[T, 32]
-v12 = t(layers.1.attn.wq_b.weight)  # S(1) f32[32, 64]
-v13 = mm(v11, v12)  # S(1) f32[T, 64]
-v14 = view(v13, [positions.size()[0], 2, 32])  # S(1) f32[T, 2, 32]
-v15 = _to_copy(positions, dtype=f32)  # R f32[T]
-v16 = slice(v15, 0, 0, end)  # R f32[T]
-v17 = unsqueeze(v16, 1)  # R f32[T, 1]
-v18 = unsqueeze(layers.1.attn.rope_inv_freq, 0)  # R f32[1, 4]
-v19 = mul(v17, v18)  # R f32[T, 4]
-v20 = view(v19, [positions.size()[0], 1, 4])  # R f32[T, 1, 4]
-v21 = cos(v20)  # R f32[T, 1, 4]
-v22 = sin(v20)  # R f32[T, 1, 4]
-v23 = slice(v14, 2, -8, end)  # S(1) f32[T, 2, 8]
-v24 = view(v23, [positions.size()[0], 2, 4, 2])  # S(1) f32[T, 2, 4, 2]
-v25 = unbind(v24, -1)  # (S(1), S(1)) (f32[T, 2, 4], f32[T, 2, 4])
-v26 = getitem(v25, 0)  # S(1) f32[T, 2, 4]
-v27 = getitem(v25, 1)  # S(1) f32[T, 2, 4]
-v28 = mul(v26, v21)  # S(1) f32[T, 2, 4]
-v29 = mul(v27, v22)  # S(1) f32[T, 2, 4]
-v30 = sub(v28, v29)  # S(1) f32[T, 2, 4]
-v31 = mul(v26, v22)  # S(1) f32[T, 2, 4]
-v32 = mul(v27, v21)  # S(1) f32[T, 2, 4]
-v33 = add(v31, v32)  # S(1) f32[T, 2, 4]
-v34 = stack([v30, v33], -1)  # S(1) f32[T, 2, 4, 2]
-v35 = view(v34, [positions.size()[0], 2, 8])  # S(1) f32[T, 2, 8]
-v36 = slice(v14, 2, 0, -8)  # S(1) f32[T, 2, 24]
-v37 = cat([v36, v35], -1)  # S(1) f32[T, 2, 32]
-v38 = t(layers.1.attn.wkv.weight)  # R f32[64, 32]
-v39 = mm(v4, v38)  # R f32[T, 32]
-v40 = pow(v39, 2)  # R f32[T, 32]
-v41 = mean(v40, [-1], True)  # R f32[T, 1]
-v42 = add(v41, 1e-06)  # R f32[T, 1]
-v43 = rsqrt(v42)  # R f32[T, 1]
-v44 = mul(v39, v43)  # R f32[T, 32]
-v45 = mul(layers.1.attn.kv_norm.weight, v44)  # R f32[T, 32]
-v46 = _to_copy(positions, dtype=f32)  # R f32[T]
-v47 = slice(v46, 0, 0, end)  # R f32[T]
-v48 = unsqueeze(v47, 1)  # R f32[T, 1]
-v49 = unsqueeze(layers.1.attn.rope_inv_freq, 0)  # R f32[1, 4]
-v50 = mul(v48, v49)  # R f32[T, 4]
-v51 = view(v50, [positions.size()[0], 4])  # R f32[T, 4]
-v52 = cos(v51)  # R f32[T, 4]
-v53 = sin(v51)  # R f32[T, 4]
-v54 = slice(v45, 1, -8, end)  # R f32[T, 8]
-v55 = view(v54, [positions.size()[0], 4, 2])  # R f32[T, 4, 2]
-v56 = unbind(v55, -1)  # (R, R) (f32[T, 4], f32[T, 4])
-v57 = getitem(v56, 0)  # R f32[T, 4]
-v58 = getitem(v56, 1)  # R f32[T, 4]
-v59 = mul(v57, v52)  # R f32[T, 4]
-v60 = mul(v58, v53)  # R f32[T, 4]
-v61 = sub(v59, v60)  # R f32[T, 4]
-v62 = mul(v57, v53)  # R f32[T, 4]
-v63 = mul(v58, v52)  # R f32[T, 4]
-v64 = add(v62, v63)  # R f32[T, 4]
-v65 = stack([v61, v64], -1)  # R f32[T, 4, 2]
-v66 = view(v65, [positions.size()[0], 8])  # R f32[T, 8]
-v67 = slice(v45, 1, 0, -8)  # R f32[T, 24]
-v68 = cat([v67, v66], -1)  # R f32[T, 32]
-v69 = eq(in3, 4)  # R b8[T]
-v70 = clamp(in3, None, 3)  # R i64[T]
-v71 = index(cache.lengths, [v70])  # R i64[T]
-v72 = where(v69, positions, v71)  # R i64[T]
-v73 = arange(4, pin_memory=False)  # R i64[4]
-v74 = sub(v73, 3)  # R i64[4]
-v75 = slice(positions, 0, 0, end)  # R i64[T]
-v76 = unsqueeze(v75, 1)  # R i64[T, 1]
-v77 = add(v76, v74)  # R i64[T, 4]
-v78 = arange(positions.size()[0], pin_memory=False)  # R i64[T]
-v79 = slice(v78, 0, 0, end)  # R i64[T]
-v80 = unsqueeze(v79, 1)  # R i64[T, 1]
-v81 = add(v80, v74)  # R i64[T, 4]
-v82 = clamp(v81, 0)  # R i64[T, 4]
-v83 = slice(in3, 0, 0, end)  # R i64[T]
+v0 = _assert_scalar(in0, "Runtime assertion failed for expression u2 >= 0 on node 'ge_5'")
+v1 = eq(input_ids.size()[0], positions.size()[0])  # True
+v2 = _assert_scalar(v1, "Runtime assertion failed for expression Eq(u0, u2) on node 'eq_1'")
+v3 = _assert_scalar(v1, "Runtime assertion failed for expression Eq(u1, u2) on node 'eq_2'")
+v4 = t(layers.0.attn.wq_a.weight)  # R f32[128, 32]
+v5 = mm(in1, v4)  # S(0) f32[((T+3)//4), 32]
+v6 = pow(v5, 2)  # S(0) f32[((T+3)//4), 32]
+v7 = mean(v6, [-1], True)  # S(0) f32[((T+3)//4), 1]
+v8 = add(v7, 1e-06)  # S(0) f32[((T+3)//4), 1]
+v9 = rsqrt(v8)  # S(0) f32[((T+3)//4), 1]
+v10 = mul(v5, v9)  # S(0) f32[((T+3)//4), 32]
+v11 = mul(layers.0.attn.q_norm.weight, v10)  # S(0) f32[((T+3)//4), 32]
+v12 = t(layers.0.attn.wq_b.weight)  # S(1) f32[32, 64]
+v13 = _c10d_functional.all_gather_into_tensor(v11, 4, 'tp')  # f32[4*(((T+3)//4)), 32]  <- S(0) -> R: v17 in layers.0.attn needs v11 as R (dtensor (R, S(1)) -> S(1)); attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input
+v14 = _c10d_functional.wait_tensor(v13)  # f32[4*(((T+3)//4)), 32]  <- S(0) -> R: v17 in layers.0.attn needs v11 as R (dtensor (R, S(1)) -> S(1)); attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input
+v15 = split_with_sizes(v14, [in2, in3])  # (f32[T, 32], f32[-T+4*(((T+3)//4)), 32])
+v16 = getitem(v15, 0)  # R f32[T, 32]
+v17 = mm(v16, v12)  # S(1) f32[T, 64]
+v18 = view(v17, [positions.size()[0], 2, 32])  # S(1) f32[T, 2, 32]
+v19 = _to_copy(positions, dtype=f32)  # R f32[T]
+v20 = slice(v19, 0, 0, end)  # R f32[T]
+v21 = unsqueeze(v20, 1)  # R f32[T, 1]
+v22 = unsqueeze(layers.0.attn.rope_inv_freq, 0)  # R f32[1, 4]
+v23 = mul(v21, v22)  # R f32[T, 4]
+v24 = view(v23, [positions.size()[0], 1, 4])  # R f32[T, 1, 4]
+v25 = cos(v24)  # R f32[T, 1, 4]
+v26 = sin(v24)  # R f32[T, 1, 4]
+v27 = slice(v18, 2, -8, end)  # S(1) f32[T, 2, 8]
+v28 = view(v27, [positions.size()[0], 2, 4, 2])  # S(1) f32[T, 2, 4, 2]
+v29 = unbind(v28, -1)  # (S(1), S(1)) (f32[T, 2, 4], f32[T, 2, 4])
+v30 = getitem(v29, 0)  # S(1) f32[T, 2, 4]
+v31 = getitem(v29, 1)  # S(1) f32[T, 2, 4]
+v32 = mul(v30, v25)  # S(1) f32[T, 2, 4]
+v33 = mul(v31, v26)  # S(1) f32[T, 2, 4]
+v34 = sub(v32, v33)  # S(1) f32[T, 2, 4]
+v35 = mul(v30, v26)  # S(1) f32[T, 2, 4]
+v36 = mul(v31, v25)  # S(1) f32[T, 2, 4]
+v37 = add(v35, v36)  # S(1) f32[T, 2, 4]
+v38 = stack([v34, v37], -1)  # S(1) f32[T, 2, 4, 2]
+v39 = view(v38, [positions.size()[0], 2, 8])  # S(1) f32[T, 2, 8]
+v40 = slice(v18, 2, 0, -8)  # S(1) f32[T, 2, 24]
+v41 = cat([v40, v39], -1)  # S(1) f32[T, 2, 32]
+v42 = t(layers.0.attn.wkv.weight)  # R f32[128, 32]
+v43 = mm(in1, v42)  # S(0) f32[((T+3)//4), 32]
+v44 = pow(v43, 2)  # S(0) f32[((T+3)//4), 32]
+v45 = mean(v44, [-1], True)  # S(0) f32[((T+3)//4), 1]
+v46 = add(v45, 1e-06)  # S(0) f32[((T+3)//4), 1]
+v47 = rsqrt(v46)  # S(0) f32[((T+3)//4), 1]
+v48 = mul(v43, v47)  # S(0) f32[((T+3)//4), 32]
+v49 = mul(layers.0.attn.kv_norm.weight, v48)  # S(0) f32[((T+3)//4), 32]
+v50 = _to_copy(positions, dtype=f32)  # R f32[T]
+v51 = slice(v50, 0, 0, end)  # R f32[T]
+v52 = unsqueeze(v51, 1)  # R f32[T, 1]
+v53 = unsqueeze(layers.0.attn.rope_inv_freq, 0)  # R f32[1, 4]
+v54 = mul(v52, v53)  # R f32[T, 4]
+v55 = view(v54, [positions.size()[0], 4])  # R f32[T, 4]
+v56 = cos(v55)  # R f32[T, 4]
+v57 = sin(v55)  # R f32[T, 4]
+v58 = _c10d_functional.all_gather_into_tensor(v49, 4, 'tp')  # f32[4*(((T+3)//4)), 32]  <- S(0) -> R: v62 in layers.0.attn needs v49 as R; attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input
+v59 = _c10d_functional.wait_tensor(v58)  # f32[4*(((T+3)//4)), 32]  <- S(0) -> R: v62 in layers.0.attn needs v49 as R; attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input
+v60 = split_with_sizes(v59, [in2, in3])  # (f32[T, 32], f32[-T+4*(((T+3)//4)), 32])
+v61 = getitem(v60, 0)  # R f32[T, 32]
+v62 = slice(v61, 1, -8, end)  # R f32[T, 8]
+v63 = view(v62, [positions.size()[0], 4, 2])  # R f32[T, 4, 2]
+v64 = unbind(v63, -1)  # (R, R) (f32[T, 4], f32[T, 4])
+v65 = getitem(v64, 0)  # R f32[T, 4]
+v66 = getitem(v64, 1)  # R f32[T, 4]
+v67 = mul(v65, v56)  # R f32[T, 4]
+v68 = mul(v66, v57)  # R f32[T, 4]
+v69 = sub(v67, v68)  # R f32[T, 4]
+v70 = mul(v65, v57)  # R f32[T, 4]
+v71 = mul(v66, v56)  # R f32[T, 4]
+v72 = add(v70, v71)  # R f32[T, 4]
+v73 = stack([v69, v72], -1)  # R f32[T, 4, 2]
+v74 = view(v73, [positions.size()[0], 8])  # R f32[T, 8]
+v75 = slice(v61, 1, 0, -8)  # R f32[T, 24]
+v76 = cat([v75, v74], -1)  # R f32[T, 32]
+v77 = eq(in4, 4)  # R b8[T]
+v78 = clamp(in4, None, 3)  # R i64[T]
+v79 = index(cache.lengths, [v78])  # R i64[T]
+v80 = where(v77, positions, v79)  # R i64[T]
+v81 = arange(4, pin_memory=False)  # R i64[4]
+v82 = sub(v81, 3)  # R i64[4]
+v83 = slice(positions, 0, 0, end)  # R i64[T]
 v84 = unsqueeze(v83, 1)  # R i64[T, 1]
-v85 = clamp(v77, 0)  # R i64[T, 4]
-v86 = remainder(v85, 4)  # R i64[T, 4]
-v87 = index(cache.window_kv[1], [v84, v86])  # R f32[T, 4, 32]
-v88 = slice(v72, 0, 0, end)  # R i64[T]
-v89 = unsqueeze(v88, 1)  # R i64[T, 1]
-v90 = ge(v77, v89)  # R b8[T, 4]
-v91 = unsqueeze(v90, 2)  # R b8[T, 4, 1]
-v92 = index(v68, [v82])  # R f32[T, 4, 32]
-v93 = where(v91, v92, v87)  # R f32[T, 4, 32]
-v94 = ge(v77, 0)  # R b8[T, 4]
-v95 = constant_pad_nd(in3, [0, 4], -1.0)  # R i64[T+4]
-v96 = slice(v95, 0, 4, end)  # R i64[T]
-v97 = ne(v96, in3)  # R b8[T]
-v98 = scalar_tensor(4, dtype=i64, layout=torch.strided)  # R i64[]
-v99 = where(v97, in3, v98)  # R i64[T]
-v100 = remainder(positions, 4)  # R i64[T]
-v101 = scalar_tensor(0, dtype=i64, layout=torch.strided)  # R i64[]
-v102 = where(v97, v100, v101)  # R i64[T]
-v103 = index_put(cache.window_kv[1], [v99, v102], v68)  # R f32[5, 4, 32]
-v104 = unsqueeze(v37, 3)  # S(1) f32[T, 2, 32, 1]
-v105 = permute(v104, [0, 1, 3, 2])  # S(1) f32[T, 2, 1, 32]
-v106 = unsqueeze(v93, 3)  # R f32[T, 4, 32, 1]
-v107 = permute(v106, [0, 3, 1, 2])  # R f32[T, 1, 4, 32]
-v108 = permute(v105, [0, 1, 3, 2])  # S(1) f32[T, 2, 32, 1]
-v109 = view(v108, [positions.size()[0], 2, 32])  # S(1) f32[T, 2, 32]
-v110 = permute(v107, [0, 3, 2, 1])  # R f32[T, 32, 4, 1]
-v111 = view(v110, [positions.size()[0], 32, 4])  # R f32[T, 32, 4]
-v112 = bmm(v109, v111)  # S(1) f32[T, 2, 4]
-v113 = view(v112, [positions.size()[0], 2, 1, 4])  # S(1) f32[T, 2, 1, 4]
-v114 = permute(v113, [0, 1, 3, 2])  # S(1) f32[T, 2, 4, 1]
-v115 = view(v114, [positions.size()[0], 2, 4])  # S(1) f32[T, 2, 4]
-v116 = mul(v115, 0.1767766952966369)  # S(1) f32[T, 2, 4]
-v117 = slice(v94, 0, 0, end)  # R b8[T, 4]
-v118 = unsqueeze(v117, 1)  # R b8[T, 1, 4]
-v119 = bitwise_not(v118)  # R b8[T, 1, 4]
-v120 = masked_fill(v116, v119, -inf)  # S(1) f32[T, 2, 4]
-v121 = unsqueeze(layers.1.attn.attn_sink, 0)  # S(1) f32[1, 2]
-v122 = unsqueeze(v121, 2)  # S(1) f32[1, 2, 1]
-v123 = expand(v122, [positions.size()[0], -1, 1])  # S(1) f32[T, 2, 1]
-v124 = cat([v120, v123], -1)  # S(1) f32[T, 2, 5]
-v125 = _softmax(v124, -1, False)  # S(1) f32[T, 2, 5]
-v126 = slice(v125, 2, 0, -1)  # S(1) f32[T, 2, 4]
-v127 = unsqueeze(v126, 3)  # S(1) f32[T, 2, 4, 1]
-v128 = permute(v127, [0, 1, 3, 2])  # S(1) f32[T, 2, 1, 4]
-v129 = unsqueeze(v93, 3)  # R f32[T, 4, 32, 1]
-v130 = permute(v129, [0, 3, 2, 1])  # R f32[T, 1, 32, 4]
-v131 = permute(v128, [0, 1, 3, 2])  # S(1) f32[T, 2, 4, 1]
-v132 = view(v131, [positions.size()[0], 2, 4])  # S(1) f32[T, 2, 4]
-v133 = permute(v130, [0, 3, 2, 1])  # R f32[T, 4, 32, 1]
-v134 = view(v133, [positions.size()[0], 4, 32])  # R f32[T, 4, 32]
-v135 = bmm(v132, v134)  # S(1) f32[T, 2, 32]
-v136 = view(v135, [positions.size()[0], 2, 1, 32])  # S(1) f32[T, 2, 1, 32]
-v137 = permute(v136, [0, 1, 3, 2])  # S(1) f32[T, 2, 32, 1]
-v138 = view(v137, [positions.size()[0], 2, 32])  # S(1) f32[T, 2, 32]
-v139 = _to_copy(positions, dtype=f32)  # R f32[T]
-v140 = slice(v139, 0, 0, end)  # R f32[T]
-v141 = unsqueeze(v140, 1)  # R f32[T, 1]
-v142 = unsqueeze(layers.1.attn.rope_inv_freq, 0)  # R f32[1, 4]
-v143 = mul(v141, v142)  # R f32[T, 4]
-v144 = view(v143, [positions.size()[0], 1, 4])  # R f32[T, 1, 4]
-v145 = cos(v144)  # R f32[T, 1, 4]
-v146 = sin(v144)  # R f32[T, 1, 4]
-v147 = neg(v146)  # R f32[T, 1, 4]
-v148 = slice(v138, 2, -8, end)  # S(1) f32[T, 2, 8]
-v149 = view(v148, [positions.size()[0], 2, 4, 2])  # S(1) f32[T, 2, 4, 2]
-v150 = unbind(v149, -1)  # (S(1), S(1)) (f32[T, 2, 4], f32[T, 2, 4])
-v151 = getitem(v150, 0)  # S(1) f32[T, 2, 4]
-v152 = getitem(v150, 1)  # S(1) f32[T, 2, 4]
-v153 = mul(v151, v145)  # S(1) f32[T, 2, 4]
-v154 = mul(v152, v147)  # S(1) f32[T, 2, 4]
-v155 = sub(v153, v154)  # S(1) f32[T, 2, 4]
-v156 = mul(v151, v147)  # S(1) f32[T, 2, 4]
-v157 = mul(v152, v145)  # S(1) f32[T, 2, 4]
-v158 = add(v156, v157)  # S(1) f32[T, 2, 4]
-v159 = stack([v155, v158], -1)  # S(1) f32[T, 2, 4, 2]
-v160 = view(v159, [positions.size()[0], 2, 8])  # S(1) f32[T, 2, 8]
-v161 = slice(v138, 2, 0, -8)  # S(1) f32[T, 2, 24]
-v162 = cat([v161, v160], -1)  # S(1) f32[T, 2, 32]
-v163 = view(layers.1.attn.wo_a.weight, [1, 16, 64])  # S(0) f32[1, 16, 64]
-v164 = view(v162, [positions.size()[0], 1, 64])  # S(1) f32[T, 1, 64]
-v165 = unsqueeze(v164, 3)  # S(1) f32[T, 1, 64, 1]
-v166 = permute(v165, [0, 1, 3, 2])  # S(1) f32[T, 1, 1, 64]
-v167 = unsqueeze(v163, 3)  # S(0) f32[1, 16, 64, 1]
-v168 = permute(v167, [3, 0, 1, 2])  # S(1) f32[1, 1, 16, 64]
-v169 = permute(v166, [1, 0, 3, 2])  # S(0) f32[1, T, 64, 1]
-v170 = view(v169, [1, positions.size()[0], 64])  # S(0) f32[1, T, 64]
-v171 = permute(v168, [1, 3, 2, 0])  # S(0) f32[1, 64, 16, 1]
-v172 = view(v171, [1, 64, 16])  # S(0) f32[1, 64, 16]
-v173 = bmm(v170, v172)  # S(0) f32[1, T, 16]
-v174 = view(v173, [1, positions.size()[0], 1, 16])  # S(0) f32[1, T, 1, 16]
-v175 = permute(v174, [1, 0, 3, 2])  # S(1) f32[T, 1, 16, 1]
-v176 = view(v175, [positions.size()[0], 1, 16])  # S(1) f32[T, 1, 16]
-v177 = clone(v176, memory_format=torch.contiguous_format)  # S(1) f32[T, 1, 16]
-v178 = _unsafe_view(v177, [positions.size()[0], 16])  # S(1) f32[T, 16]
-v179 = t(layers.1.attn.wo_b.weight)  # R f32[64, 64]
-v180 = constant_pad_nd(v178, [0, 0, 0, in2], 0)  # f32[4*(((T+3)//4)), 16]
-v181 = _c10d_functional.all_to_all_single(v180, [in4, in4, in4, in4], [in4, in4, in4, in4], 'tp')  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v187 in layers.1.attn.wo_b needs v178 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 48 B per token against 192 B reduce_scatter; wo_b replicated: +24,576 B of weights per rank
-v182 = _c10d_functional.wait_tensor(v181)  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v187 in layers.1.attn.wo_b needs v178 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 48 B per token against 192 B reduce_scatter; wo_b replicated: +24,576 B of weights per rank
-v183 = unflatten(v182, 0, [4, in4])  # f32[4, ((T+3)//4), 16]
-v184 = permute(v183, [1, 0, 2])  # f32[((T+3)//4), 4, 16]
-v185 = clone(v184, memory_format=torch.contiguous_format)  # f32[((T+3)//4), 4, 16]
-v186 = view(v185, [-1, 64])  # S(0) f32[((T+3)//4), 64]
-v187 = mm(v186, v179)  # S(0) f32[((T+3)//4), 64]""",
+v85 = add(v84, v82)  # R i64[T, 4]
+v86 = arange(positions.size()[0], pin_memory=False)  # R i64[T]
+v87 = slice(v86, 0, 0, end)  # R i64[T]
+v88 = unsqueeze(v87, 1)  # R i64[T, 1]
+v89 = add(v88, v82)  # R i64[T, 4]
+v90 = clamp(v89, 0)  # R i64[T, 4]
+v91 = slice(in4, 0, 0, end)  # R i64[T]
+v92 = unsqueeze(v91, 1)  # R i64[T, 1]
+v93 = clamp(v85, 0)  # R i64[T, 4]
+v94 = remainder(v93, 4)  # R i64[T, 4]
+v95 = index(cache.window_kv[0], [v92, v94])  # R f32[T, 4, 32]
+v96 = slice(v80, 0, 0, end)  # R i64[T]
+v97 = unsqueeze(v96, 1)  # R i64[T, 1]
+v98 = ge(v85, v97)  # R b8[T, 4]
+v99 = unsqueeze(v98, 2)  # R b8[T, 4, 1]
+v100 = index(v76, [v90])  # R f32[T, 4, 32]
+v101 = where(v99, v100, v95)  # R f32[T, 4, 32]
+v102 = ge(v85, 0)  # R b8[T, 4]
+v103 = constant_pad_nd(in4, [0, 4], -1.0)  # R i64[T+4]
+v104 = slice(v103, 0, 4, end)  # R i64[T]
+v105 = ne(v104, in4)  # R b8[T]
+v106 = scalar_tensor(4, dtype=i64, layout=torch.strided)  # R i64[]
+v107 = where(v105, in4, v106)  # R i64[T]
+v108 = remainder(positions, 4)  # R i64[T]
+v109 = scalar_tensor(0, dtype=i64, layout=torch.strided)  # R i64[]
+v110 = where(v105, v108, v109)  # R i64[T]
+v111 = index_put(cache.window_kv[0], [v107, v110], v76)  # R f32[5, 4, 32]
+v112 = unsqueeze(v41, 3)  # S(1) f32[T, 2, 32, 1]
+v113 = permute(v112, [0, 1, 3, 2])  # S(1) f32[T, 2, 1, 32]
+v114 = unsqueeze(v101, 3)  # R f32[T, 4, 32, 1]
+v115 = permute(v114, [0, 3, 1, 2])  # R f32[T, 1, 4, 32]
+v116 = permute(v113, [0, 1, 3, 2])  # S(1) f32[T, 2, 32, 1]
+v117 = view(v116, [positions.size()[0], 2, 32])  # S(1) f32[T, 2, 32]
+v118 = permute(v115, [0, 3, 2, 1])  # R f32[T, 32, 4, 1]
+v119 = view(v118, [positions.size()[0], 32, 4])  # R f32[T, 32, 4]
+v120 = bmm(v117, v119)  # S(1) f32[T, 2, 4]
+v121 = view(v120, [positions.size()[0], 2, 1, 4])  # S(1) f32[T, 2, 1, 4]
+v122 = permute(v121, [0, 1, 3, 2])  # S(1) f32[T, 2, 4, 1]
+v123 = view(v122, [positions.size()[0], 2, 4])  # S(1) f32[T, 2, 4]
+v124 = mul(v123, 0.1767766952966369)  # S(1) f32[T, 2, 4]
+v125 = slice(v102, 0, 0, end)  # R b8[T, 4]
+v126 = unsqueeze(v125, 1)  # R b8[T, 1, 4]
+v127 = bitwise_not(v126)  # R b8[T, 1, 4]
+v128 = masked_fill(v124, v127, -inf)  # S(1) f32[T, 2, 4]
+v129 = unsqueeze(layers.0.attn.attn_sink, 0)  # S(1) f32[1, 2]
+v130 = unsqueeze(v129, 2)  # S(1) f32[1, 2, 1]
+v131 = expand(v130, [positions.size()[0], -1, 1])  # S(1) f32[T, 2, 1]
+v132 = cat([v128, v131], -1)  # S(1) f32[T, 2, 5]
+v133 = _softmax(v132, -1, False)  # S(1) f32[T, 2, 5]
+v134 = slice(v133, 2, 0, -1)  # S(1) f32[T, 2, 4]
+v135 = unsqueeze(v134, 3)  # S(1) f32[T, 2, 4, 1]
+v136 = permute(v135, [0, 1, 3, 2])  # S(1) f32[T, 2, 1, 4]
+v137 = unsqueeze(v101, 3)  # R f32[T, 4, 32, 1]
+v138 = permute(v137, [0, 3, 2, 1])  # R f32[T, 1, 32, 4]
+v139 = permute(v136, [0, 1, 3, 2])  # S(1) f32[T, 2, 4, 1]
+v140 = view(v139, [positions.size()[0], 2, 4])  # S(1) f32[T, 2, 4]
+v141 = permute(v138, [0, 3, 2, 1])  # R f32[T, 4, 32, 1]
+v142 = view(v141, [positions.size()[0], 4, 32])  # R f32[T, 4, 32]
+v143 = bmm(v140, v142)  # S(1) f32[T, 2, 32]
+v144 = view(v143, [positions.size()[0], 2, 1, 32])  # S(1) f32[T, 2, 1, 32]
+v145 = permute(v144, [0, 1, 3, 2])  # S(1) f32[T, 2, 32, 1]
+v146 = view(v145, [positions.size()[0], 2, 32])  # S(1) f32[T, 2, 32]
+v147 = _to_copy(positions, dtype=f32)  # R f32[T]
+v148 = slice(v147, 0, 0, end)  # R f32[T]
+v149 = unsqueeze(v148, 1)  # R f32[T, 1]
+v150 = unsqueeze(layers.0.attn.rope_inv_freq, 0)  # R f32[1, 4]
+v151 = mul(v149, v150)  # R f32[T, 4]
+v152 = view(v151, [positions.size()[0], 1, 4])  # R f32[T, 1, 4]
+v153 = cos(v152)  # R f32[T, 1, 4]
+v154 = sin(v152)  # R f32[T, 1, 4]
+v155 = neg(v154)  # R f32[T, 1, 4]
+v156 = slice(v146, 2, -8, end)  # S(1) f32[T, 2, 8]
+v157 = view(v156, [positions.size()[0], 2, 4, 2])  # S(1) f32[T, 2, 4, 2]
+v158 = unbind(v157, -1)  # (S(1), S(1)) (f32[T, 2, 4], f32[T, 2, 4])
+v159 = getitem(v158, 0)  # S(1) f32[T, 2, 4]
+v160 = getitem(v158, 1)  # S(1) f32[T, 2, 4]
+v161 = mul(v159, v153)  # S(1) f32[T, 2, 4]
+v162 = mul(v160, v155)  # S(1) f32[T, 2, 4]
+v163 = sub(v161, v162)  # S(1) f32[T, 2, 4]
+v164 = mul(v159, v155)  # S(1) f32[T, 2, 4]
+v165 = mul(v160, v153)  # S(1) f32[T, 2, 4]
+v166 = add(v164, v165)  # S(1) f32[T, 2, 4]
+v167 = stack([v163, v166], -1)  # S(1) f32[T, 2, 4, 2]
+v168 = view(v167, [positions.size()[0], 2, 8])  # S(1) f32[T, 2, 8]
+v169 = slice(v146, 2, 0, -8)  # S(1) f32[T, 2, 24]
+v170 = cat([v169, v168], -1)  # S(1) f32[T, 2, 32]
+v171 = view(layers.0.attn.wo_a.weight, [1, 16, 64])  # S(0) f32[1, 16, 64]
+v172 = view(v170, [positions.size()[0], 1, 64])  # S(1) f32[T, 1, 64]
+v173 = unsqueeze(v172, 3)  # S(1) f32[T, 1, 64, 1]
+v174 = permute(v173, [0, 1, 3, 2])  # S(1) f32[T, 1, 1, 64]
+v175 = unsqueeze(v171, 3)  # S(0) f32[1, 16, 64, 1]
+v176 = permute(v175, [3, 0, 1, 2])  # S(1) f32[1, 1, 16, 64]
+v177 = permute(v174, [1, 0, 3, 2])  # S(0) f32[1, T, 64, 1]
+v178 = view(v177, [1, positions.size()[0], 64])  # S(0) f32[1, T, 64]
+v179 = permute(v176, [1, 3, 2, 0])  # S(0) f32[1, 64, 16, 1]
+v180 = view(v179, [1, 64, 16])  # S(0) f32[1, 64, 16]
+v181 = bmm(v178, v180)  # S(0) f32[1, T, 16]
+v182 = view(v181, [1, positions.size()[0], 1, 16])  # S(0) f32[1, T, 1, 16]
+v183 = permute(v182, [1, 0, 3, 2])  # S(1) f32[T, 1, 16, 1]
+v184 = view(v183, [positions.size()[0], 1, 16])  # S(1) f32[T, 1, 16]
+v185 = clone(v184, memory_format=torch.contiguous_format)  # S(1) f32[T, 1, 16]
+v186 = _unsafe_view(v185, [positions.size()[0], 16])  # S(1) f32[T, 16]
+v187 = t(layers.0.attn.wo_b.weight)  # R f32[64, 128]
+v188 = constant_pad_nd(v186, [0, 0, 0, in3], 0)  # f32[4*(((T+3)//4)), 16]
+v189 = _c10d_functional.all_to_all_single(v188, [in5, in5, in5, in5], [in5, in5, in5, in5], 'tp')  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v195 in layers.0.attn.wo_b needs v186 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 48 B per token against 384 B reduce_scatter; wo_b replicated: +24,576 B of weights per rank
+v190 = _c10d_functional.wait_tensor(v189)  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v195 in layers.0.attn.wo_b needs v186 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 48 B per token against 384 B reduce_scatter; wo_b replicated: +24,576 B of weights per rank
+v191 = unflatten(v190, 0, [4, in5])  # f32[4, ((T+3)//4), 16]
+v192 = permute(v191, [1, 0, 2])  # f32[((T+3)//4), 4, 16]
+v193 = clone(v192, memory_format=torch.contiguous_format)  # f32[((T+3)//4), 4, 16]
+v194 = view(v193, [-1, 64])  # S(0) f32[((T+3)//4), 64]
+v195 = mm(v194, v187)  # S(0) f32[((T+3)//4), 128]""",
         )

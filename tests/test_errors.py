@@ -224,7 +224,7 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
     [
         (
             {"tp": 4, "pipeline": 2},
-            "unknown dsv41_sp option(s) ['pipeline']; the options are ['attn_exit', "
+            "unknown dsv41_sp option(s) ['pipeline']; the options are ['attn_entry', 'attn_exit', "
             "'check_inputs', 'checkpoint', 'dump_after', 'dump_dir', 'embedding', 'ep', "
             "'ep_dispatch', 'ep_rows', 'extra_weight_bytes', 'layout', "
             "'lowering', 'share_compile', 'skip_unimplemented_parts', 'tp']",
@@ -252,7 +252,7 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
         (
             {"tp": 4, "dump_after": ["insert", "lower"]},
             "dump_after names no pass: ['lower']; the passes are ('token_sizes', 'annotate', "
-            "'insert', 'localize', 'expert_parallel', 'graph_mode', 'verify')",
+            "'entry_cut', 'insert', 'localize', 'expert_parallel', 'graph_mode', 'verify')",
         ),
     ],
 )

@@ -3,7 +3,8 @@ ranks, with both EP dispatch lowerings (or `--dispatch`), side by side on the sa
 
 8 gloo processes (tp=4, dp=2, ep=8). The configurations: "sp" (the default options: the cuts
 "auto" picks), "replicated" (the all-reduce baseline, the same EP options) and "seed" (the
-requirement's layout exactly: `attn_exit="reduce_scatter"`, `ep_rows="per_assignment"`).
+requirement's layout exactly: `attn_entry="input"`, `attn_exit="reduce_scatter"`,
+`ep_rows="per_assignment"`).
 Every rank compiles the model once per configuration (x EP dispatch) and then runs the scenarios with the configurations alternating, so all
 see the same machine state: decode (4 requests x 1 token per DP group), dspark (16 requests x
 5 tokens: a speculative verification batch) and prefill (2 requests x `--prefill` tokens).
@@ -29,7 +30,10 @@ import torch
 
 WORLD, TP, EP = 8, 4, 8
 LAYOUTS = ("seed", "sp", "replicated")
-SEED = {"layout": "sp", "attn_exit": "reduce_scatter", "ep_rows": "per_assignment"}
+SEED = {
+    "layout": "sp", "attn_entry": "input", "attn_exit": "reduce_scatter",
+    "ep_rows": "per_assignment",
+}  # fmt: skip
 
 
 def configs(args: argparse.Namespace) -> list[tuple[str, str]]:

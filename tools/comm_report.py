@@ -45,9 +45,14 @@ def config_options(config: str, args: argparse.Namespace) -> dict[str, Any]:
             "layout": "sp",
             "ep_rows": "per_assignment",
             "attn_exit": "reduce_scatter",
+            "attn_entry": "input",
         }
-    exit = args.attn_exit if config == "sp" else "auto"  # the baseline all-reduces
-    return {**options, "layout": config, "ep_rows": args.ep_rows, "attn_exit": exit}
+    # the baseline all-reduces and gathers nothing: its attention cuts are "auto" (none)
+    exit, entry = (args.attn_exit, args.attn_entry) if config == "sp" else ("auto", "auto")
+    return {
+        **options, "layout": config, "ep_rows": args.ep_rows, "attn_exit": exit,
+        "attn_entry": entry,
+    }  # fmt: skip
 
 
 KINDS = (
@@ -210,6 +215,10 @@ def main() -> None:
     parser.add_argument(
         "--ep-rows", choices=("auto", "per_rank", "per_assignment"), default="auto",
         help="sp's and the baseline's EP rows (the seed: per_assignment)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--attn-entry", choices=("auto", "input"), default="auto",
+        help="sp's attention entry: the cheapest cut (auto) or the normed input",
     )  # fmt: skip
     parser.add_argument(
         "--attn-exit", choices=("auto", "reduce_scatter", "all_to_all"), default="auto",

@@ -16,6 +16,7 @@ from dsv41_compile.core.mesh import Mesh
 if TYPE_CHECKING:
     from dsv41_compile.moe.stats import EpLayer
     from dsv41_compile.options import BackendOptions
+    from dsv41_compile.spmd.entry_cut import EntryCut
     from dsv41_compile.spmd.plan import ShardingPlan
     from dsv41_compile.spmd.transitions import TokenSizes
 
@@ -57,9 +58,12 @@ class CompileContext:
     """Placeholder name of the first token input: its length is the token count T."""
     fake_mode: FakeTensorMode
     choices: dict[str, str] = field(default_factory=dict)
-    """The cuts the adapter decided (`ModelAdapter.resolve`): module FQN pattern of the
-    consumer region where the cut's collective runs -> the choice and its alternatives' bytes
-    (appended to the collective's reason)."""
+    """The cuts decided for this model: module FQN pattern of the consumer region where the
+    cut's collective runs -> the choice and its alternatives' bytes (appended to the
+    collective's reason). From the adapter (`ModelAdapter.resolve`: the attention exit) and
+    the entry_cut pass (one entry per region it cut)."""
+    entry_cuts: dict[str, EntryCut] = field(default_factory=dict)
+    """Region -> the cut its entry AllGathers moved to (`spmd.entry_cut`)."""
     comm: list[dict[str, Any]] = field(default_factory=list)
     """One record per collective (`report.comm.comm_records`), filled by verify."""
     sizes: TokenSizes | None = None

@@ -10,6 +10,8 @@ Two declarative tables keyed by module FQN pattern (`*` matches one path segment
   `PrepareModuleOutput`), e.g. a MoE output shared back to the TP group.
 - `partial_to`: where a partial sum goes before its first use -- token shards (ReduceScatter,
   `sp`) or replicated (all-reduce, the `replicated` baseline).
+- `entry_cuts`: replicated-anchor regions whose gather may move past the per-token ops that
+  read their input (`spmd.entry_cut`), e.g. sp's attention gathering its q / kv latents.
 
 Everything else is propagated by the op rules.
 """
@@ -43,6 +45,9 @@ class ShardingPlan:
     """(module FQN pattern, placement of the activations leaving it)."""
     partial_to: Placement = Shard(0)
     """The placement a partial sum is redistributed to before any use."""
+    entry_cuts: tuple[str, ...] = ()
+    """Module FQN patterns of Replicate-anchored regions where the entry AllGather moves to the
+    cheapest cut of the per-token ops reading the token-sharded input (`spmd.entry_cut`)."""
 
     def param_placement(self, fqn: str) -> Placement:
         for pattern, placement in self.params:

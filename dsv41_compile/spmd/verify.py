@@ -15,7 +15,8 @@ every TP rank holds (x tp assignments).
 
 Then the invariants: the model adapter's promise per decoder layer
 (`ModelAdapter.expected_collectives`: which TP collectives a layer has outside its MoE half and
-in it, the rank of the values it gathers), plus what holds in every layout: every reduction
+in it, the rank of the values it gathers -- or, where the entry cut moved the gather, exactly
+the cut's values, one AllGather each), plus what holds in every layout: every reduction
 (reduce-scatter, all-reduce) runs on fp32; no all-reduce in the sp layout; EP collectives are
 all-to-alls inside a MoE half, as many per MoE layer as the dispatch lowering makes. A broken
 invariant is an `InternalError` naming the node.
@@ -195,10 +196,26 @@ def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
             ep_by_region[node.meta[REGION]] += 1
         elif site.layer is not None:
             tp_by_layer[site.layer][site.part == "moe"].append(node)
+    cuts = {ctx.adapter.site(region).layer: cut for region, cut in ctx.entry_cuts.items()}
     for layer in sorted(_decoder_layers(ctx)):
+        outside = list(promise.tp_outside_moe)
+        cut = cuts.get(layer)
+        if cut is not None and cut.sharded:  # the entry gathers the cut's values instead
+            outside.remove("all_gather")
+            outside += ["all_gather"] * len(cut.gathered)
         for node in tp_by_layer[layer][False]:
+            if collective_kind(node) != "all_gather":
+                continue
+            if cut is not None and cut.sharded:
+                if node.args[0] not in cut.gathered:
+                    raise InternalError(
+                        f"layer {layer} gathers {node.args[0].name}, not one of its entry cut's "
+                        f"values {[n.name for n in cut.gathered]}",
+                        node,
+                    )
+                continue
             ndim = node.args[0].meta["val"].dim()
-            if collective_kind(node) == "all_gather" and promise.gathered_ndim not in (None, ndim):
+            if promise.gathered_ndim not in (None, ndim):
                 raise InternalError(
                     f"{layout} layout: layer {layer} gathers a {ndim}-D value, expected the "
                     f"{promise.gathered_ndim}-D layer input (the residual streams stay "
@@ -206,7 +223,7 @@ def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
                     node,
                 )
         for in_moe, expected, half in (
-            (False, promise.tp_outside_moe, "outside its MoE half"),
+            (False, outside, "outside its MoE half"),
             (True, promise.tp_in_moe, "in its MoE half"),
         ):
             nodes = tp_by_layer[layer][in_moe]

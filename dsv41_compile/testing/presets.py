@@ -18,7 +18,7 @@ from typing import Any
 
 from dsv41_compile.model import ModelConfig
 
-__all__ = ["EVERY_MODE_5", "ONE_LAYER", "SINKHORN_3", "compile_config"]
+__all__ = ["EVERY_MODE_5", "ONE_LAYER", "SINKHORN_3", "WIDE", "compile_config"]
 
 SINKHORN_3: tuple[tuple[str, Any], ...] = (("hc_sinkhorn_iters", 3),)
 """3 Sinkhorn iterations instead of 20: the same code, about a third shorter to trace."""
@@ -36,6 +36,11 @@ second window-only layer and two more REUSE)."""
 
 ONE_LAYER: tuple[tuple[str, Any], ...] = (("n_layers", 1),)
 """One decoder layer (of tiny-swa: window-only); the boundary between layers is not in it."""
+
+WIDE: tuple[tuple[str, Any], ...] = (("dim", 128),)
+"""tiny at twice its hidden width: attention's q and kv latents (32 + 32) are then narrower
+than its input (128), so `attn_entry="auto"` gathers them (`spmd.entry_cut`); at tiny's own 64
+they tie and the input is gathered, as in the requirement's layout."""
 
 
 def compile_config(

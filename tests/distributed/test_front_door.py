@@ -39,7 +39,7 @@ from dsv41_compile.testing.batches import Request
 from dsv41_compile.testing.cases import CaseSpec, compare_on_rank, model_config
 from dsv41_compile.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint
 from dsv41_compile.testing.multirank import RankPool
-from dsv41_compile.testing.presets import ONE_LAYER, SINKHORN_3
+from dsv41_compile.testing.presets import ONE_LAYER, SINKHORN_3, WIDE
 
 pytestmark = pytest.mark.slow
 
@@ -60,8 +60,11 @@ COMPILES = {
 # One window-only layer with 3 Sinkhorn iterations instead of 20: the same code, a sixth of
 # tiny-swa to trace; the subject here is how Dynamo traces T, and each mode traces the model
 # two or three times on each of the 8 ranks. (Every attention mode, and the boundary between
-# layers, are tests/distributed/test_numerics.py's.)
+# layers, are tests/distributed/test_numerics.py's.) The sp run's layer is twice as wide (D =
+# 128), where the default cuts move all three boundaries: the q / kv latents gathered, wo_b's
+# input moved to its tokens, one EP row per rank.
 MODEL = {"preset": "tiny-swa", "overrides": (*ONE_LAYER, *SINKHORN_3)}
+WIDE_MODEL = {"preset": "tiny-swa", "overrides": (*ONE_LAYER, *SINKHORN_3, *WIDE)}
 _CHECKPOINT = tempfile.TemporaryDirectory(prefix="dsv41_ckpt_")
 RUNS = {
     # sp, experts over the world, padded dispatch: the all-to-alls need the idle group's ranks
@@ -71,7 +74,7 @@ RUNS = {
         options=(("tp", TP), ("ep", 8), ("ep_dispatch", "padded"), ("lowering", "eager")),
         group_modes=("unmarked", "dynamic"),
         checkpoint=_CHECKPOINT.name,
-        **MODEL,
+        **WIDE_MODEL,
     ),
     # the replicated baseline, every rank holding every expert
     "replicated-ep1": CaseSpec(
@@ -82,8 +85,9 @@ RUNS = {
     ),
 }
 LAYOUT = {
-    # the default cuts: wo_b's input moved to its tokens (attn_exit), one EP row per rank
-    "sp-ep8-padded": ["all_gather(tp)", *["all_to_all(ep)"] * 3, "all_to_all(tp)"],
+    # the default cuts: the q and kv latents gathered (attn_entry), wo_b's input moved to its
+    # tokens (attn_exit), one EP row per rank
+    "sp-ep8-padded": [*["all_gather(tp)"] * 2, *["all_to_all(ep)"] * 3, "all_to_all(tp)"],
     "replicated-ep1": ["all_reduce(tp)"],
 }
 

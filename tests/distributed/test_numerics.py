@@ -14,15 +14,17 @@ indexer top-k choices of the longer prefill. The compressed paths are covered in
 
 Runs (steps: `testing.cases.SERVING_STEPS`, the last with DP group 0 idle, T = 0), all with 3
 Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPool`):
-- tiny cut to five layers that keep every attention mode, sp, ep=8 exact, eager, per-layer
+- tiny cut to five layers that keep every attention mode, at twice its width (D = 128, where
+  the entry cut gathers the q / kv latents in four of the five layers and the input in the
+  ratio-2 one: `attn_entry="auto"`), sp, ep=8 exact, eager, per-layer
   intermediates captured, `DeepseekV41.without_weights` compiled with the `checkpoint` option:
   each rank reads its own slices of a synthetic checkpoint in the released format, and the
   single-device reference is loaded from all of it (`load_checkpoint`);
 - one window-only layer (tiny-swa's), the replicated baseline, ep=8 padded, as handed to
   torchair (graph-mode rewrites and torchair's AOT step, run eagerly:
   `testing.torchair_standin`);
-- one window-only layer, the seed layout exactly (sp, the wo_b partial reduce-scattered, ep=8
-  exact with one row per assignment), inductor, vocab-sharded embedding: a cold compile cache
+- one window-only layer, the seed layout exactly (sp, the input gathered, the wo_b partial
+  reduce-scattered, ep=8 exact with one row per assignment), inductor, vocab-sharded embedding: a cold compile cache
   shared by the 8 ranks (the session's);
 - one window-only layer, bf16, experts replicated (ep=1);
 - on one rank: the five every-mode layers as handed to torchair.
@@ -54,7 +56,7 @@ from dsv41_compile.models.deepseek_v41.checkpoint import INDEX
 from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank, model_config
 from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 from dsv41_compile.testing.multirank import RankPool, run_ranks
-from dsv41_compile.testing.presets import EVERY_MODE_5, ONE_LAYER, SINKHORN_3, compile_config
+from dsv41_compile.testing.presets import EVERY_MODE_5, ONE_LAYER, SINKHORN_3, WIDE, compile_config
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +95,7 @@ def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> Case
 
 RUNS = {
     "tiny-every-mode-ep-exact-eager": spec(
-        "tiny", overrides=EVERY_MODE_5, capture=True, ep=EP, lowering="eager"
+        "tiny", overrides=(*EVERY_MODE_5, *WIDE), capture=True, ep=EP, lowering="eager"
     ),
     "tiny-swa-replicated-ep-padded-torchair": spec(
         "tiny-swa",
@@ -111,6 +113,7 @@ RUNS = {
         embedding="vocab_sharded",
         ep_rows="per_assignment",
         attn_exit="reduce_scatter",
+        attn_entry="input",
     ),
     "tiny-swa-bf16-eager": spec(
         "tiny-swa", overrides=(*ONE_LAYER, ("dtype", "bfloat16")), lowering="eager"
@@ -213,8 +216,9 @@ def test_inductor_compiles_once_per_host_from_a_cold_cache():
 
 
 def test_intermediates_match_for_every_layer():
-    """The all-gathered attention input equals the single-device attention input (same rows,
-    same order), and the residual streams reassembled from the TP group's token shards equal the
+    """The attention input equals the single-device attention input (same rows, same order):
+    all-gathered, or token-sharded where the entry cut runs the projections on the shard; and
+    the residual streams reassembled from the TP group's token shards equal the
     single-device streams, after the attention half and after the MoE half of every layer."""
     case = RUNS["tiny-every-mode-ep-exact-eager"]
     results = results_of("tiny-every-mode-ep-exact-eager")
@@ -226,9 +230,14 @@ def test_intermediates_match_for_every_layer():
             ref = group[0]["captures"][point][1]
             # the reference records a step only when the module runs: not at T = 0 for some
             assert all(len(v) == len(sp_by_rank[0]) for v in sp_by_rank)
+            # gathered (every rank holds all T rows) or token-shards: as at the longest step
+            longest = max(range(len(ref)), key=lambda s: ref[s].shape[0])
+            whole = all(v[longest].shape[0] == ref[longest].shape[0] for v in sp_by_rank)
+            if point.endswith(".attn"):  # the ratio-2 layer's compressor: the input is cheaper
+                assert whole == (point == "layers.1.attn"), point
             for step, ref_value in enumerate(ref):
                 T = ref_value.shape[0]
-                if point.endswith(".attn"):  # replicated: every rank holds all T rows
+                if whole:
                     values = [v[step] for v in sp_by_rank]
                 else:  # token-sharded: rank k holds rows [k*Tl, (k+1)*Tl) (+ tail padding)
                     values = [torch.cat([v[step] for v in sp_by_rank])[:T]]

@@ -18,7 +18,7 @@ import torch
 from dsv41_compile.core.meta import REGION
 from dsv41_compile.report.accounting import graph_costs, summarize
 from dsv41_compile.spmd.verify import collective_kind
-from dsv41_compile.testing.presets import compile_config
+from dsv41_compile.testing.presets import WIDE, compile_config
 
 WORLD, TP, EP, T = 8, 4, 8, 8
 LAYERS = 2
@@ -33,12 +33,17 @@ def plan(plan_once):
     """(layout, EP dispatch) -> (gm, ctx), at comm_report's options and cache size."""
 
     def planned(
-        layout: str, dispatch: str, rows: str = "per_assignment", exit: str = "reduce_scatter"
+        layout: str,
+        dispatch: str,
+        rows: str = "per_assignment",
+        exit: str = "reduce_scatter",
+        entry: str = "input",
+        cfg=None,
     ):
         options = {"tp": TP, "ep": EP, "ep_dispatch": dispatch, "layout": layout}
-        options["ep_rows"], options["attn_exit"] = rows, exit
+        options["ep_rows"], options["attn_exit"], options["attn_entry"] = rows, exit, entry
         options["lowering"] = "eager"
-        cfg = compile_config()
+        cfg = cfg or compile_config()
         gm, ctx, _ = plan_once(cfg, options, world_size=WORLD, max_len=4096)
         return gm, ctx
 
@@ -131,6 +136,28 @@ def test_attention_exit_all_to_all_by_hand(plan):
     # wo_b: 2*T*(64/tp)*D on the seed's rank, 2*Tl*64*D here: the same FLOPs at T = tp*Tl
     assert (
         summary["attention_flops_per_layer_per_rank"] == seed["attention_flops_per_layer_per_rank"]
+    )
+
+
+def test_attention_entry_cut_by_hand(plan):
+    """At twice tiny's width (D = 128) the q latent (after q_norm) and the kv latent (after
+    kv_norm), 32 fp32 each, are narrower than the input: each is gathered (3 chunks of Tl rows
+    out, 3 in) in place of the [Tl, 128] input, and wq_a / wkv (128 -> 32) run on Tl rows."""
+    wide = compile_config("tiny-swa", WIDE)
+    seed_gm, seed_ctx = plan("sp", "padded", cfg=wide)
+    gm, ctx = plan("sp", "padded", entry="auto", cfg=wide)
+    seed, summary = (summarize(graph_costs(g, c), T) for g, c in ((seed_gm, seed_ctx), (gm, ctx)))
+    latents = (TP - 1) * TL * 32 * F32
+    assert summary["collectives"]["all_gather(tp)"] == {
+        "count": 2, "bytes_sent": 2 * latents, "bytes_received": 2 * latents,
+    }  # fmt: skip
+    assert seed["collectives"]["all_gather(tp)"]["bytes_sent"] == (TP - 1) * TL * 128 * F32
+    for kind in ("reduce_scatter(tp)", "all_to_all(ep)"):
+        assert summary["collectives"][kind] == seed["collectives"][kind]
+    saved = 2 * 2 * (T - TL) * 128 * 32  # wq_a and wkv on Tl rows, not T
+    assert (
+        summary["attention_flops_per_layer_per_rank"]
+        == seed["attention_flops_per_layer_per_rank"] - saved
     )
 
 

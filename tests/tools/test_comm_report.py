@@ -16,7 +16,7 @@ def test_report_json_and_plot(tmp_path, plan_once, load_tool):
     tool = load_tool("comm_report")
     args = argparse.Namespace(
         preset="tiny-swa", tp=4, ep=8, dp=2, ep_dispatch="padded", ep_rows="auto",
-        attn_exit="auto",
+        attn_exit="auto", attn_entry="auto",
     )  # fmt: skip
     cfg = compile_config()
     doc = json.loads(json.dumps(tool.report(args, plan=plan_once, cfg=cfg)))  # JSON-serialisable
@@ -25,7 +25,9 @@ def test_report_json_and_plot(tmp_path, plan_once, load_tool):
     assert doc["options"]["seed"]["ep_rows"] == "per_assignment"
     assert doc["options"]["sp"]["ep_rows"] == doc["options"]["replicated"]["ep_rows"] == "auto"
     assert doc["options"]["seed"]["attn_exit"] == "reduce_scatter"
+    assert doc["options"]["seed"]["attn_entry"] == "input"
     assert doc["choices"]["sp"] == [
+        "attn_entry='auto': the input, 256 B per token row (no cheaper cut)",  # D = 64: a tie
         "attn_exit='auto': all_to_all, 48 B per token against 192 B reduce_scatter; wo_b "
         "replicated: +24,576 B of weights per rank",
         "ep_rows='auto': per_rank, 3,920 B per token (padded, dispatch + combine) "

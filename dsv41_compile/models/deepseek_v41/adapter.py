@@ -56,6 +56,7 @@ class DeepseekV41Adapter(ModelAdapter):
             ep=options.ep,
             layout=options.layout,
             attn_exit=options.attn_exit,
+            attn_entry=options.attn_entry,
         )
 
     def resolve(
@@ -66,8 +67,8 @@ class DeepseekV41Adapter(ModelAdapter):
         * G*o_lora/tp activation bytes; the all-to-all replicates `wo_b` (D x G*o_lora per
         layer) on every TP rank. The layers' `wo_b` have one shape: one choice for all."""
         wo_b = [v for fqn, v in params.items() if fqn.endswith(".attn.wo_b.weight")]
-        if options.layout != "sp" or options.tp == 1 or not wo_b:
-            return dataclasses.replace(options, attn_exit="reduce_scatter"), {}
+        if options.layout != "sp" or options.tp == 1 or not wo_b:  # nothing to cut
+            return dataclasses.replace(options, attn_exit="reduce_scatter", attn_entry="input"), {}
         tp, (dim, width), act = options.tp, wo_b[0].shape, wo_b[0].element_size()
         cost = {  # ring collectives: (tp-1)/tp of each token's row leaves the rank
             "reduce_scatter": (tp - 1) / tp * dim * 4,

@@ -17,6 +17,7 @@ def deepseek_v41_plan(
     ep: int = 1,
     layout: str = "sp",
     attn_exit: str = "reduce_scatter",
+    attn_entry: str = "input",
 ) -> ShardingPlan:
     """`layout="sp"` (docs/backend.md, "The layout"): heads and output groups sharded over tp, latents /
     compressor / indexer replicated, row-parallel `wo_b` (a partial sum, reduce-scattered),
@@ -32,7 +33,10 @@ def deepseek_v41_plan(
     `attn_exit="all_to_all"` (sp only): `wo_b` replicated and its input token-sharded where it
     enters `wo_b`: the `[T, G/tp*o_lora]` output groups of `wo_a` move to their tokens' ranks
     (all-to-all over tp, in the activation dtype) and each rank projects its own tokens with the
-    whole `wo_b`: no partial sum, no ReduceScatter."""
+    whole `wo_b`: no partial sum, no ReduceScatter.
+
+    `attn_entry="auto"` (sp only): attention's entry AllGather moves to the cheapest cut of the
+    per-token ops that read the normed input (`spmd.entry_cut`)."""
     params: list[tuple[str, Placement]] = [
         ("layers.*.attn.wq_b.weight", Shard(0)),  # [H*d, q_lora]: heads
         ("layers.*.attn.attn_sink", Shard(0)),  # [H]
@@ -66,4 +70,5 @@ def deepseek_v41_plan(
     )
     if exit_all_to_all:
         anchors += (("layers.*.attn.wo_b", Shard(0)),)
-    return ShardingPlan(params=tuple(params), anchors=anchors)
+    entry_cuts = ("layers.*.attn",) if attn_entry == "auto" else ()
+    return ShardingPlan(params=tuple(params), anchors=anchors, entry_cuts=entry_cuts)
