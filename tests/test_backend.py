@@ -154,7 +154,7 @@ def test_auto_entry_keeps_the_input_where_nothing_is_narrower(rank1, seed_rank1)
         cut = ctx.entry_cuts[f"layers.{layer}.attn"]
         assert not cut.sharded and cut.input_row_bytes == 256
         assert ctx.choices[f"layers.{layer}.attn"] == (
-            "attn_entry='auto': the input, 256 B per token row (no cheaper cut)"
+            "attn_entry='auto': the input, 256 B per token row, against 256 B for the cheapest cut"
         )
     _, seed_ctx, _ = seed_rank1
     assert seed_ctx.plan.entry_cuts == () and seed_ctx.entry_cuts == {}

@@ -60,6 +60,9 @@ class EntryCut:
     row_bytes: tuple[int, ...]
     sharded: frozenset[Node]
     input_row_bytes: int
+    alternative_row_bytes: int | None = None
+    """Where the input is gathered: the row bytes of the cheapest cut that moves ops (None if
+    an op needs the input itself)."""
 
     @property
     def total(self) -> int:
@@ -67,7 +70,10 @@ class EntryCut:
 
     def why(self, option: str) -> str:
         if not self.sharded:
-            return f"{option}: the input, {self.input_row_bytes:,} B per token row (no cheaper cut)"
+            why = f"{option}: the input, {self.input_row_bytes:,} B per token row"
+            if self.alternative_row_bytes is None:
+                return f"{why} (an op needs it whole)"
+            return f"{why}, against {self.alternative_row_bytes:,} B for the cheapest cut"
         parts = " + ".join(
             f"{_label(n, self.region)} {b:,}" for n, b in zip(self.gathered, self.row_bytes)
         )
@@ -191,34 +197,8 @@ def _cut(
     if not any(n not in sources for n in candidates):
         return None
 
-    # The flow network: v(n) on the source side = n runs on token shards; the edge
-    # v(n) -> g(n) is cut when n is gathered. Capacities: row bytes, scaled so that one more
-    # collective breaks a tie.
-    scale = len(candidates) + 1
-    graph = nx.DiGraph()
-    for s in sources:
-        graph.add_edge("s", ("v", s))
-    for n in candidates:
-        row = _row_bytes(n)
-        if row is None:
-            graph.add_edge(("v", n), ("g", n))  # no capacity: never cut (a tuple, a 0-d value)
-        else:
-            graph.add_edge(("v", n), ("g", n), capacity=row * scale + 1)
-        for user in n.users:
-            if aligned.get(user):
-                graph.add_edge(("g", n), ("v", user))
-                graph.add_edge(("v", user), ("v", n))  # a moved op's inputs are moved too
-                continue
-            needs = {need for p, need in zip(tensor_inputs(user), user.meta.get(IN, ())) if p is n}
-            needs = needs or {Replicate()}  # a user annotate gave no input placements
-            if needs <= {_TOKENS}:
-                continue  # the user takes a token shard (a local slice of the replicated value)
-            if needs <= {_TOKENS, Replicate()}:
-                graph.add_edge(("g", n), "t")  # the user needs n gathered
-            else:
-                graph.add_edge(("v", n), "t")  # no transition from a token shard: never move n
-    graph.add_node("t")
-    _, (side, _) = nx.minimum_cut(graph, "s", "t")
+    network = _network(sources, candidates, aligned)
+    _, (side, _) = nx.minimum_cut(network, "s", "t")
     sharded = frozenset(n for n in candidates if ("v", n) in side and n not in sources)
     order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
     gathered = tuple(
@@ -238,10 +218,52 @@ def _cut(
     rows = tuple(_row_bytes(n) for n in gathered)
     if any(r is None for r in rows):
         raise InternalError(f"{region}: the cut gathers a value without a row size")
+    alternative = None
+    if not sharded:  # the input won: what the cheapest cut that moves the ops would gather
+        try:
+            value = nx.maximum_flow_value(_network(sources, candidates, aligned, False), "s", "t")
+            alternative = int(value) // (len(candidates) + 1)
+        except nx.NetworkXUnbounded:
+            pass  # some op needs the input itself replicated
     return EntryCut(
         region=region,
         gathered=gathered,
         row_bytes=rows,
         sharded=sharded,
         input_row_bytes=sum(_row_bytes(s) or 0 for s in sources),
+        alternative_row_bytes=alternative,
     )
+
+
+def _network(
+    sources: list[Node], candidates: list[Node], aligned: dict[Node, bool], gather_sources=True
+) -> nx.DiGraph:
+    """The flow network of a region's cut. v(n) on the source side: n runs on token shards;
+    the edge v(n) -> g(n) is cut when n is gathered, at its row bytes scaled so that one more
+    collective breaks a tie (a tuple or 0-d value, and the sources when `gather_sources` is
+    False, are never gathered)."""
+    scale = len(candidates) + 1
+    graph = nx.DiGraph()
+    graph.add_node("t")
+    for s in sources:
+        graph.add_edge("s", ("v", s))
+    for n in candidates:
+        row = _row_bytes(n)
+        if row is None or (n in sources and not gather_sources):
+            graph.add_edge(("v", n), ("g", n))  # no capacity: never cut
+        else:
+            graph.add_edge(("v", n), ("g", n), capacity=row * scale + 1)
+        for user in n.users:
+            if aligned.get(user):
+                graph.add_edge(("g", n), ("v", user))
+                graph.add_edge(("v", user), ("v", n))  # a moved op's inputs are moved too
+                continue
+            needs = {need for p, need in zip(tensor_inputs(user), user.meta.get(IN, ())) if p is n}
+            needs = needs or {Replicate()}  # a user annotate gave no input placements
+            if needs <= {_TOKENS}:
+                continue  # the user takes a token shard (a local slice of the replicated value)
+            if needs <= {_TOKENS, Replicate()}:
+                graph.add_edge(("g", n), "t")  # the user needs n gathered
+            else:
+                graph.add_edge(("v", n), "t")  # no transition from a token shard: never move n
+    return graph

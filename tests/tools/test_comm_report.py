@@ -27,7 +27,8 @@ def test_report_json_and_plot(tmp_path, plan_once, load_tool):
     assert doc["options"]["seed"]["attn_exit"] == "reduce_scatter"
     assert doc["options"]["seed"]["attn_entry"] == "input"
     assert doc["choices"]["sp"] == [
-        "attn_entry='auto': the input, 256 B per token row (no cheaper cut)",  # D = 64: a tie
+        # D = 64: the q and kv latents (32 + 32) tie with the input, which has one collective
+        "attn_entry='auto': the input, 256 B per token row, against 256 B for the cheapest cut",
         "attn_exit='auto': all_to_all, 48 B per token against 192 B reduce_scatter; wo_b "
         "replicated: +24,576 B of weights per rank",
         "ep_rows='auto': per_rank, 3,920 B per token (padded, dispatch + combine) "
