@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=None, help="1 or the world size (default)")
     parser.add_argument("--ep-dispatch", choices=("exact", "padded"), default="exact")
     parser.add_argument("--ep-rows", choices=("auto", "per_rank", "per_assignment"), default="auto")
+    parser.add_argument("--attn-entry", choices=("auto", "input"), default="auto")
     parser.add_argument(
         "--attn-exit", choices=("auto", "reduce_scatter", "all_to_all"), default="auto"
     )
@@ -47,6 +48,7 @@ def main() -> None:
         "ep_dispatch": args.ep_dispatch,
         "ep_rows": args.ep_rows,
         "attn_exit": args.attn_exit,
+        "attn_entry": args.attn_entry,
         "layout": args.layout,
         "lowering": "eager",
         "embedding": args.embedding,
@@ -67,6 +69,8 @@ def main() -> None:
     for pattern, placement in plan.exits:
         print(f"  leaving   {pattern:<32} {format_placement(placement)}")
     print(f"  partial sums go to {format_placement(plan.partial_to)} before any use")
+    for pattern in plan.entry_cuts:
+        print(f"  the gather entering {pattern} moves to the cheapest cut (per layer, below)")
     labels, groups = graph_labels(ctx)
 
     counts = Counter(
