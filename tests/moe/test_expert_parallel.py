@@ -37,7 +37,8 @@ def exact_rank5():
 
 @pytest.fixture(scope="module")
 def padded_rank2():
-    return compile_on_fake_rank(2, ep_options("padded"))
+    """With the seed's attention exit: tests/spmd/test_verify.py's graph, compiled once."""
+    return compile_on_fake_rank(2, ep_options("padded", attn_exit="reduce_scatter"))
 
 
 def collectives_by_region(gm, ctx) -> Counter:
@@ -54,15 +55,17 @@ def collectives_by_region(gm, ctx) -> Counter:
 def test_moe_halves_talk_only_over_ep_and_attention_only_over_tp(fixture, a2a, request):
     gm, ctx, logits = request.getfixturevalue(fixture)
     assert logits.shape == (8, 512)
-    assert collectives_by_region(gm, ctx) == {
-        ("layers.0.attn", "all_gather", "tp"): 1,
-        ("layers.0.attn.wo_b", "all_to_all", "tp"): 1,  # wo_b's input to its tokens' ranks
-        ("layers.0.ffn", "all_to_all", "ep"): a2a,  # (counts,) rows, routes, combine
-        ("layers.1.attn", "all_gather", "tp"): 1,
-        ("layers.1.attn.wo_b", "all_to_all", "tp"): 1,
-        ("layers.1.ffn", "all_to_all", "ep"): a2a,
-        ("head", "all_gather", "tp"): 1,
-    }
+    expected = {("head", "all_gather", "tp"): 1}
+    for i in range(2):
+        # the exit: wo_b's input to its tokens' ranks (auto), or the seed's ReduceScatter
+        exit = (
+            (f"layers.{i}.attn.wo_b", "all_to_all") if ctx.options.attn_exit == "all_to_all"
+            else (f"layers.{i}", "reduce_scatter")
+        )  # fmt: skip
+        expected[(f"layers.{i}.attn", "all_gather", "tp")] = 1
+        expected[(*exit, "tp")] = 1
+        expected[(f"layers.{i}.ffn", "all_to_all", "ep")] = a2a  # (counts,) rows, routes, combine
+    assert collectives_by_region(gm, ctx) == expected
     assert not [n for n in gm.graph.nodes if n.target is torch.ops.dsv41.routed_experts.default
                 and n.args[3].op == "placeholder" and "ep_local" not in n.name]  # fmt: skip
 
@@ -358,8 +361,10 @@ v99 = add(ep_routed_out, v98)  # S(0) f32[((T+3)//4), 64]""",
         assignments counted per destination and exchanged, the (rank, token) pairs that hit
         sent in rank order with the token's K routes (-1 where another rank holds the
         expert), this rank's experts summing a row's routes, the sums combined back and added
-        in fp32 in rank order (= expert order). From the gate's output to the statistics."""
-        gm, ctx, _ = compile_on_fake_rank(5, ep_options("exact", ep_rows="per_rank"))
+        in fp32 in rank order (= expert order). From the gate's output to the statistics.
+        The default options' program (`ep_rows="auto"` picks this form at tiny's sizes)."""
+        gm, ctx, _ = compile_on_fake_rank(5, ep_options("exact"))
+        assert [info.rows for info in ctx.ep_layers] == ["per_rank"] * 2
         text = layer_text(gm, ctx, "layers.0.ffn").splitlines()
         start = next(i for i, line in enumerate(text) if " ge(" in line)
         end = next(i for i, line in enumerate(text) if line.startswith("ep_stats"))
@@ -458,7 +463,7 @@ v90 = view(v89, [-1, 12])  # f32[8*(((T+3)//4)), 12]
 v91 = index_select(v90, 0, ep_pair)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 12]
 v92 = index_select(in0, 0, ep_token)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]
 v93 = _c10d_functional.all_to_all_single(v92, [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], 'ep')  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
-ep_rows = _c10d_functional.wait_tensor(v93)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]  <- EP dispatch: each token's row once to each rank holding one of its experts (ep_rows='per_rank': per_rank, 2,450 B per token (expected, dispatch + combine) against 2,730 B per_assignment)
+ep_rows = _c10d_functional.wait_tensor(v93)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]  <- EP dispatch: each token's row once to each rank holding one of its experts (ep_rows='auto': per_rank, 2,450 B per token (expected, dispatch + combine) against 2,730 B per_assignment)
 v94 = _c10d_functional.all_to_all_single(v91, [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], 'ep')  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 12]
 ep_routes = _c10d_functional.wait_tensor(v94)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 12]  <- EP dispatch: the token's K routes on that rank (local expert index or -1, weight)
 v95 = slice(ep_routes, 1, 0, 6)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 6]

@@ -18,7 +18,7 @@ import torch
 from dsv41_compile.core.meta import REGION
 from dsv41_compile.report.accounting import graph_costs, summarize
 from dsv41_compile.spmd.verify import collective_kind
-from dsv41_compile.testing.presets import WIDE, compile_config
+from dsv41_compile.testing.presets import ONE_LAYER, WIDE, compile_config
 
 WORLD, TP, EP, T = 8, 4, 8, 8
 LAYERS = 2
@@ -143,7 +143,7 @@ def test_attention_entry_cut_by_hand(plan):
     """At twice tiny's width (D = 128) the q latent (after q_norm) and the kv latent (after
     kv_norm), 32 fp32 each, are narrower than the input: each is gathered (3 chunks of Tl rows
     out, 3 in) in place of the [Tl, 128] input, and wq_a / wkv (128 -> 32) run on Tl rows."""
-    wide = compile_config("tiny-swa", WIDE)
+    wide = compile_config("tiny-swa", ONE_LAYER, WIDE)
     seed_gm, seed_ctx = plan("sp", "padded", cfg=wide)
     gm, ctx = plan("sp", "padded", entry="auto", cfg=wide)
     seed, summary = (summarize(graph_costs(g, c), T) for g, c in ((seed_gm, seed_ctx), (gm, ctx)))
