@@ -8,6 +8,11 @@ through `propagate` below, so a torch upgrade that moves them breaks one file an
 Rules run on concrete shapes, with the token count at `core.symbols.PLANNING_TOKENS`:
 placements do not depend on the token count, and DTensor's propagator hashes its specs, which a
 symbolic size cannot be.
+
+A rule's answer depends only on the op, the arguments' shapes, dtypes and placements, the
+other arguments and the mesh, and a model repeats its layers: `propagate` keeps every answer
+(and every refusal) for the process, so the second layer of a kind costs a dict lookup
+instead of DTensor's propagation (about 3 ms per op).
 """
 
 from __future__ import annotations
@@ -68,18 +73,53 @@ def _is_spec(x: object) -> bool:
     return isinstance(x, DTensorSpec)
 
 
+_ANSWERS: dict[object, Strategy | Exception] = {}
+
+
+def _hashable(x: object) -> object:
+    """`x` as a key: lists and tuples as tagged tuples, dicts as sorted items."""
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *(_hashable(v) for v in x))
+    if isinstance(x, dict):
+        return ("dict", *sorted((k, _hashable(v)) for k, v in x.items()))
+    return x
+
+
 def propagate(
     op: torch._ops.OpOverload,
     args: Sequence[PlacedTensor | object],
     mesh: DeviceMesh,
     kwargs: dict[str, object] | None = None,
 ) -> Strategy:
-    """Run DTensor's sharding rule of `op` on a one-axis `mesh`.
+    """Run DTensor's sharding rule of `op` on a one-axis `mesh` (once per distinct question:
+    the module docstring).
 
     `args` are the op's positional arguments: `PlacedTensor` for tensors (also inside lists, as
     for `cat` or `index`), plain values otherwise. Raises `NotImplementedError` when DTensor has
     no rule for `op`.
     """
+    key = (op, _hashable(tuple(args)), mesh, _hashable(kwargs or {}))
+    try:
+        answer = _ANSWERS.get(key)
+    except TypeError:  # an argument that cannot be hashed: ask DTensor every time
+        return _propagate(op, args, mesh, kwargs)
+    if answer is None:
+        try:
+            answer = _propagate(op, args, mesh, kwargs)
+        except (NotImplementedError, RuntimeError, ValueError, AssertionError) as error:
+            answer = error
+        _ANSWERS[key] = answer
+    if isinstance(answer, Exception):
+        raise answer.with_traceback(None)
+    return answer
+
+
+def _propagate(
+    op: torch._ops.OpOverload,
+    args: Sequence[PlacedTensor | object],
+    mesh: DeviceMesh,
+    kwargs: dict[str, object] | None,
+) -> Strategy:
     if mesh.ndim != 1:
         raise AssertionError(
             f"propagate works on one mesh axis at a time, got a {mesh.ndim}-D mesh"

@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import dsv41_compile.models.deepseek_v41.ops  # noqa: F401  (registers dsv41::routed_experts)
+from dsv41_compile.spmd import dtensor_adapter
 from dsv41_compile.spmd.dtensor_adapter import PlacedTensor, propagate
 from dsv41_compile.spmd.placements import format_placement
 from dsv41_compile.testing.torch_shims import fake_process_group
@@ -75,6 +76,32 @@ def test_incompatible_inputs_ask_for_a_redistribution(mesh) -> None:
 def test_op_without_a_rule(mesh) -> None:
     with pytest.raises(NotImplementedError, match="no sharding rule for dsv41.routed_experts"):
         propagate(torch.ops.dsv41.routed_experts.default, [placed((8, 16), Shard(0))], mesh)
+
+
+def test_each_distinct_question_goes_to_dtensor_once(mesh, monkeypatch) -> None:
+    """A repeated layer asks the same questions: the answer, or the refusal, is kept. A list
+    argument and a tuple one are different questions."""
+    asked = []
+    ask = dtensor_adapter._propagate
+
+    def counted(op, args, *rest):
+        asked.append(op)
+        return ask(op, args, *rest)
+
+    monkeypatch.setattr(dtensor_adapter, "_ANSWERS", {})
+    monkeypatch.setattr(dtensor_adapter, "_propagate", counted)
+    args = [placed((8, 16), Shard(0)), placed((16, 4), Replicate())]
+    first = propagate(aten.mm.default, args, mesh)
+    assert propagate(aten.mm.default, list(args), mesh) is first
+    row_parallel = [placed((8, 16), Shard(1)), placed((16, 4), Shard(0))]
+    assert propagate(aten.mm.default, row_parallel, mesh).outputs == (Partial(),)
+    experts = torch.ops.dsv41.routed_experts.default
+    for _ in range(2):
+        with pytest.raises(NotImplementedError, match="no sharding rule for dsv41.routed_experts"):
+            propagate(experts, [placed((8, 16), Shard(0))], mesh)
+    assert asked == [aten.mm.default, aten.mm.default, experts]
+    key = dtensor_adapter._hashable
+    assert key([1, (2, 3)]) == ("list", 1, ("tuple", 2, 3)) != key((1, (2, 3)))
 
 
 def test_format_placement() -> None:
