@@ -266,25 +266,9 @@ def _padded(emit: _Emitter, op: _Routed, info: EpLayer, ep_tokens: Proxy) -> tup
     token = emit.named(
         aten.floor_divide.default(emit.arange(aten.sym_size.int(expert, 0)), K), "ep_token"
     )
-    x_buf = aten.index_put.default(
-        aten.new_zeros.default(op.x, [n_rows + 1, op.dim]),
-        [slot],
-        _dispatched(aten.index_select.default(op.x, 0, token)),
-    )
     local = aten._to_copy.default(aten.remainder.Scalar(expert, per_rank), dtype=torch.float32)
     route = aten.stack.default([local, aten.view.default(op.topk_weight, [-1])], 1)
-    empty = emit.call(
-        aten.full.default, [n_rows + 1, 2], -1.0, dtype=torch.float32, device=emit.device
-    )
-    route_buf = aten.index_put.default(empty, [slot], route)
-    splits = [capacity] * ep
-    x_send = aten.split_with_sizes.default(x_buf, [n_rows, 1])[0]
-    route_send = aten.split_with_sizes.default(route_buf, [n_rows, 1])[0]
-    y_back, routes = _exchange(emit, op, x_send, route_send, splits, splits, _PADDED_WHY, True)
-    y_back = aten.cat.default([y_back, aten.new_zeros.default(y_back, [1, op.dim])])
-    contributions = cast(aten.index_select.default(y_back, 0, slot), op.dtype, torch.float32)
-    zeros = aten.zeros_like.default(op.x, dtype=torch.float32)
-    out = aten.index_add.default(zeros, 0, token, contributions)
+    out, routes = _padded_exchange(emit, op, slot, token, route, capacity, ep, _PADDED_WHY)
     filled = aten.ge.Scalar(aten.select.int(routes, 1, 0), 0)
     received = aten.sum.dim_IntList(aten.view.default(filled, [ep, -1]), [1])
     return emit.named(out, "ep_routed_out"), _stats(emit, sent, received)
@@ -407,33 +391,53 @@ def _padded_per_rank(
         aten.view.default(aten.where.ScalarOther(hit_RT, position, n_rows), [-1]), "ep_slot"
     )  # unhit pairs go to a scratch row past the end, which is never sent
     token = emit.named(aten.repeat.default(emit.arange(tl), [ep]), "ep_token")
-    x_buf = aten.index_put.default(
-        aten.new_zeros.default(op.x, [n_rows + 1, op.dim]),
-        [slot],
-        _dispatched(aten.index_select.default(op.x, 0, token)),
+    route = aten.view.default(_route_table(op, hit_RTK, local_TK), [-1, 2 * K])
+    out, routes = _padded_exchange(
+        emit, op, slot, token, route, capacity, ep, _PADDED_PER_RANK_WHY, k=K
     )
-    empty = emit.call(
-        aten.full.default, [n_rows + 1, 2 * K], -1.0, dtype=torch.float32, device=emit.device
-    )
-    route_buf = aten.index_put.default(
-        empty, [slot], aten.view.default(_route_table(op, hit_RTK, local_TK), [-1, 2 * K])
-    )
-    splits = [capacity] * ep
-    x_send = aten.split_with_sizes.default(x_buf, [n_rows, 1])[0]
-    route_send = aten.split_with_sizes.default(route_buf, [n_rows, 1])[0]
-    y_back, routes = _exchange(
-        emit, op, x_send, route_send, splits, splits, _PADDED_PER_RANK_WHY, True, k=K
-    )
-    y_back = aten.cat.default([y_back, aten.new_zeros.default(y_back, [1, op.dim])])
-    contributions = cast(aten.index_select.default(y_back, 0, slot), op.dtype, torch.float32)
-    zeros = aten.zeros_like.default(op.x, dtype=torch.float32)
-    out = aten.index_add.default(zeros, 0, token, contributions)
     routed = aten.ge.Scalar(aten.slice.Tensor(routes, 1, 0, K), 0)  # [n_rows, K]
     per_row = aten.sum.dim_IntList(aten.view.default(routed, [ep, -1, K]), [2])  # [ep, C]
     received = aten.sum.dim_IntList(per_row, [1])
     received_rows = aten.sum.dim_IntList(aten.gt.Scalar(per_row, 0), [1])
     stats = _stats(emit, sent, received, sent_rows, received_rows)
     return emit.named(out, "ep_routed_out"), stats
+
+
+def _padded_exchange(
+    emit: _Emitter,
+    op: _Routed,
+    slot: Proxy,
+    token: Proxy,
+    route: Proxy,
+    capacity: Any,
+    ep: int,
+    why: tuple[str, str, str],
+    k: int = 1,
+) -> tuple[Proxy, Proxy]:
+    """The padded lowering's exchange, for either kind of row: row i (token `token[i]`, routes
+    `route[i]`) goes to buffer row `slot[i]` (`ep` blocks of `capacity`; the scratch row past
+    the end is never sent; unfilled rows carry routes -1), the buffers are exchanged, each
+    row's output comes back to its slot and is added, in fp32, to its token. Returns the fp32
+    `[Tl, D]` sum and the routes this rank received."""
+    n_rows = capacity * ep
+    x_buf = aten.index_put.default(
+        aten.new_zeros.default(op.x, [n_rows + 1, op.dim]),
+        [slot],
+        _dispatched(aten.index_select.default(op.x, 0, token)),
+    )
+    width = 2 * k  # (local expert, weight) per route
+    empty = emit.call(
+        aten.full.default, [n_rows + 1, width], -1.0, dtype=torch.float32, device=emit.device
+    )
+    route_buf = aten.index_put.default(empty, [slot], route)
+    splits = [capacity] * ep
+    x_send = aten.split_with_sizes.default(x_buf, [n_rows, 1])[0]
+    route_send = aten.split_with_sizes.default(route_buf, [n_rows, 1])[0]
+    y_back, routes = _exchange(emit, op, x_send, route_send, splits, splits, why, True, k=k)
+    y_back = aten.cat.default([y_back, aten.new_zeros.default(y_back, [1, op.dim])])
+    contributions = cast(aten.index_select.default(y_back, 0, slot), op.dtype, torch.float32)
+    zeros = aten.zeros_like.default(op.x, dtype=torch.float32)
+    return aten.index_add.default(zeros, 0, token, contributions), routes
 
 
 def _per_rank_routes(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, ...]:

@@ -105,8 +105,9 @@ def entry_cut(gm: GraphModule, *, ctx: CompileContext) -> None:
         n for n in gm.graph.nodes
         if n.op == "placeholder" and ctx.input_sources.get(n.name) in ctx.adapter.token_inputs
     ]  # fmt: skip
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for region, nodes in regions.items():
-        cut = _cut(region, nodes, ctx, token_count, token_inputs)
+        cut = _cut(region, nodes, ctx, token_count, token_inputs, order)
         if cut is None:
             continue
         ctx.entry_cuts[region] = cut
@@ -169,6 +170,7 @@ def _cut(
     ctx: CompileContext,
     token_count: object,
     token_inputs: list[Node],
+    order: dict[Node, int],
 ) -> EntryCut | None:
     sources = _sources(region, nodes)
     if not sources or any(_row_bytes(s) is None for s in sources):
@@ -200,7 +202,6 @@ def _cut(
     network = _network(sources, candidates, aligned)
     _, (side, _) = nx.minimum_cut(network, "s", "t")
     sharded = frozenset(n for n in candidates if ("v", n) in side and n not in sources)
-    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
     gathered = tuple(
         sorted(
             (n for n in candidates if ("v", n) in side and ("g", n) not in side),
