@@ -13,6 +13,7 @@ host compiles it and the others load it (`runtime.host_cache`).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from dsv41_compile.core.hooks import active
 from dsv41_compile.core.mesh import Mesh, build_mesh
 from dsv41_compile.core.meta import GLOBAL_VAL
 from dsv41_compile.core.passes import PassManager
+from dsv41_compile.core.regions import trace_regions_with_meta
 from dsv41_compile.frontend import (
     GraphInputs,
     check_recompiles,
@@ -152,10 +154,13 @@ def _compile(
 ) -> Any:
     """The token count made symbolic, AOTAutograd, the pipeline and the target, on this rank;
     `save` receives the result for the host's other ranks."""
+    start = time.perf_counter()
     gm, example_inputs = generalize_token_count(gm, example_inputs, inputs, adapter)
+    trace_regions_with_meta(gm)  # each layer kind's ATen nodes with their module paths
 
     def compile_rank(aten_gm: GraphModule, aten_inputs: list[Any]) -> Any:
         ctx = _context(aten_gm, aten_inputs, inputs, opts, mesh, adapter, target)
+        ctx.stage_seconds = {"aot": time.perf_counter() - start}
         PASSES.run(aten_gm, ctx)
         for hooks in active():
             if hooks.on_pipeline is not None:

@@ -10,6 +10,10 @@ static token count is first made symbolic (`generalize_token_count`), and every 
 AOTAutograd with the token count as a symbol: the same placements and the same collectives for
 every T. A static graph remains a graph for its own T -- Dynamo's guards call it only with that
 T, and values Dynamo computed from T (`T - 1` as a number) stay as traced.
+
+A model's compiled regions (`core.regions`: DeepSeek's decoder layers, traced once per kind)
+reach AOTAutograd as regions, which traces each once; a static graph's are copied in first,
+since making its token count symbolic reads every op.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbol
 
 from dsv41_compile.core.adapter import ModelAdapter
 from dsv41_compile.core.meta import module_paths
+from dsv41_compile.core.regions import inline_dynamo_regions
 
 __all__ = [
     "GraphInputs",
@@ -171,6 +176,7 @@ def generalize_token_count(
     if count is None:
         return gm, example_inputs
     if isinstance(count, int):
+        inline_dynamo_regions(gm)  # the sizes to generalize are in every layer's ops
         token_indices = {inputs.index_of(name) for name in adapter.token_inputs}
         tokens = _token_slots(gm, example_inputs, token_indices, count, _mark_call(adapter))
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -5,6 +5,7 @@ runs them (timed, logged, dumped on request, hooked)."""
 from __future__ import annotations
 
 from dsv41_compile.core.passes import Pass
+from dsv41_compile.core.regions import inline_regions
 from dsv41_compile.moe.expert_parallel import expert_parallel
 from dsv41_compile.spmd.annotate import annotate
 from dsv41_compile.spmd.entry_cut import entry_cut
@@ -17,6 +18,7 @@ from dsv41_compile.targets.graph_mode import graph_mode
 __all__ = ["PASS_NAMES", "PIPELINE"]
 
 PIPELINE: tuple[Pass, ...] = (
+    Pass("inline_regions", inline_regions),  # each layer kind's ATen, copied in at every layer
     Pass("token_sizes", token_sizes),  # every read of T from the token input
     Pass("annotate", annotate),  # a placement per node: the plan, then the op rules
     Pass("entry_cut", entry_cut),  # per-token ops before the entry gather, if it is cheaper

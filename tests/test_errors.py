@@ -149,18 +149,25 @@ def test_no_process_group():
     )
 
 
-def test_graph_break_inside_the_model():
-    def patch(model):
-        ffn = model.layers[0].ffn
-        forward = ffn.forward
+def _break_before(module):
+    """Patch `module.forward` to graph-break before it runs."""
+    forward = module.forward
 
-        def broken(*args):
-            torch._dynamo.graph_break()
-            return forward(*args)
+    def broken(*args):
+        torch._dynamo.graph_break()
+        return forward(*args)
 
-        ffn.forward = broken
+    module.forward = broken
 
-    error = raised(lambda: compile_and_run({"tp": 4}, patch=patch, fullgraph=False))
+
+def test_graph_break_between_layers():
+    """A break in the model's own code, before a layer: Dynamo hands the backend the model in
+    pieces, and a piece is refused before anything runs."""
+    error = raised(
+        lambda: compile_and_run(
+            {"tp": 4}, patch=lambda model: _break_before(model.layers[0]), fullgraph=False
+        )
+    )
     assert type(error) is ValueError
     assert str(error).startswith("dsv41_sp does not know this graph: its inputs are [")
     assert str(error).endswith(
@@ -169,6 +176,36 @@ def test_graph_break_inside_the_model():
         "compile with torch.compile(..., fullgraph=True) to see where, and remove the break. "
         "Otherwise add an adapter for your model family (docs/architecture.md)"
     )
+
+
+def test_graph_break_before_the_head():
+    """A break after the layers: the first piece is a model family's, without its head."""
+    error = raised(
+        lambda: compile_and_run(
+            {"tp": 4}, patch=lambda model: _break_before(model.norm), fullgraph=False
+        )
+    )
+    assert_error(
+        error,
+        ValueError,
+        "dsv41_sp compiles the whole model as one graph, but this graph has no head module: "
+        "Dynamo split the model at a graph break. Compile with torch.compile(..., "
+        "fullgraph=True) to see where, and remove the break.",
+    )
+
+
+def test_graph_break_inside_a_layer():
+    """A decoder layer is a compiled region (`nested_compile_region`): Dynamo cannot split it,
+    and says so at the first call, naming the break and the line (no piece reaches the
+    backend, nothing runs unsharded)."""
+    error = raised(
+        lambda: compile_and_run(
+            {"tp": 4}, patch=lambda model: _break_before(model.layers[0].ffn), fullgraph=False
+        )
+    )
+    assert isinstance(error, torch._dynamo.exc.UncapturedHigherOrderOpError)
+    assert "Call to `torch._dynamo.graph_break()`" in str(error)
+    assert "ffn_out_TD = self.ffn(ffn_in_TD, valid_T)" in str(error)
 
 
 def test_model_inputs_under_other_names():
@@ -251,8 +288,9 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
         ),
         (
             {"tp": 4, "dump_after": ["insert", "lower"]},
-            "dump_after names no pass: ['lower']; the passes are ('token_sizes', 'annotate', "
-            "'entry_cut', 'insert', 'localize', 'expert_parallel', 'graph_mode', 'verify')",
+            "dump_after names no pass: ['lower']; the passes are ('inline_regions', "
+            "'token_sizes', 'annotate', 'entry_cut', 'insert', 'localize', 'expert_parallel', "
+            "'graph_mode', 'verify')",
         ),
     ],
 )

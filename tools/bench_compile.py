@@ -5,12 +5,16 @@ attention mode), times the first call of the compiled model (Dynamo + AOT + our 
 eager lowering) and the share spent in our passes, side by side in one run.
 
 `--flash-planning` instead times `planning.plan_rank` (meta tensors, compile only) on the
-first 5, 10, 20 and all 40 layers of `flash` (tp=4, ep=8): the cost of planning at real size.
+first 5, 10, 20 and all 40 layers of `flash` (tp=4, ep=8): the cost of planning at real size,
+split into Dynamo (until the backend starts), AOTAutograd (both trace each layer kind once) and
+each of our passes (the first, `inline_regions`, copies each kind in at every layer); and the
+peak memory of the process (`ru_maxrss`, which only grows: the last row's is the run's peak).
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,7 +36,7 @@ def timed_pipeline() -> Iterator[dict[str, float]]:
     """Within the context, the yielded dict sums the pipeline's `seconds` (`ctx.pass_seconds`,
     per pass in `passes`) over the graphs compiled and keeps the last graph's `nodes` (also
     when planning stops the pipeline), read through the backend's hooks."""
-    record: dict = {"seconds": 0.0, "nodes": 0, "passes": {}}
+    record: dict = {"seconds": 0.0, "nodes": 0, "passes": {}, "stages": {}}
 
     def after(name, gm, ctx):
         if name == PASS_NAMES[-1]:
@@ -40,6 +44,8 @@ def timed_pipeline() -> Iterator[dict[str, float]]:
             record["nodes"] = len(gm.graph.nodes)
             for p, seconds in ctx.pass_seconds.items():
                 record["passes"][p] = record["passes"].get(p, 0.0) + seconds
+            for stage, seconds in ctx.stage_seconds.items():
+                record["stages"][stage] = record["stages"].get(stage, 0.0) + seconds
 
     with installed(Hooks(after_pass=after)):
         yield record
@@ -77,15 +83,25 @@ def flash_prefix(n_layers: int) -> ModelConfig:
 def flash_planning() -> None:
     from dsv41_compile.planning import plan_rank
 
-    print(f"{'flash layers':>12} {'nodes':>7} {'plan s':>7} {'s/layer':>8} {'passes s':>9}")
+    passes = [p for p in PASS_NAMES if p != "graph_mode"]
+    print(
+        f"{'flash layers':>12} {'nodes':>7} {'plan s':>7} {'s/layer':>8} {'dynamo':>7} "
+        f"{'aot':>6} {'passes':>7}  " + " ".join(f"{p:>9}" for p in passes) + f" {'peak GiB':>9}"
+    )
     for layers in (5, 10, 20, 40):
         with timed_pipeline() as pipeline:
             start = time.perf_counter()
             gm, _, _ = plan_rank(flash_prefix(layers), {"tp": 4, "ep": 8}, world_size=8)
             total = time.perf_counter() - start
+        aot = pipeline["stages"].get("aot", 0.0)
+        # The rest of the call before the backend's stages is Dynamo (and model building).
+        dynamo = total - pipeline["seconds"] - aot
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         print(
             f"{layers:>12} {len(gm.graph.nodes):>7} {total:>7.1f} {total / layers:>8.2f} "
-            f"{pipeline['seconds']:>9.1f}"
+            f"{dynamo:>7.1f} {aot:>6.1f} {pipeline['seconds']:>7.1f}  "
+            + " ".join(f"{pipeline['passes'].get(p, 0.0):>9.1f}" for p in passes)
+            + f" {peak:>9.1f}"
         )
 
 

@@ -75,3 +75,7 @@ class CompileContext:
     the graph's extra EP-statistics outputs)."""
     pass_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds spent in each pass (`core.passes.PassManager`)."""
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in the backend before the passes: `aot` (the token count made symbolic,
+    AOTAutograd). Dynamo's own time is the caller's to measure: it ends where the backend
+    starts."""

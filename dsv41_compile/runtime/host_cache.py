@@ -179,7 +179,9 @@ def program_key(gm: GraphModule, fake_inputs: list[Any], parts: tuple[Any, ...])
     if names is None:
         return None
     digest = hashlib.sha256(_source_version().encode())
-    digest.update(gm.code.encode())
+    for name, module in gm.named_modules():  # the graph and its regions' subgraphs
+        if isinstance(module, GraphModule):
+            digest.update(f"{name}\n{module.code}".encode())
     digest.update("\n".join(_input_description(x, names) for x in fake_inputs).encode())
     digest.update(repr(parts).encode())
     return digest.hexdigest()[:32]

@@ -18,7 +18,7 @@ from typing import Any
 
 from dsv41_compile.model import ModelConfig
 
-__all__ = ["EVERY_MODE_5", "ONE_LAYER", "SINKHORN_3", "WIDE", "compile_config"]
+__all__ = ["EVERY_MODE_5", "EVERY_MODE_6", "ONE_LAYER", "SINKHORN_3", "WIDE", "compile_config"]
 
 SINKHORN_3: tuple[tuple[str, Any], ...] = (("hc_sinkhorn_iters", 3),)
 """3 Sinkhorn iterations instead of 20: the same code, about a third shorter to trace."""
@@ -33,6 +33,15 @@ EVERY_MODE_5: tuple[tuple[str, Any], ...] = (
 """tiny cut to 5 layers that keep every attention mode: window-only, ratio-2 FULL (a KV
 source), ratio-1 FULL making candidates, REUSE, REINDEX filtered by candidates (tiny's 8 add a
 second window-only layer and two more REUSE)."""
+
+EVERY_MODE_6: tuple[tuple[str, Any], ...] = (
+    *EVERY_MODE_5,
+    ("n_layers", 6),
+    ("compress_ratios", (0, 2, 1, 1, 1, 1)),
+)
+"""EVERY_MODE_5 and a sixth layer, a second ratio-1 REUSE (after the REINDEX layer, whose top-k
+it reuses): a layer kind met twice, so Dynamo traces it once and calls the subgraph at layers 3
+and 5 (`core.regions` copies it in at both)."""
 
 ONE_LAYER: tuple[tuple[str, Any], ...] = (("n_layers", 1),)
 """One decoder layer (of tiny-swa: window-only); the boundary between layers is not in it."""

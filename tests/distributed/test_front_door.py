@@ -57,13 +57,14 @@ COMPILES = {
     "unmarked": (3, 3),  # static 8, dynamic (at 3 / at 6), static 0 / static 1
     "dynamic": (2, 2),  # dynamic, static 0 / static 1
 }
-# One window-only layer with 3 Sinkhorn iterations instead of 20: the same code, a sixth of
-# tiny-swa to trace; the subject here is how Dynamo traces T, and each mode traces the model
-# two or three times on each of the 8 ranks. (Every attention mode, and the boundary between
-# layers, are tests/distributed/test_numerics.py's.) The sp run's layer is twice as wide (D =
-# 128), where the default cuts move all three boundaries: the q / kv latents gathered, wo_b's
-# input moved to its tokens, one EP row per rank.
-MODEL = {"preset": "tiny-swa", "overrides": (*ONE_LAYER, *SINKHORN_3)}
+# Window-only layers with 3 Sinkhorn iterations instead of 20: the same code, less to trace;
+# the subject here is how Dynamo traces T, and each mode traces the model two or three times on
+# each of the 8 ranks. (Every attention mode is tests/distributed/test_numerics.py's.) The sp
+# run has one layer, twice as wide (D = 128), where the default cuts move all three boundaries:
+# the q / kv latents gathered, wo_b's input moved to its tokens, one EP row per rank. The
+# replicated run has three: layers 1 and 2 are one kind, which Dynamo traces once -- at a
+# static T, then at a symbolic one -- and calls twice (`core.regions`).
+MODEL = {"preset": "tiny-swa", "overrides": (("n_layers", 3), *SINKHORN_3)}
 WIDE_MODEL = {"preset": "tiny-swa", "overrides": (*ONE_LAYER, *SINKHORN_3, *WIDE)}
 _CHECKPOINT = tempfile.TemporaryDirectory(prefix="dsv41_ckpt_")
 RUNS = {
@@ -123,7 +124,8 @@ def test_logits_and_caches_match_single_device_in_every_mode(run):
 
 def test_every_program_has_the_same_layout_whatever_t_it_was_traced_with(run):
     name, results = run
-    expected = {0: LAYOUT[name]}  # the one layer
+    layers = model_config(RUNS[name]).n_layers
+    expected = dict.fromkeys(range(layers), LAYOUT[name])
     for rank, result in enumerate(results):
         for mode, out in result["modes"].items():
             assert out["programs"], (mode, rank)

@@ -14,9 +14,11 @@ indexer top-k choices of the longer prefill. The compressed paths are covered in
 
 Runs (steps: `testing.cases.SERVING_STEPS`, the last with DP group 0 idle, T = 0), all with 3
 Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPool`):
-- tiny cut to five layers that keep every attention mode, at twice its width (D = 128, where
-  the entry cut gathers the q / kv latents in four of the five layers and the input in the
-  ratio-2 one: `attn_entry="auto"`), sp, ep=8 exact, eager, per-layer
+- tiny cut to six layers that keep every attention mode and meet one kind twice (a ratio-1
+  REUSE at layers 3 and 5: one subgraph traced by Dynamo, copied in at both,
+  `testing.presets.EVERY_MODE_6`), at twice its width (D = 128, where the entry cut gathers
+  the q / kv latents in five of the six layers and the input in the ratio-2 one:
+  `attn_entry="auto"`), sp, ep=8 exact, eager, per-layer
   intermediates captured, `DeepseekV41.without_weights` compiled with the `checkpoint` option:
   each rank reads its own slices of a synthetic checkpoint in the released format, and the
   single-device reference is loaded from all of it (`load_checkpoint`);
@@ -56,7 +58,14 @@ from dsv41_compile.models.deepseek_v41.checkpoint import INDEX
 from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank, model_config
 from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 from dsv41_compile.testing.multirank import RankPool, run_ranks
-from dsv41_compile.testing.presets import EVERY_MODE_5, ONE_LAYER, SINKHORN_3, WIDE, compile_config
+from dsv41_compile.testing.presets import (
+    EVERY_MODE_5,
+    EVERY_MODE_6,
+    ONE_LAYER,
+    SINKHORN_3,
+    WIDE,
+    compile_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +104,7 @@ def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> Case
 
 RUNS = {
     "tiny-every-mode-ep-exact-eager": spec(
-        "tiny", overrides=(*EVERY_MODE_5, *WIDE), capture=True, ep=EP, lowering="eager"
+        "tiny", overrides=(*EVERY_MODE_6, *WIDE), capture=True, ep=EP, lowering="eager"
     ),
     "tiny-swa-replicated-ep-padded-torchair": spec(
         "tiny-swa",

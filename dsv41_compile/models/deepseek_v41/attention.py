@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dsv41_compile.models.deepseek_v41.cache import KVCache
+from dsv41_compile.models.deepseek_v41.cache import LayerCache
 from dsv41_compile.models.deepseek_v41.config import LayerRole, ModelConfig
 from dsv41_compile.models.deepseek_v41.layers import (
     Fp32Linear,
@@ -233,15 +233,6 @@ class Indexer(nn.Module):
         return scores_TC.masked_fill(~visible_TC, float("-inf"))
 
 
-class AttentionState:
-    """Per-forward state shared between layers: each index source's top-k and the candidate
-    mask, for the tokens of the current batch (never cached across calls)."""
-
-    def __init__(self) -> None:
-        self.topk: dict[int, tuple[Tensor, Tensor]] = {}
-        self.candidates: Tensor | None = None
-
-
 def rope_frequencies(cfg: ModelConfig, role: LayerRole) -> Tensor:
     """The RoPE inverse frequencies of a layer: plain in window-only layers, YaRN-scaled with
     the compressed layers' theta elsewhere."""
@@ -290,9 +281,14 @@ class Attention(nn.Module):
         x_TD: Tensor,
         positions_T: Tensor,
         cache_slot_T: Tensor,
-        cache: KVCache,
-        state: AttentionState,
-    ) -> Tensor:
+        kv: LayerCache,
+        topk: tuple[Tensor, Tensor] | None = None,
+        candidates_TC: Tensor | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The output projection [T, D] fp32 and what this layer makes for later layers of the
+        same forward: an index source's top-k `(idx_TK, picked_TK)`, and the candidate source's
+        candidate mask after them (empty otherwise). A REUSE layer takes its top-k source's
+        `topk`, a candidate-filtered index layer the candidate source's `candidates_TC`."""
         T = x_TD.shape[0]
         H, d, G = self.n_heads, self.head_dim, self.o_groups
         inv_freq = self.rope_inv_freq
@@ -306,20 +302,21 @@ class Attention(nn.Module):
         # The ring's length from the config, not from the cache: under dynamic=True Dynamo
         # makes the cache's sizes (and its max_len) symbols, which the token count's
         # generalisation must not meet in a pad.
-        ring, rows = cache.window_kv[self.layer_id], self.window
+        ring, rows, scratch = kv.window, self.window, kv.num_slots
         start_T = torch.where(
-            cache_slot_T == cache.scratch_slot,
+            cache_slot_T == scratch,
             positions_T,  # a padding row: nothing of it is cached
-            cache.lengths[cache_slot_T.clamp(max=cache.num_slots - 1)],
+            kv.lengths[cache_slot_T.clamp(max=kv.num_slots - 1)],
         )
         keys_TSd, visible_TS = window_keys(
             ring, rows, kv_Td, cache_slot_T, positions_T, start_T, self.window
         )
         write_window(ring, rows, kv_Td, cache_slot_T, positions_T)
 
+        made: tuple[Tensor, ...] = ()
         if self.role.mode != "swa":
-            ckv_TKd, picked_TK = self.compressed_keys(
-                x_TD, q_TQ, positions_T, cache_slot_T, cache, state
+            ckv_TKd, picked_TK, made = self.compressed_keys(
+                x_TD, q_TQ, positions_T, cache_slot_T, kv, topk, candidates_TC
             )
             keys_TSd = torch.cat((keys_TSd, ckv_TKd), dim=1)
             visible_TS = torch.cat((visible_TS, picked_TK), dim=1)
@@ -331,7 +328,7 @@ class Attention(nn.Module):
         z_TGO = torch.einsum("tgk,gok->tgo", o_THd.reshape(T, G, H // G * d), wo_a_GOK)
         # fp32 output: under tensor parallelism either the partial sum that is reduce-scattered,
         # or (the exit all-to-all) each token's whole projection on the rank that holds it.
-        return self.wo_b(z_TGO.flatten(1))
+        return self.wo_b(z_TGO.flatten(1)), made
 
     def compressed_keys(
         self,
@@ -339,35 +336,37 @@ class Attention(nn.Module):
         q_TQ: Tensor,
         positions_T: Tensor,
         cache_slot_T: Tensor,
-        cache: KVCache,
-        state: AttentionState,
-    ) -> tuple[Tensor, Tensor]:
-        """The compressed entries this layer attends to ([T, K, d]) and which are real ([T, K])."""
+        kv: LayerCache,
+        topk: tuple[Tensor, Tensor] | None,
+        candidates_TC: Tensor | None,
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        """The compressed entries this layer attends to ([T, K, d]), which are real ([T, K]),
+        and what it makes for later layers (`forward`)."""
         role, inv_freq = self.role, self.rope_inv_freq
-        ckv_cache = cache.compressed_kv[role.kv_source]
-        index_k_cache = cache.index_k[role.kv_source]
+        ckv_cache, index_k_cache = kv.compressed, kv.index_k
+        assert ckv_cache is not None and index_k_cache is not None, "a compressed layer's cache"
 
         if role.mode == "full":
-            ckv_Td, completes_T = self.compressor(
-                x_TD, positions_T, cache_slot_T, cache.pair_state.get(self.layer_id)
-            )
+            ckv_Td, completes_T = self.compressor(x_TD, positions_T, cache_slot_T, kv.pair_state)
             entry_T = torch.div(positions_T, role.ratio, rounding_mode="floor")
             entry_pos_T = entry_T * role.ratio  # compressed rope at the group's first position
-            slot_T = torch.where(completes_T, cache_slot_T, cache.scratch_slot)
+            slot_T = torch.where(completes_T, cache_slot_T, kv.num_slots)
             ckv_cache.index_put_((slot_T, entry_T), apply_rope(ckv_Td, entry_pos_T, inv_freq))
             index_k_cache.index_put_(
                 (slot_T, entry_T), self.indexer.keys(ckv_Td, entry_pos_T, inv_freq)
             )
 
+        made: tuple[Tensor, ...] = ()
         if role.mode == "reuse":
-            idx_TK, picked_TK = state.topk[role.topk_source]
+            assert topk is not None, "a REUSE layer takes its top-k source's top-k"
+            idx_TK, picked_TK = topk
         else:
             visible_TC = compressed_visible(positions_T, ckv_cache.shape[1], role.ratio)
             scores_TC = self.indexer(
                 x_TD, q_TQ, positions_T, inv_freq, index_k_cache[cache_slot_T], visible_TC
             )
             if role.makes_candidates:
-                state.candidates = candidate_blocks(
+                candidates_TC = candidate_blocks(
                     scores_TC,
                     positions_T,
                     role.ratio,
@@ -375,8 +374,11 @@ class Attention(nn.Module):
                     self.candidate_topk_blocks,
                 )
             if role.candidate_filtered:
-                assert state.candidates is not None, "candidate source must run before its users"
-                scores_TC = scores_TC.masked_fill(~state.candidates, float("-inf"))
+                assert candidates_TC is not None, "candidate source must run before its users"
+                scores_TC = scores_TC.masked_fill(~candidates_TC, float("-inf"))
             idx_TK, picked_TK = select_topk(scores_TC, self.index_topk)
-            state.topk[self.layer_id] = (idx_TK, picked_TK)
-        return ckv_cache[cache_slot_T[:, None], idx_TK], picked_TK
+            made = (idx_TK, picked_TK)
+            if role.makes_candidates:
+                assert candidates_TC is not None
+                made += (candidates_TC,)
+        return ckv_cache[cache_slot_T[:, None], idx_TK], picked_TK, made

@@ -15,8 +15,24 @@ a real request is touched and no write needs a data-dependent shape.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch import Tensor
+
+
+class LayerCache(NamedTuple):
+    """The part of the cache one layer reads and writes (`KVCache.layer`): a layer is handed
+    these tensors and nothing else of the cache, so that every layer of a kind is the same
+    function of its inputs (what lets `torch.compile` trace a kind once, docs/model.md)."""
+
+    num_slots: int
+    lengths: Tensor
+    window: Tensor
+    compressed: Tensor | None
+    """The kv source's compressed KV (None in a window-only layer); also `index_k`."""
+    index_k: Tensor | None
+    pair_state: Tensor | None
+    """Only in a ratio-2 kv-source layer."""
 
 
 @dataclass
@@ -41,6 +57,18 @@ class KVCache:
     @property
     def scratch_slot(self) -> int:
         return self.num_slots
+
+    def layer(self, layer_id: int, kv_source: int) -> LayerCache:
+        """What layer `layer_id`, reading the compressed entries of `kv_source` (-1: none),
+        reads and writes."""
+        return LayerCache(
+            self.num_slots,
+            self.lengths,
+            self.window_kv[layer_id],
+            self.compressed_kv.get(kv_source),
+            self.index_k.get(kv_source),
+            self.pair_state.get(layer_id),
+        )
 
     def tensors(self) -> list[Tensor]:
         """Every tensor of the cache, in a fixed order (for comparing two caches)."""

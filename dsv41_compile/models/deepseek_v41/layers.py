@@ -20,9 +20,11 @@ class StaticFloat(float):
     With `dynamic=True`, Dynamo makes every `float` attribute it reads a symbolic input, and
     AOTAutograd turns it into a tensor where it can. Where it cannot -- a float that reaches
     `clamp` or a custom op's `float` argument, as the SwiGLU limit does -- Dynamo traces the
-    whole model a second time with it specialised. Dynamo treats an instance of a `float`
-    subclass as a constant, guarded on its type and value (a changed value recompiles), so a
-    float kept as this subclass costs one trace."""
+    whole model a second time with it specialised; and in a compiled region (a decoder layer,
+    `nested_compile_region`) AOTAutograd cannot trace its `.item()` at all. Dynamo treats an
+    instance of a `float` subclass as a constant, guarded on its type and value (a changed value
+    recompiles), so a float kept as this subclass costs one trace. Every float a layer reads is
+    one (the norms' eps, mHC's eps, the router's scale, the SwiGLU limit)."""
 
     __slots__ = ()
 
@@ -53,7 +55,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps = StaticFloat(eps)
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -127,8 +129,8 @@ class HyperConnection(nn.Module):
         super().__init__()
         self.n = cfg.hc_mult
         self.iters = cfg.hc_sinkhorn_iters
-        self.hc_eps = cfg.hc_eps
-        self.norm_eps = cfg.rms_norm_eps
+        self.hc_eps = StaticFloat(cfg.hc_eps)
+        self.norm_eps = StaticFloat(cfg.rms_norm_eps)
         self.fn = nn.Parameter(torch.empty(cfg.hc_mix_dim, cfg.hc_mult * cfg.dim))
         self.base = nn.Parameter(torch.empty(cfg.hc_mix_dim))
         self.scale = nn.Parameter(torch.empty(3))

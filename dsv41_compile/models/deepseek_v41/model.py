@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dsv41_compile.models.deepseek_v41.attention import Attention, AttentionState, rope_frequencies
-from dsv41_compile.models.deepseek_v41.cache import KVCache
+from dsv41_compile.models.deepseek_v41.attention import Attention, rope_frequencies
+from dsv41_compile.models.deepseek_v41.cache import KVCache, LayerCache
 from dsv41_compile.models.deepseek_v41.config import LayerRole, ModelConfig, layer_plan
 from dsv41_compile.models.deepseek_v41.layers import (
     Embedding,
@@ -26,11 +26,22 @@ from dsv41_compile.models.deepseek_v41.layers import (
 from dsv41_compile.models.deepseek_v41.moe import MoE
 from dsv41_compile.runtime.weights import has_no_weights
 
+# Distinct layer kinds `torch.compile` may keep (nested_compile_region's reuse entries, each a
+# traced kind): V4.1 has about six; the bound only has to exceed any layer count, where every
+# layer would be a kind of its own.
+_LAYER_KINDS = 256
+
 
 class Block(nn.Module):
     """One V4.1 decoder layer with *delayed* mHC pre: the `pre` mix computed at one sublayer
     collapses the input of the next sublayer (the incoming `pre_TN` collapses this attention's
-    input; this attention site's `pre` collapses the FFN input; the FFN site's `pre` goes out)."""
+    input; this attention site's `pre` collapses the FFN input; the FFN site's `pre` goes out).
+
+    A layer is a function of its inputs alone: the part of the cache it reads and writes
+    (`kv`), the top-k it reuses, the candidate mask it filters with. So every layer of a kind
+    (window-only, a kv source of ratio 1 or 2, REINDEX, REUSE, ...) is the same function with
+    other weights, and `torch.compile` traces each kind once (`nested_compile_region`; eager
+    calls it as it is)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, role: LayerRole) -> None:
         super().__init__()
@@ -42,6 +53,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.ffn = MoE(cfg)
 
+    @torch.compiler.nested_compile_region(max_reuse_entries=_LAYER_KINDS)
     def forward(
         self,
         x_TND: Tensor,
@@ -49,19 +61,38 @@ class Block(nn.Module):
         positions_T: Tensor,
         cache_slot_T: Tensor,
         valid_T: Tensor,
-        cache: KVCache,
-        state: AttentionState,
-    ) -> tuple[Tensor, Tensor]:
+        num_slots: int,
+        lengths: Tensor,
+        window: Tensor,
+        compressed: Tensor | None,
+        index_k: Tensor | None,
+        pair_state: Tensor | None,
+        idx_TK: Tensor | None,
+        picked_TK: Tensor | None,
+        candidates_TC: Tensor | None,
+    ) -> tuple[Tensor, ...]:
+        """`(x_TND, pre_TN, *made)`: the streams, the FFN site's pre, and what the attention
+        makes for later layers (`Attention.forward`).
+
+        `num_slots` .. `pair_state` are the layer's `LayerCache`; `idx_TK, picked_TK` the
+        top-k a REUSE layer reuses, `candidates_TC` the mask a candidate-filtered layer reads
+        (None where the layer reads none). Inputs and outputs are flat tensors and constants:
+        Dynamo matches those against a region's traced kinds directly, where it would trace
+        pytree to flatten a structure and guard the compiled model on pytree's registry."""
+        kv = LayerCache(num_slots, lengths, window, compressed, index_k, pair_state)
+        topk = None if idx_TK is None or picked_TK is None else (idx_TK, picked_TK)
         attn_pre_TN, attn_post_TN, attn_comb_TNN = self.hc_attn(x_TND)
         attn_in_TD = self.attn_norm(hc_collapse(x_TND, pre_TN))
-        attn_out_TD = self.attn(attn_in_TD, positions_T, cache_slot_T, cache, state)
+        attn_out_TD, made = self.attn(
+            attn_in_TD, positions_T, cache_slot_T, kv, topk, candidates_TC
+        )
         x_TND = hc_expand(x_TND, attn_out_TD, attn_post_TN, attn_comb_TNN)
 
         ffn_pre_TN, ffn_post_TN, ffn_comb_TNN = self.hc_ffn(x_TND)
         ffn_in_TD = self.ffn_norm(hc_collapse(x_TND, attn_pre_TN))
         ffn_out_TD = self.ffn(ffn_in_TD, valid_T)
         x_TND = hc_expand(x_TND, ffn_out_TD, ffn_post_TN, ffn_comb_TNN)
-        return x_TND, ffn_pre_TN
+        return (x_TND, ffn_pre_TN, *made)
 
 
 class DeepseekV41(nn.Module):
@@ -172,12 +203,29 @@ class DeepseekV41(nn.Module):
         cache_slot_T = torch.where(valid_T, slots, cache.scratch_slot)
 
         h_TD = self.embed(input_ids)
+        # A broadcast view, not a copy: layer 0 is then a kind of its own for torch.compile
+        # (its streams have another layout), which costs one trace and no copy of [T, N, D].
         x_TND = h_TD[:, None, :].expand(-1, self.cfg.hc_mult, -1)
         # One-hot incoming pre: layer 0's attention input is exactly the embedding.
         pre_TN = F.one_hot(torch.zeros_like(input_ids), self.cfg.hc_mult).float()
-        state = AttentionState()
-        for layer in self.layers:
-            x_TND, pre_TN = layer(x_TND, pre_TN, positions, cache_slot_T, valid_T, cache, state)
+        topk: dict[int, tuple[Tensor, Tensor]] = {}  # each index source's, this batch only
+        candidates_TC = None
+        for layer, role in zip(self.layers, self.plan):
+            topk_TK = topk[role.topk_source] if role.mode == "reuse" else (None, None)
+            x_TND, pre_TN, *made = layer(
+                x_TND,
+                pre_TN,
+                positions,
+                cache_slot_T,
+                valid_T,
+                *cache.layer(layer.layer_id, role.kv_source),
+                *topk_TK,
+                candidates_TC if role.candidate_filtered else None,
+            )
+            if made:
+                topk[layer.layer_id] = (made[0], made[1])
+            if role.makes_candidates:
+                candidates_TC = made[2]
 
         # The last FFN site's pre collapses the streams (V4.1 has no learned hc_head).
         y_TD = self.norm(hc_collapse(x_TND, pre_TN))

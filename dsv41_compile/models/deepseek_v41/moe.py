@@ -23,7 +23,7 @@ class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.topk = cfg.n_activated_experts
-        self.route_scale = cfg.routed_scaling_factor
+        self.route_scale = StaticFloat(cfg.routed_scaling_factor)
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32))
 

@@ -1,0 +1,193 @@
+"""Compiled regions (`core.regions`): DeepSeek V4.1's decoder layer is a `nested_compile_region`,
+so Dynamo traces each layer kind once and calls the traced subgraph at every layer of the kind,
+AOTAutograd turns each into ATen once, and the pipeline's first pass copies it in at each call
+under the call's module path."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+
+import dsv41_compile
+from dsv41_compile.core.meta import module_paths
+from dsv41_compile.core.regions import (
+    inline_dynamo_regions,
+    inline_regions,
+    region_calls,
+    trace_regions_with_meta,
+)
+from dsv41_compile.models.deepseek_v41.batches import Request, pack
+from dsv41_compile.models.deepseek_v41.config import layer_plan
+from dsv41_compile.models.deepseek_v41.model import DeepseekV41
+from dsv41_compile.testing.presets import compile_config
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.proj(x))
+        ring.index_put_((torch.arange(x.shape[0]) % ring.shape[0],), y)  # a cache write
+        return x + y
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor, rings: list[torch.Tensor]) -> torch.Tensor:
+        for block, ring in zip(self.blocks, rings):
+            x = block(x, ring)
+        return x
+
+
+def _dynamo_graph(model: nn.Module, *args, inline: str | None = None):
+    """The graph of `model(*args)` a backend ran, the region calls of Dynamo's graph (subgraph,
+    module) and the compiled model's result. `inline`: None (Dynamo's graph, regions kept),
+    "dynamo" (Dynamo's graph, regions copied in), "aot" (AOTAutograd's inference graph, regions
+    traced once with their module paths and copied in by the pipeline's pass)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        calls = [(n.args[0].target, _site(n)) for n in region_calls(gm)]
+        if inline != "aot":
+            if inline == "dynamo":
+                inline_dynamo_regions(gm)
+            graphs.append((gm, calls))
+            return gm.forward
+        trace_regions_with_meta(gm)
+
+        def compile_aten(aten_gm, aten_inputs):
+            assert region_calls(aten_gm)  # AOTAutograd kept the regions
+            inline_regions(aten_gm)
+            graphs.append((aten_gm, calls))
+            return make_boxed_func(aten_gm.forward)
+
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=compile_aten, inference_compiler=compile_aten,
+            keep_inference_input_mutations=True,
+        )  # fmt: skip
+
+    torch._dynamo.reset()
+    result = torch.compile(model, backend=backend, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    return (*graphs[0], result)
+
+
+def _site(call: torch.fx.Node) -> str:
+    """The module a region call runs (`L['self'].layers.5`)."""
+    return list(call.meta["nn_module_stack"].values())[-1][0]
+
+
+@pytest.mark.parametrize("level", ["dynamo", "aot"])
+def test_inline_regions_copies_each_call_under_its_module_path(level):
+    torch.manual_seed(0)
+    model = _Stack().requires_grad_(False)
+    x = torch.randn(5, 8)
+    rings = [torch.randn(3, 8) for _ in range(4)]
+    got_rings, want_rings = [r.clone() for r in rings], [r.clone() for r in rings]
+    # Dynamo calls the backend, which inlines, then runs the inlined graph on the inputs.
+    gm, calls, got = _dynamo_graph(model, x, got_rings, inline=level)
+    assert len(calls) == 4  # traced once, called at every block
+    assert len({body for body, _ in calls}) == 1
+    assert not region_calls(gm)
+    per_block = collections.Counter(
+        path for n in gm.graph.nodes for path in module_paths(n) if path.count(".") == 1
+    )
+    assert sorted(per_block) == [f"blocks.{i}" for i in range(4)]
+    # (block 0 also holds what Dynamo lifted out of the first call: the size it reads)
+    assert len({per_block[f"blocks.{i}"] for i in (1, 2, 3)}) == 1  # copies of one subgraph
+    # The copies ran: the same cache writes as the model's, eagerly; and the same result.
+    want = model(x, want_rings)
+    for got_ring, want_ring in zip(got_rings, want_rings):
+        torch.testing.assert_close(got_ring, want_ring)
+    torch.testing.assert_close(got, want)
+
+
+def test_a_region_is_part_of_the_host_cache_key():
+    """Two models whose graphs differ only inside a region have different program keys."""
+    from dsv41_compile.runtime.host_cache import program_key
+
+    class _GeluBlock(_Block):
+        @torch.compiler.nested_compile_region
+        def forward(self, x, ring):
+            y = torch.nn.functional.gelu(self.proj(x))
+            ring.index_put_((torch.arange(x.shape[0]) % ring.shape[0],), y)
+            return x + y
+
+    keys = []
+    for block in (_Block, _GeluBlock):
+        model = _Stack()
+        model.blocks = nn.ModuleList(block() for _ in range(4))
+        model.requires_grad_(False)
+        x, rings = torch.randn(5, 8), [torch.zeros(3, 8) for _ in range(4)]
+        gm, calls, _ = _dynamo_graph(model, x, rings)
+        assert calls
+        keys.append(program_key(gm, [x, *rings], ()))
+    assert keys[0] != keys[1]
+
+
+def test_each_deepseek_layer_kind_is_traced_once():
+    """16 layers of six kinds (flash's pattern, shorter): Dynamo's graph calls one subgraph per
+    repeated kind, at every layer of that kind, and none per layer; a kind met once is traced
+    once and inlined by Dynamo itself. Inlined, each layer's nodes sit under its own path, and
+    layers of one kind hold the same ops."""
+    cfg = compile_config(
+        "tiny",
+        (
+            ("n_layers", 16),
+            ("compress_ratios", (0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1)),
+            ("kv_source_layer_ids", (2, 6)),
+            ("index_source_layer_ids", (2, 6, 9, 12)),
+            ("candidate_source_layer_id", 6),
+        ),
+    )
+    roles = layer_plan(cfg)
+    with torch.device("meta"):
+        model = DeepseekV41(cfg)
+        cache = model.new_cache(num_slots=2, max_len=64)
+    ids, positions, slots = (t.to("meta") for t in pack([Request(0, [1, 2, 3], 0)]))
+    dsv41_compile.mark_token_dim(ids, positions, slots)
+    gm, calls, _ = _dynamo_graph(model, ids, positions, slots, cache)
+    by_body = collections.defaultdict(list)
+    for body, site in calls:
+        by_body[body].append(int(site.split(".")[-1]))
+    kinds = collections.Counter(
+        (r.mode, r.ratio, r.makes_candidates, r.candidate_filtered) for r in roles[1:]
+    )
+    repeated = {k for k, n in kinds.items() if n > 1}
+    # Layer 0 takes the embedding broadcast to the streams (a view): a kind of its own.
+    assert len(by_body) == len(repeated) == 3
+    for layers in by_body.values():
+        assert (
+            len({(roles[i].mode, roles[i].ratio, roles[i].candidate_filtered) for i in layers}) == 1
+        )
+    called = sorted(i for layers in by_body.values() for i in layers)
+    assert called == [
+        i
+        for i in range(1, 16)
+        if kinds[
+            (roles[i].mode, roles[i].ratio, roles[i].makes_candidates, roles[i].candidate_filtered)
+        ]
+        > 1
+    ]
+
+    inline_dynamo_regions(gm)
+    ops = collections.defaultdict(list)
+    for node in gm.graph.nodes:
+        layers = [p for p in module_paths(node) if p.startswith("layers.") and p.count(".") == 1]
+        if layers and node.op in ("call_function", "call_method"):
+            ops[int(layers[0].split(".")[1])].append(str(node.target))
+    assert sorted(ops) == list(range(16))
+    for layers in by_body.values():
+        assert len({tuple(ops[i]) for i in layers}) == 1
+    assert not region_calls(gm)
