@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -29,6 +29,9 @@ from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 from torch.fx import GraphModule, Interpreter, Node
 
 from dsv41_compile.core.errors import InternalError
+
+if TYPE_CHECKING:
+    from dsv41_compile.core.context import CompileContext
 
 __all__ = ["inline_dynamo_regions", "inline_regions", "region_calls", "trace_regions_with_meta"]
 
@@ -59,7 +62,7 @@ def inline_dynamo_regions(gm: GraphModule) -> int:
     return len(calls)
 
 
-def inline_regions(gm: GraphModule, *, ctx: Any = None) -> None:
+def inline_regions(gm: GraphModule, *, ctx: CompileContext | None = None) -> None:
     """The pass: every region call of the AOT graph replaced by the region's ATen nodes.
 
     Requires: the AOT inference graph; regions traced by `trace_regions_with_meta`.
@@ -215,25 +218,19 @@ def _instance_move(call: Node, body: GraphModule) -> Callable[[Node], dict[str, 
     return moved
 
 
-class _NodeByNode(torch.nn.Module):
-    """A Dynamo region, run node by node: what AOTAutograd traces of it then carries each
-    node's module path and source line, as the rest of the graph does."""
-
-    def __init__(self, body: GraphModule) -> None:
-        super().__init__()
-        self.body = body
-
-    def forward(self, *args: Any) -> Any:
-        with fx_traceback.preserve_node_meta():
-            return Interpreter(self.body).run(*args)
-
-
 def trace_regions_with_meta(gm: GraphModule) -> None:
     """Make AOTAutograd trace each region of Dynamo's graph `gm` node by node. (It traces the
     main graph that way; a region it calls as a function, and its ATen nodes would carry the
     call's module path only.)"""
     for call in region_calls(gm):
-        attr = call.args[0]
-        body = getattr(gm, attr.target)
+        body = getattr(gm, call.args[0].target)
         if isinstance(body, GraphModule):
-            body.forward = _NodeByNode(body).forward  # type: ignore[method-assign]
+            body.forward = _node_by_node(body)  # type: ignore[method-assign]
+
+
+def _node_by_node(body: GraphModule) -> Callable[..., Any]:
+    def forward(*args: Any) -> Any:
+        with fx_traceback.preserve_node_meta():
+            return Interpreter(body).run(*args)
+
+    return forward

@@ -38,7 +38,7 @@ class Block(nn.Module):
     input; this attention site's `pre` collapses the FFN input; the FFN site's `pre` goes out).
 
     A layer is a function of its inputs alone: the part of the cache it reads and writes
-    (`kv`), the top-k it reuses, the candidate mask it filters with. So every layer of a kind
+    (`KVCache.layer`), the top-k it reuses, the candidate mask it filters with. So every layer of a kind
     (window-only, a kv source of ratio 1 or 2, REINDEX, REUSE, ...) is the same function with
     other weights, and `torch.compile` traces each kind once (`nested_compile_region`; eager
     calls it as it is)."""
