@@ -23,7 +23,7 @@ from dsv41_compile.core.regions import (
 )
 from dsv41_compile.models.deepseek_v41.batches import Request, pack
 from dsv41_compile.models.deepseek_v41.config import layer_plan
-from dsv41_compile.models.deepseek_v41.model import DeepseekV41
+from dsv41_compile.models.deepseek_v41.model import Block, DeepseekV41
 from dsv41_compile.testing.presets import compile_config
 
 
@@ -106,6 +106,14 @@ def test_inline_regions_copies_each_call_under_its_module_path(level):
     assert sorted(per_block) == [f"blocks.{i}" for i in range(4)]
     # (block 0 also holds what Dynamo lifted out of the first call: the size it reads)
     assert len({per_block[f"blocks.{i}"] for i in (1, 2, 3)}) == 1  # copies of one subgraph
+    relus = collections.Counter(
+        path
+        for n in gm.graph.nodes
+        if "relu" in str(n.target)
+        for path in module_paths(n)
+        if path.count(".") == 1
+    )
+    assert relus == {f"blocks.{i}": 1 for i in range(4)}  # each block's own copy
     # The copies ran: the same cache writes as the model's, eagerly; and the same result.
     want = model(x, want_rings)
     for got_ring, want_ring in zip(got_rings, want_rings):
@@ -191,3 +199,55 @@ def test_each_deepseek_layer_kind_is_traced_once():
     for layers in by_body.values():
         assert len({tuple(ops[i]) for i in layers}) == 1
     assert not region_calls(gm)
+
+
+def _plan(cfg, options):
+    """The per-rank graph's ops and comm records of `cfg` planned on rank 1 of 8, node
+    numbering removed (names are the graph's own business)."""
+    import re
+
+    from dsv41_compile.planning import plan_rank
+    from dsv41_compile.report.dump import graph_labels
+    from dsv41_compile.report.graph_printer import format_graph
+
+    gm, ctx, _ = plan_rank(cfg, options, world_size=8, rank=1)
+    labels, groups = graph_labels(ctx)
+
+    def unnumbered(text: str) -> str:
+        return re.sub(r"\b([a-z_]+)_\d+\b", r"\1", re.sub(r"\bv\d+\b", "v", text))
+
+    ops = collections.Counter(
+        unnumbered(line.split(" = ", 1)[1])
+        for line in format_graph(gm, labels=labels, groups=groups).splitlines()
+        if " = " in line
+    )
+    comm = [unnumbered(repr({k: v for k, v in r.items() if k != "node"})) for r in ctx.comm]
+    return ops, comm
+
+
+def test_regions_change_nothing_in_the_plan():
+    """The same program as a model without regions: tiny-swa's three layers (layers 1 and 2 one
+    kind), sp, experts over the world with the padded lowering -- the same ops with the same
+    placements, shapes and reasons, and the same comm.json records, layer by layer."""
+    from unittest import mock
+
+    from dsv41_compile.core import regions
+
+    cfg = compile_config("tiny-swa", (("n_layers", 3),))
+    options = {"tp": 4, "ep": 8, "ep_dispatch": "padded", "lowering": "eager"}
+    seen = []
+
+    def calls_seen(gm):
+        calls = region_calls(gm)
+        seen.append(len(calls))
+        return calls
+
+    with mock.patch.object(regions, "region_calls", calls_seen):
+        with_regions = _plan(cfg, options)
+    assert seen and set(seen) == {2}  # Dynamo's graph and AOTAutograd's: layers 1 and 2
+    plain = Block.forward.__marked_compile_region_fn__  # what the decorator wraps
+    with mock.patch.object(Block, "forward", plain):
+        without = _plan(cfg, options)
+    assert sum(with_regions[0].values()) > 1000
+    assert with_regions[0] == without[0]
+    assert with_regions[1] == without[1] and len(with_regions[1]) == 1 + 3 * 5
