@@ -6,6 +6,8 @@ under the call's module path."""
 from __future__ import annotations
 
 import collections
+import re
+from unittest import mock
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from torch import nn
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
 import dsv41_compile
+from dsv41_compile.core import regions
 from dsv41_compile.core.meta import module_paths
 from dsv41_compile.core.regions import (
     inline_dynamo_regions,
@@ -24,6 +27,10 @@ from dsv41_compile.core.regions import (
 from dsv41_compile.models.deepseek_v41.batches import Request, pack
 from dsv41_compile.models.deepseek_v41.config import layer_plan
 from dsv41_compile.models.deepseek_v41.model import Block, DeepseekV41
+from dsv41_compile.planning import plan_rank
+from dsv41_compile.report.dump import graph_labels
+from dsv41_compile.report.graph_printer import format_graph
+from dsv41_compile.runtime.host_cache import program_key
 from dsv41_compile.testing.presets import compile_config
 
 
@@ -123,7 +130,6 @@ def test_inline_regions_copies_each_call_under_its_module_path(level):
 
 def test_a_region_is_part_of_the_host_cache_key():
     """Two models whose graphs differ only inside a region have different program keys."""
-    from dsv41_compile.runtime.host_cache import program_key
 
     class _GeluBlock(_Block):
         @torch.compiler.nested_compile_region
@@ -204,12 +210,6 @@ def test_each_deepseek_layer_kind_is_traced_once():
 def _plan(cfg, options):
     """The per-rank graph's ops and comm records of `cfg` planned on rank 1 of 8, node
     numbering removed (names are the graph's own business)."""
-    import re
-
-    from dsv41_compile.planning import plan_rank
-    from dsv41_compile.report.dump import graph_labels
-    from dsv41_compile.report.graph_printer import format_graph
-
     gm, ctx, _ = plan_rank(cfg, options, world_size=8, rank=1)
     labels, groups = graph_labels(ctx)
 
@@ -229,10 +229,6 @@ def test_regions_change_nothing_in_the_plan():
     """The same program as a model without regions: tiny-swa's three layers (layers 1 and 2 one
     kind), sp, experts over the world with the padded lowering -- the same ops with the same
     placements, shapes and reasons, and the same comm.json records, layer by layer."""
-    from unittest import mock
-
-    from dsv41_compile.core import regions
-
     cfg = compile_config("tiny-swa", (("n_layers", 3),))
     options = {"tp": 4, "ep": 8, "ep_dispatch": "padded", "lowering": "eager"}
     seen = []

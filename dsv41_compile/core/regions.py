@@ -54,12 +54,7 @@ def region_calls(gm: GraphModule) -> list[Node]:
 def inline_dynamo_regions(gm: GraphModule) -> int:
     """Replace every region call in Dynamo's graph by the region's nodes; return how many calls
     there were."""
-    calls = region_calls(gm)
-    for call in calls:
-        attr, _identifier, *operands = call.args
-        _inline(gm, call, getattr(gm, attr.target), list(operands), bases=[])
-    _tidy(gm, calls)
-    return len(calls)
+    return _inline_calls(gm)
 
 
 def inline_regions(gm: GraphModule, *, ctx: CompileContext | None = None) -> None:
@@ -70,32 +65,42 @@ def inline_regions(gm: GraphModule, *, ctx: CompileContext | None = None) -> Non
     instance; a region's writes into its inputs become the values the call returned for them
     (as `auto_functionalized_v2` defines them), so the graph is the functional graph of the
     model without regions."""
+    _inline_calls(gm)
+
+
+def _inline_calls(gm: GraphModule) -> int:
     calls = region_calls(gm)
     for call in calls:
-        if call.target is invoke_subgraph:
-            attr, _identifier, *operands = call.args
-            _inline(gm, call, getattr(gm, attr.target), list(operands), bases=[])
-            continue
-        kwargs = call.kwargs
-        body = getattr(gm, kwargs["subgraph"].target)
-        bases = list(kwargs["_all_bases"])
-        operands = []
-        for i, _ in enumerate(n for n in body.graph.nodes if n.op == "placeholder"):
-            if f"arg{i}" in kwargs:
-                operands.append(kwargs[f"arg{i}"])
-                continue
-            view = [k for k in ("size", "stride", "storage_offset", "slice_dim")
-                    if f"_arg{i}_{k}" in kwargs]  # fmt: skip
-            index = kwargs.get(f"_arg{i}_base_index")
-            if view or not isinstance(index, int):
-                raise InternalError(
-                    f"a region writes its input {i} through a view ({view or index}), which "
-                    "inline_regions does not copy",
-                    call,
-                )
-            operands.append(_Written(bases[index], index))
-        _inline(gm, call, body, operands, bases=bases)
+        _inline(gm, call, *_body_and_operands(gm, call))
     _tidy(gm, calls)
+    return len(calls)
+
+
+def _body_and_operands(gm: GraphModule, call: Node) -> tuple[GraphModule, list[Any], list[Node]]:
+    """The region a call runs, its operands (a `_Written` for an input the region writes) and
+    the call's bases (`auto_functionalized_v2`'s `_all_bases`; none for a plain call)."""
+    if call.target is invoke_subgraph:
+        attr, _identifier, *operands = call.args
+        return getattr(gm, attr.target), list(operands), []
+    kwargs = call.kwargs
+    body = getattr(gm, kwargs["subgraph"].target)
+    bases = list(kwargs["_all_bases"])
+    operands: list[Any] = []
+    for i, _ in enumerate(n for n in body.graph.nodes if n.op == "placeholder"):
+        if f"arg{i}" in kwargs:
+            operands.append(kwargs[f"arg{i}"])
+            continue
+        view = [k for k in ("size", "stride", "storage_offset", "slice_dim")
+                if f"_arg{i}_{k}" in kwargs]  # fmt: skip
+        index = kwargs.get(f"_arg{i}_base_index")
+        if view or not isinstance(index, int):
+            raise InternalError(
+                f"a region writes its input {i} through a view ({view or index}), which "
+                "inline_regions does not copy",
+                call,
+            )
+        operands.append(_Written(bases[index], index))
+    return body, operands, bases
 
 
 class _Written:
@@ -129,7 +134,7 @@ def _inline(
             if node.op == "output":
                 results = tuple(env.get(r, r) for r in node.args[0])
                 continue
-            if stored & set(node.all_input_nodes):
+            if any(a in stored for a in node.all_input_nodes):
                 raise InternalError(f"{node.name} reads a region's input after its write", call)
             if node.target is aten.copy_.default and node.args[0] in written:
                 # the region's write into its input: the value the call returns for that base
@@ -165,6 +170,7 @@ def _reads_only(node: Node) -> bool:
 
 
 def _tidy(gm: GraphModule, calls: list[Node]) -> None:
+    """Drop the regions' subgraphs the calls left unused."""
     if not calls:
         return
     for node in list(gm.graph.nodes):

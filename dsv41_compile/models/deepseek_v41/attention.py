@@ -377,8 +377,7 @@ class Attention(nn.Module):
                 assert candidates_TC is not None, "candidate source must run before its users"
                 scores_TC = scores_TC.masked_fill(~candidates_TC, float("-inf"))
             idx_TK, picked_TK = select_topk(scores_TC, self.index_topk)
-            made = (idx_TK, picked_TK)
-            if role.makes_candidates:
-                assert candidates_TC is not None
-                made += (candidates_TC,)
+            made = (
+                (idx_TK, picked_TK, candidates_TC) if role.makes_candidates else (idx_TK, picked_TK)
+            )
         return ckv_cache[cache_slot_T[:, None], idx_TK], picked_TK, made
