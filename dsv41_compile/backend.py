@@ -32,7 +32,11 @@ from dsv41_compile.core.hooks import active
 from dsv41_compile.core.mesh import Mesh, build_mesh
 from dsv41_compile.core.meta import GLOBAL_VAL
 from dsv41_compile.core.passes import PassManager
-from dsv41_compile.core.regions import trace_regions_with_meta
+from dsv41_compile.core.regions import (
+    renamed_symbols,
+    trace_kinds_once,
+    trace_regions_with_meta,
+)
 from dsv41_compile.frontend import (
     GraphInputs,
     check_recompiles,
@@ -155,10 +159,14 @@ def _compile(
     """The token count made symbolic, AOTAutograd, the pipeline and the target, on this rank;
     `save` receives the result for the host's other ranks."""
     start = time.perf_counter()
+    traced_inputs = example_inputs
     gm, example_inputs = generalize_token_count(gm, example_inputs, inputs, adapter)
     trace_regions_with_meta(gm)  # each layer kind's ATen nodes with their module paths
+    # each layer kind's ATen traced once, its calls operators
+    kinds = trace_kinds_once(gm, renamed_symbols(traced_inputs, example_inputs))
 
     def compile_rank(aten_gm: GraphModule, aten_inputs: list[Any]) -> Any:
+        kinds.attach(aten_gm)
         ctx = _context(aten_gm, aten_inputs, inputs, opts, mesh, adapter, target)
         ctx.stage_seconds = {"aot": time.perf_counter() - start}
         PASSES.run(aten_gm, ctx)
@@ -171,13 +179,16 @@ def _compile(
         compiled = compile_graph(aten_gm, Handoff.of(aten_gm, ctx))
         return _bind(compiled, spec, report, opts, mesh, adapter)
 
-    return aot_module_simplified(
-        gm,
-        example_inputs,
-        fw_compiler=compile_rank,
-        inference_compiler=compile_rank,
-        keep_inference_input_mutations=True,  # the cache writes stay in the graph
-    )
+    try:
+        return aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=compile_rank,
+            inference_compiler=compile_rank,
+            keep_inference_input_mutations=True,  # the cache writes stay in the graph
+        )
+    finally:
+        kinds.close()
 
 
 def _token_index(inputs: GraphInputs, adapter: ModelAdapter) -> int:

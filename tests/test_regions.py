@@ -14,6 +14,7 @@ import torch
 import torch._dynamo
 from torch import nn
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 
 import dsv41_compile
 from dsv41_compile.core import regions
@@ -22,6 +23,7 @@ from dsv41_compile.core.regions import (
     inline_dynamo_regions,
     inline_regions,
     region_calls,
+    trace_kinds_once,
     trace_regions_with_meta,
 )
 from dsv41_compile.models.deepseek_v41.batches import Request, pack
@@ -61,20 +63,25 @@ def _dynamo_graph(model: nn.Module, *args, inline: str | None = None):
     """The graph of `model(*args)` a backend ran, the region calls of Dynamo's graph (subgraph,
     module) and the compiled model's result. `inline`: None (Dynamo's graph, regions kept),
     "dynamo" (Dynamo's graph, regions copied in), "aot" (AOTAutograd's inference graph, regions
-    traced once with their module paths and copied in by the pipeline's pass)."""
+    traced once with their module paths and copied in by the pipeline's pass), "kinds" (the
+    same, each kind's ATen traced before AOTAutograd, as the backend does)."""
     graphs = []
 
     def backend(gm, example_inputs):
         calls = [(n.args[0].target, _site(n)) for n in region_calls(gm)]
-        if inline != "aot":
+        if inline not in ("aot", "kinds"):
             if inline == "dynamo":
                 inline_dynamo_regions(gm)
             graphs.append((gm, calls))
             return gm.forward
         trace_regions_with_meta(gm)
+        kinds = trace_kinds_once(gm) if inline == "kinds" else None
 
         def compile_aten(aten_gm, aten_inputs):
             assert region_calls(aten_gm)  # AOTAutograd kept the regions
+            if kinds is not None:
+                assert {n.target for n in region_calls(aten_gm)} == {auto_functionalized_v2}
+                kinds.attach(aten_gm)
             inline_regions(aten_gm)
             graphs.append((aten_gm, calls))
             return make_boxed_func(aten_gm.forward)
@@ -95,7 +102,7 @@ def _site(call: torch.fx.Node) -> str:
     return list(call.meta["nn_module_stack"].values())[-1][0]
 
 
-@pytest.mark.parametrize("level", ["dynamo", "aot"])
+@pytest.mark.parametrize("level", ["dynamo", "aot", "kinds"])
 def test_inline_regions_copies_each_call_under_its_module_path(level):
     torch.manual_seed(0)
     model = _Stack().requires_grad_(False)
@@ -238,9 +245,20 @@ def test_regions_change_nothing_in_the_plan():
         seen.append(len(calls))
         return calls
 
-    with mock.patch.object(regions, "region_calls", calls_seen):
+    traced = []
+    trace_kind = regions._trace_kind
+
+    def kind_traced(*args):
+        traced.append(trace_kind(*args))
+        return traced[-1]
+
+    with (
+        mock.patch.object(regions, "region_calls", calls_seen),
+        mock.patch.object(regions, "_trace_kind", kind_traced),
+    ):
         with_regions = _plan(cfg, options)
     assert seen and set(seen) == {2}  # Dynamo's graph and AOTAutograd's: layers 1 and 2
+    assert len(traced) == 1 and traced[0] is not None  # their kind's ATen, traced once
     plain = Block.forward.__marked_compile_region_fn__  # what the decorator wraps
     with mock.patch.object(Block, "forward", plain):
         without = _plan(cfg, options)

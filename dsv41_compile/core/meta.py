@@ -19,10 +19,12 @@ __all__ = [
     "SYMBOL",
     "describe",
     "is_tensor",
+    "metadata_key",
     "module_paths",
     "replace_node",
     "source_line",
     "tensor_inputs",
+    "Unkeyed",
 ]
 
 # node.meta keys written by the passes
@@ -100,3 +102,41 @@ def tensor_inputs(node: Node) -> list[Node]:
     leaves: list[Node] = []
     torch.fx.node.map_arg((node.args, node.kwargs), lambda n: leaves.append(n) or n)
     return [n for n in leaves if is_tensor(n)]
+
+
+class Unkeyed(Exception):
+    """A value `metadata_key` cannot stand for by its metadata."""
+
+
+def metadata_key(value: object) -> object:
+    """A hashable stand-in for `value` by its metadata (shapes, strides, storage offset, dtype,
+    device, sizes as symbolic expressions), not its identity or data: what an operator's fake
+    result depends on. Raises `Unkeyed` for a tensor holding a constant (its data matters) or a
+    value of another kind."""
+    if isinstance(value, torch.Tensor):
+        if getattr(value, "constant", None) is not None:
+            raise Unkeyed
+        return (
+            "T",
+            _exprs(value.shape),
+            _exprs(value.stride()),
+            _exprs([value.storage_offset()]),
+            value.dtype,
+            value.device,
+        )
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return ("S", value.node.expr)
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, *(metadata_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("D", *((k, metadata_key(v)) for k, v in value.items()))
+    if value is None or isinstance(value, _PLAIN):
+        return value
+    raise Unkeyed
+
+
+_PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _exprs(sizes: object) -> tuple[object, ...]:
+    return tuple(s.node.expr if isinstance(s, torch.SymInt) else s for s in sizes)

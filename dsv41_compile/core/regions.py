@@ -2,18 +2,25 @@
 
 A model may mark a repeated module a compiled region (`torch.compiler.nested_compile_region`;
 DeepSeek V4.1's decoder layer). Dynamo then traces each distinct kind of it once and calls the
-traced subgraph at every instance of the kind, with the instance's weights as operands;
-AOTAutograd turns each subgraph into ATen once (its `invoke_subgraph` cache), and writes of
-the region into its inputs (the cache) become `auto_functionalized_v2(invoke_subgraph, ...)`.
+traced subgraph at every instance of the kind, with the instance's weights as operands.
+
+AOTAutograd would turn each subgraph into ATen once (its `invoke_subgraph` cache) but still
+functionalize and fake-run the subgraph at every call, twice: at flash sizes about 1.6 s per
+layer. So the backend traces each kind's ATen itself, once, on the operands of its first call
+(`trace_kinds_once`), and replaces the kind's calls by an operator of this compile whose fake
+kernel returns that trace's outputs; AOTAutograd sees one operator per layer, and writes of the
+region into its inputs (the cache) become `auto_functionalized_v2(kind, ...)`. A kind whose
+outputs have sizes of their own per call (data-dependent) stays an `invoke_subgraph` call.
 
 The passes place and rewrite one flat graph, so the regions are copied in at every call,
 after AOTAutograd (`inline_regions`, the pipeline's first pass): each copy takes the call's
 operands and moves every node's module path from the instance the kind was traced at
 (`layers.3`) to the call's (`layers.5`), which is what the placements, the per-layer checks and
 the dumps read (`core.meta.module_paths`). For the ATen nodes of a region to carry module paths
-at all, AOTAutograd must trace the region node by node (`trace_regions_with_meta`). A graph
-Dynamo traced with a static token count is copied in before AOTAutograd instead
-(`inline_dynamo_regions`): making its count symbolic reads every op of the graph.
+at all, it must be traced node by node (`trace_regions_with_meta`). A graph Dynamo traced with a
+static token count is copied in before AOTAutograd instead (`inline_dynamo_regions`): making its
+count symbolic reads every op of the graph. The copies of a kind are the same operators on
+inputs of the same metadata, which verify's fake propagation exploits (`spmd.verify`).
 """
 
 from __future__ import annotations
@@ -22,18 +29,31 @@ import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import sympy
 import torch
 import torch.fx.traceback as fx_traceback
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 from torch.fx import GraphModule, Interpreter, Node
+from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
 
 from dsv41_compile.core.errors import InternalError
+from dsv41_compile.core.meta import metadata_key
 
 if TYPE_CHECKING:
     from dsv41_compile.core.context import CompileContext
 
-__all__ = ["inline_dynamo_regions", "inline_regions", "region_calls", "trace_regions_with_meta"]
+__all__ = [
+    "RegionKinds",
+    "inline_dynamo_regions",
+    "inline_regions",
+    "region_calls",
+    "renamed_symbols",
+    "trace_kinds_once",
+    "trace_regions_with_meta",
+]
 
 aten = torch.ops.aten
 
@@ -44,11 +64,15 @@ def region_calls(gm: GraphModule) -> list[Node]:
         n
         for n in gm.graph.nodes
         if n.op == "call_function"
-        and (
-            n.target is invoke_subgraph
-            or (n.target is auto_functionalized_v2 and n.args[0] is invoke_subgraph)
-        )
+        and (_is_region(n.target) or (n.target is auto_functionalized_v2 and _is_region(n.args[0])))
     ]
+
+
+def _is_region(target: Any) -> bool:
+    """`invoke_subgraph`, or a kind's operator (`trace_kinds_once`)."""
+    return target is invoke_subgraph or (
+        isinstance(target, torch._ops.OpOverload) and target.namespace == _NAMESPACE
+    )
 
 
 def inline_dynamo_regions(gm: GraphModule) -> int:
@@ -60,7 +84,8 @@ def inline_dynamo_regions(gm: GraphModule) -> int:
 def inline_regions(gm: GraphModule, *, ctx: CompileContext | None = None) -> None:
     """The pass: every region call of the AOT graph replaced by the region's ATen nodes.
 
-    Requires: the AOT inference graph; regions traced by `trace_regions_with_meta`.
+    Requires: the AOT inference graph; regions traced by `trace_regions_with_meta`, each kind's
+    ATen graph attached under its operator's name (`RegionKinds.attach`).
     Ensures: no region call is left; each copied node has the module path of its call's
     instance; a region's writes into its inputs become the values the call returned for them
     (as `auto_functionalized_v2` defines them), so the graph is the functional graph of the
@@ -72,7 +97,8 @@ def _inline_calls(gm: GraphModule) -> int:
     calls = region_calls(gm)
     for call in calls:
         _inline(gm, call, *_body_and_operands(gm, call))
-    _tidy(gm, calls)
+    if calls:
+        _tidy(gm)
     return len(calls)
 
 
@@ -82,8 +108,11 @@ def _body_and_operands(gm: GraphModule, call: Node) -> tuple[GraphModule, list[A
     if call.target is invoke_subgraph:
         attr, _identifier, *operands = call.args
         return getattr(gm, attr.target), list(operands), []
+    if call.target is not auto_functionalized_v2:  # a kind's operator
+        return getattr(gm, call.target._opname), list(call.args), []
     kwargs = call.kwargs
-    body = getattr(gm, kwargs["subgraph"].target)
+    op = call.args[0]
+    body = getattr(gm, kwargs["subgraph"].target if op is invoke_subgraph else op._opname)
     bases = list(kwargs["_all_bases"])
     operands: list[Any] = []
     for i, _ in enumerate(n for n in body.graph.nodes if n.op == "placeholder"):
@@ -156,6 +185,8 @@ def _inline(
             copy.meta = {**node.meta, **moved(node)}
             env[node] = copy
     returned = [*results, *new_bases] if call.target is auto_functionalized_v2 else results
+    if isinstance(call.target, torch._ops.OpOverload) and len(call.target._schema.returns) == 1:
+        call.replace_all_uses_with(returned[0])  # a kind's operator returns one output bare
     for user in list(call.users):
         if user.op != "call_function" or user.target is not operator.getitem:
             raise InternalError(f"a region's result is used whole by {user.name}", call)
@@ -169,10 +200,8 @@ def _reads_only(node: Node) -> bool:
     return schema is None or not schema.is_mutable
 
 
-def _tidy(gm: GraphModule, calls: list[Node]) -> None:
+def _tidy(gm: GraphModule) -> None:
     """Drop the regions' subgraphs the calls left unused."""
-    if not calls:
-        return
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users:
             gm.graph.erase_node(node)
@@ -240,3 +269,192 @@ def _node_by_node(body: GraphModule) -> Callable[..., Any]:
             return Interpreter(body).run(*args)
 
     return forward
+
+
+# --- each kind's ATen traced once -------------------------------------------------------------
+
+_NAMESPACE = "dsv41_regions"
+_kind_count = 0
+
+
+class RegionKinds:
+    """The kinds of a Dynamo graph's regions, each traced to ATen once (`trace_kinds_once`).
+
+    Each kind is an operator `dsv41_regions::kind_N` of this compile (its schema: the region's
+    operands, the inputs it writes marked mutable) whose fake kernel returns the outputs the
+    kind's one ATen trace returned: AOTAutograd then traces the model with the calls as
+    single operators, where it would functionalize and fake-run the region's body at every
+    call. `attach` hands the ATen bodies to the AOT graph for `inline_regions`; `close`
+    unregisters the operators."""
+
+    def __init__(self) -> None:
+        self.library = torch.library.Library(_NAMESPACE, "FRAGMENT")
+        self.bodies: dict[str, GraphModule] = {}
+        """Operator name (`kind_3`) -> the kind's ATen graph."""
+
+    def attach(self, aten_gm: GraphModule) -> None:
+        for name, body in self.bodies.items():
+            aten_gm.add_submodule(name, body)
+
+    def close(self) -> None:
+        self.library._destroy()
+
+
+def trace_kinds_once(gm: GraphModule, renamed: dict[Any, Any] | None = None) -> RegionKinds:
+    """Trace each kind of region in Dynamo's graph `gm` to ATen once and replace its calls by
+    the kind's operator (`RegionKinds`). Calls of one region whose operands differ in shape,
+    stride or dtype are kinds of their own. A region whose outputs have data-dependent sizes
+    stays an `invoke_subgraph` call (AOTAutograd traces it at every call).
+
+    The operands are traced as Dynamo saw them (its example values), with the size symbols in
+    `renamed` replaced (the backend's token count: Dynamo's backed symbol -> the unbacked one
+    AOTAutograd traces with, `frontend.generalize_token_count`)."""
+    kinds = RegionKinds()
+    traced: dict[tuple[Any, ...], Any] = {}
+    for call in region_calls(gm):
+        attr, _identifier, *operands = call.args
+        values = [
+            _renamed(o.meta["example_value"], renamed or {}) if isinstance(o, Node) else o
+            for o in operands
+        ]
+        key = (attr.target, *(metadata_key(v) for v in values))
+        if key not in traced:
+            traced[key] = _trace_kind(kinds, getattr(gm, attr.target), values)
+        op = traced[key]
+        if op is None:
+            continue
+        with gm.graph.inserting_before(call):
+            new = gm.graph.call_function(op, tuple(operands))
+        new.meta = dict(call.meta)
+        if len(op._schema.returns) == 1:  # an operator returns one output bare, not a tuple
+            (new.meta["example_value"],) = call.meta["example_value"]
+            for user in list(call.users):
+                user.replace_all_uses_with(new)
+                gm.graph.erase_node(user)
+        call.replace_all_uses_with(new)
+        gm.graph.erase_node(call)
+    if traced:
+        _tidy(gm)
+    return kinds
+
+
+def renamed_symbols(before: list[Any], after: list[Any]) -> dict[Any, Any]:
+    """The size symbols of graph inputs `before` that `after` replaced: symbol -> expression."""
+    renamed: dict[Any, Any] = {}
+    for old, new in zip(before, after):
+        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+            pairs = list(zip(old.shape, new.shape))
+        elif isinstance(old, torch.SymInt) and isinstance(new, torch.SymInt):
+            pairs = [(old, new)]
+        else:
+            continue
+        for a, b in pairs:
+            if (
+                isinstance(a, torch.SymInt)
+                and isinstance(b, torch.SymInt | int)
+                and a.node.expr.is_Symbol
+                and _expr(b) != a.node.expr
+            ):
+                renamed[a.node.expr] = _expr(b)
+    return renamed
+
+
+def _expr(size: Any) -> Any:
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+
+
+def _renamed(value: Any, renamed: dict[Any, Any]) -> Any:
+    """`value` (a fake tensor or a size) with the symbols in `renamed` replaced."""
+    if not renamed:
+        return value
+    if isinstance(value, torch.SymInt):
+        return _size(value, renamed)
+    if not isinstance(value, torch.Tensor) or not free_symbols(value) & renamed.keys():
+        return value
+    with value.fake_mode:
+        return torch.empty_strided(
+            [_size(d, renamed) for d in value.shape],
+            [_size(d, renamed) for d in value.stride()],
+            dtype=value.dtype,
+            device=value.device,
+        )
+
+
+def _size(size: Any, renamed: dict[Any, Any]) -> Any:
+    if not isinstance(size, torch.SymInt):
+        return size
+    expr = size.node.expr.xreplace(renamed)
+    if expr == size.node.expr:
+        return size
+    return size.node.shape_env.create_symintnode(expr, hint=None)
+
+
+def _trace_kind(kinds: RegionKinds, body: GraphModule, values: list[Any]) -> Any:
+    """The operator of one kind: `body` traced to ATen on `values` (its first call's operands,
+    Dynamo's fake values), or None when its outputs have data-dependent sizes of their own."""
+    captured: list[GraphModule] = []
+
+    def capture(graph: GraphModule, _inputs: list[Any]) -> Any:
+        captured.append(graph)
+        return graph
+
+    with tracing(TracingContext(detect_fake_mode(values))):
+        aot_module_simplified(
+            body,
+            values,
+            fw_compiler=capture,
+            inference_compiler=capture,
+            keep_inference_input_mutations=True,  # its cache writes: copy_ into its inputs
+        )
+    (traced,) = captured
+    inputs = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    if len(inputs) != len(values):
+        raise InternalError(
+            f"a region's ATen trace takes {len(inputs)} inputs where its calls pass "
+            f"{len(values)} (aliased operands?)"
+        )
+    outputs = [o.meta.get("val") for o in traced.graph.output_node().args[0]]
+    known = set().union(*(free_unbacked_symbols(v) for v in values))
+    if any(free_unbacked_symbols(o) - known for o in outputs):
+        return None  # each call's sizes are its own
+    written = {n.args[0] for n in traced.graph.nodes if n.target is aten.copy_.default} & set(
+        inputs
+    )
+    global _kind_count
+    _kind_count += 1
+    name = f"kind_{_kind_count}"
+    params = ", ".join(
+        f"{_schema_type(v, f'a{i}' if p in written else None)} arg{i}"
+        for i, (p, v) in enumerate(zip(inputs, values))
+    )
+    returns = ", ".join(_schema_type(o, None) for o in outputs)
+    kinds.library.define(f"{name}({params}) -> ({returns})")
+    expected = [metadata_key(v) for v in values]
+
+    def fake(*args: Any) -> Any:
+        got = [metadata_key(a) for a in args]
+        if got != expected:
+            i = next(i for i, (g, e) in enumerate(zip(got, expected)) if g != e)
+            raise InternalError(
+                f"region kind {name} was traced for operand {i} {expected[i]}, a call passes "
+                f"{got[i]}"
+            )
+        made = tuple(
+            torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
+            if isinstance(o, torch.Tensor)
+            else o
+            for o in outputs
+        )
+        return made if len(made) > 1 else made[0]
+
+    torch.library.register_fake(f"{_NAMESPACE}::{name}", fake, lib=kinds.library)
+    kinds.bodies[name] = traced
+    return getattr(getattr(torch.ops, _NAMESPACE), name).default
+
+
+def _schema_type(value: Any, alias: str | None) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor({alias}!)" if alias else "Tensor"
+    if isinstance(value, (torch.SymInt, int)):
+        return "SymInt"
+    raise InternalError(f"a region passes a {type(value).__name__}, which a kind cannot take")
