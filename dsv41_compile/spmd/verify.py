@@ -25,16 +25,29 @@ invariant is an `InternalError` naming the node.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.proxy_tensor import snapshot_fake
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
-from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REGION, tensor_inputs
+from dsv41_compile.core.meta import (
+    GLOBAL_VAL,
+    IN,
+    OUT,
+    REGION,
+    Unkeyed,
+    metadata_key,
+    tensor_inputs,
+)
 from dsv41_compile.core.symbols import hint_shape
 from dsv41_compile.moe.expert_parallel import dispatched_values
 from dsv41_compile.moe.stats import ALL_TO_ALLS
@@ -49,7 +62,7 @@ def verify(gm: GraphModule, *, ctx: CompileContext) -> None:
     gm.graph.lint()
     _check_placements(gm, ctx)
     with enable_python_dispatcher():  # the decompositions that take symbolic sizes
-        FakeTensorProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*local_inputs(gm, ctx))
+        _OnceProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*local_inputs(gm, ctx))
     _check_reduction_dtypes(gm)
     _check_local_shapes(gm, ctx)
     ctx.comm[:] = comm_records(gm, ctx)
@@ -57,6 +70,65 @@ def verify(gm: GraphModule, *, ctx: CompileContext) -> None:
 
 
 _REDUCTIONS = ("reduce_scatter", "all_reduce")
+
+
+class _OnceProp(FakeTensorProp):
+    """Fake propagation that runs each operator once per distinct input metadata.
+
+    An operator's fake result is a function of its arguments' metadata (shapes, strides,
+    dtypes, sizes as symbols), except where it reads data: a data-dependent operator (`.item()`,
+    `nonzero`, ...), an argument holding a constant, or a result with a size its inputs do not
+    hold (a new unbacked symbol) -- those are always run. The layers of one kind are the same
+    operators on inputs of the same metadata, so the second and later layers of a kind get the
+    first's results (the same fake tensors) instead of recomputing them: verify's cost is that
+    of the distinct layer kinds, not of every layer. (FakeTensorMode's own cache still builds a
+    new fake tensor per node, which is what the propagation of a long graph spends its time on.)
+    """
+
+    def __init__(self, gm: GraphModule, mode: FakeTensorMode) -> None:
+        super().__init__(gm, mode)
+        self._results: dict[tuple[object, ...], object] = {}
+
+    def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+            return super().call_function(target, args, kwargs)
+        if _READS_DATA.intersection(target.tags):
+            # A result shared with an earlier layer carries that layer's memo of its data
+            # (FakeTensor.item_memo, ...): read a fresh alias of it instead.
+            args, kwargs = pytree.tree_map_only(torch.Tensor, snapshot_fake, (args, kwargs))
+            return super().call_function(target, args, kwargs)
+        try:
+            key = (target, metadata_key(args), metadata_key(kwargs))
+            hash(key)
+        except (Unkeyed, TypeError):
+            return super().call_function(target, args, kwargs)
+        if key in self._results:
+            return self._results[key]
+        result = super().call_function(target, args, kwargs)
+        if not _new_symbols(result, args, kwargs):
+            self._results[key] = result
+        return result
+
+
+_READS_DATA = {
+    torch.Tag.data_dependent_output,
+    torch.Tag.dynamic_output_shape,
+    torch.Tag.inplace_view,
+}
+
+
+def _new_symbols(result: object, *inputs: object) -> bool:
+    """Whether `result` holds a data-dependent size its inputs do not."""
+    made = free_unbacked_symbols(_sized(result))
+    return bool(made) and bool(made - free_unbacked_symbols(_sized(inputs)))
+
+
+def _sized(value: object) -> list[object]:
+    return [
+        v
+        for v in pytree.tree_leaves(value)
+        if isinstance(v, torch.Tensor | torch.SymInt | torch.SymFloat | torch.SymBool)
+    ]
 
 
 def _placement(node: Node) -> object:

@@ -11,17 +11,23 @@ rule that says what it produced); verify then runs on it as the pipeline runs it
 from __future__ import annotations
 
 import dataclasses
+import re
+from unittest import mock
 
 import pytest
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import IN, OUT, REASON, REGION
 from dsv41_compile.moe.expert_parallel import EP_SOURCE
+from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.comm import collective_kind
-from dsv41_compile.spmd.verify import verify
+from dsv41_compile.spmd.localize import local_inputs
+from dsv41_compile.spmd.verify import _OnceProp, verify
 from dsv41_compile.testing.fake_rank import compile_on_fake_rank
 from dsv41_compile.testing.presets import compile_config
 
@@ -214,3 +220,51 @@ def test_an_internal_error_names_the_pass_and_writes_the_graph(rewritten, tmp_pa
         f"{path} (attach it to the report)"
     )
     assert "reduce_scatter_tensor" in path.read_text()
+
+
+def _propagated(gm: GraphModule, ctx, prop: type[FakeTensorProp]) -> tuple[list[str], int]:
+    """Every node's value as `prop` propagates the per-rank graph (data-dependent sizes named
+    by first appearance), and how many operators it ran."""
+    ran = 0
+    run = torch.fx.Interpreter.call_function
+
+    def counted(self, target, args, kwargs):
+        nonlocal ran
+        ran += 1
+        return run(self, target, args, kwargs)
+
+    with (
+        mock.patch.object(torch.fx.Interpreter, "call_function", counted),
+        enable_python_dispatcher(),
+    ):
+        prop(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*local_inputs(gm, ctx))
+    names: dict[str, str] = {}
+    values = [
+        re.sub(r"\bu\d+\b", lambda m: names.setdefault(m.group(0), f"u{len(names)}"), text)
+        for text in (_value_text(n.meta.get("val")) for n in gm.graph.nodes)
+    ]
+    return values, ran
+
+
+def _value_text(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype}{list(value.shape)}{list(value.stride())}@{value.storage_offset()}"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_value_text(v) for v in value) + ")"
+    return str(value)
+
+
+def test_verify_propagates_each_layer_kind_once():
+    """verify's fake propagation runs an operator once per distinct input metadata: tiny-swa's
+    layers 1 and 2 (one kind), exact EP, whose all-to-all sizes are data-dependent -- every
+    node's value is what propagating every node gives, each MoE layer keeps its own unbacked
+    sizes (a `.item()` of layer 2 is not layer 1's), and fewer operators ran."""
+    cfg = compile_config("tiny-swa", (("n_layers", 3),))
+    gm, ctx, _ = plan_rank(cfg, {"tp": 4, "ep": 8}, world_size=8, rank=1)
+    once, ran_once = _propagated(gm, ctx, _OnceProp)
+    every, ran_every = _propagated(gm, ctx, FakeTensorProp)
+    assert once == every
+    assert (
+        sum(bool(re.search(r"\bu\d+\b", v)) for v in every) > 50
+    )  # the exact lowering's sizes are in the check
+    assert ran_once < 0.8 * ran_every
