@@ -40,7 +40,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
 
 from dsv41_compile.core.errors import InternalError
-from dsv41_compile.core.meta import metadata_key
+from dsv41_compile.core.meta import Unkeyed, metadata_key
 
 if TYPE_CHECKING:
     from dsv41_compile.core.context import CompileContext
@@ -303,8 +303,9 @@ class RegionKinds:
 def trace_kinds_once(gm: GraphModule, renamed: dict[Any, Any] | None = None) -> RegionKinds:
     """Trace each kind of region in Dynamo's graph `gm` to ATen once and replace its calls by
     the kind's operator (`RegionKinds`). Calls of one region whose operands differ in shape,
-    stride or dtype are kinds of their own. A region whose outputs have data-dependent sizes
-    stays an `invoke_subgraph` call (AOTAutograd traces it at every call).
+    stride or dtype are kinds of their own. A call with an operand whose data matters (a
+    constant) or of a region whose outputs have data-dependent sizes stays an `invoke_subgraph`
+    call (AOTAutograd traces it at every call).
 
     The operands are traced as Dynamo saw them (its example values), with the size symbols in
     `renamed` replaced (the backend's token count: Dynamo's backed symbol -> the unbacked one
@@ -317,7 +318,10 @@ def trace_kinds_once(gm: GraphModule, renamed: dict[Any, Any] | None = None) -> 
             _renamed(o.meta["example_value"], renamed or {}) if isinstance(o, Node) else o
             for o in operands
         ]
-        key = (attr.target, *(metadata_key(v) for v in values))
+        try:
+            key = (attr.target, *(metadata_key(v) for v in values))
+        except Unkeyed:
+            continue  # an operand whose data matters: AOTAutograd traces this call itself
         if key not in traced:
             traced[key] = _trace_kind(kinds, getattr(gm, attr.target), values)
         op = traced[key]
