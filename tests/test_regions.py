@@ -229,7 +229,15 @@ def _plan(cfg, options):
         if " = " in line
     )
     comm = [unnumbered(repr({k: v for k, v in r.items() if k != "node"})) for r in ctx.comm]
-    return ops, comm
+    layers = [
+        re.sub(
+            r"layers\.\d+\.|(?<=_kv|x_k|ate)\[\d+\]",  # its weights, its cache tensors
+            "N",
+            unnumbered(format_graph(gm, labels=labels, groups=groups, region=f"layers.{i}")),
+        )
+        for i in range(cfg.n_layers)
+    ]
+    return ops, comm, layers
 
 
 def test_regions_change_nothing_in_the_plan():
@@ -265,3 +273,9 @@ def test_regions_change_nothing_in_the_plan():
     assert sum(with_regions[0].values()) > 1000
     assert with_regions[0] == without[0]
     assert with_regions[1] == without[1] and len(with_regions[1]) == 1 + 3 * 5
+    # Two distinct planned layers for three: layers 1 and 2 (one kind) are planned into the
+    # same per-rank ops, collectives and shapes (only their weights and numbering differ).
+    planned = with_regions[2]
+    assert len(planned[1].splitlines()) > 300
+    assert planned[1] == planned[2] and planned[0] != planned[1]
+    assert len(set(planned)) == 2
