@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.mesh import Mesh
+from dsv41_compile.core.meta import REGION
 from dsv41_compile.moe.stats import EpLayer
-from dsv41_compile.report.graph_printer import format_graph
+from dsv41_compile.report.graph_printer import format_folded, format_graph
 
 __all__ = ["EpStepLog", "graph_labels", "graph_text", "rank_dir", "write_dump", "write_graph"]
 
@@ -33,16 +34,22 @@ def graph_labels(ctx: CompileContext) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def graph_text(gm: GraphModule, ctx: CompileContext) -> str:
-    """The graph as `graph.py` shows it: its inputs in order, then one line per node. The same
-    on every rank (the rank enters as the `tp_rank` input)."""
+    """The graph as `graph.py` shows it: its inputs in order, then one line per node, a decoder
+    layer planned the same as an earlier one as one line that calls it (`format_folded`). The
+    same on every rank (the rank enters as the `tp_rank` input)."""
     labels, groups = graph_labels(ctx)
     inputs = [
         f"#   {labels.get(n.name, n.name)}"
         + (f"  (local shard {ctx.param_shards[i].placement})" if i in ctx.param_shards else "")
         for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
     ]
-    body = format_graph(gm, labels=labels, groups=groups)
+    body = format_folded(gm, labels=labels, groups=groups, unit_of=lambda n: _layer(n, ctx))
     return "# inputs, in order:\n" + "\n".join(inputs) + "\n\n" + body + "\n"
+
+
+def _layer(node: Node, ctx: CompileContext) -> str | None:
+    layer = ctx.adapter.site(node.meta.get(REGION, "")).layer
+    return None if layer is None else f"layers.{layer}"
 
 
 def rank_dir(dump_dir: str | None, rank: int) -> Path:
@@ -77,7 +84,10 @@ def write_dump(
         "Each line is one node: `name = op(args)  # placement dtype[local shape]`. Placements\n"
         "are on the tp axis: S(d) sharded on dim d, R replicated, P partial sum. T is the DP\n"
         "group's token count; Tl = (T + tp - 1) // tp rows per rank. Inserted collectives end in\n"
-        '`<- why`: which consumer needed which placement.\n"""\n\n'
+        "`<- why`: which consumer needed which placement. A decoder layer planned the same as\n"
+        "an earlier one (the same ops, placements, local shapes and collectives) is one line,\n"
+        "`outputs = layers.K(inputs)`: layer K's lines, printed once, run on this layer's inputs\n"
+        '(its weights, its cache) in the order layer K\'s header lists them.\n"""\n\n'
     )
     (out / "graph.py").write_text(header + text)
     (out / "comm.json").write_text(

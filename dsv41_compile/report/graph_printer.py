@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Callable
 
 import sympy
 import torch
@@ -24,7 +25,7 @@ from dsv41_compile.core.meta import NAMED, OUT, REASON, REGION
 from dsv41_compile.core.symbols import graph_symbols
 from dsv41_compile.spmd.placements import format_placement
 
-__all__ = ["format_graph"]
+__all__ = ["format_folded", "format_graph"]
 
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int64: "i64", torch.bool: "b8",
            torch.float64: "f64", torch.int32: "i32"}  # fmt: skip
@@ -67,25 +68,32 @@ def _target(node: Node) -> str:
 class _Printer:
     def __init__(
         self,
-        gm: GraphModule,
+        gm: GraphModule | None,
         labels: dict[str, str],
         groups: dict[str, str],
         printed: list[Node],
         stable_names: bool,
+        anonymous: bool = False,
+        like: _Printer | None = None,
     ) -> None:
         self.labels, self.groups = labels, groups
-        self.symbols = graph_symbols(gm)
-        self.stable = stable_names
-        kept = [n for n in printed if not n.meta.get(NAMED)]
+        self.anonymous = anonymous
+        """Every name by position, the inputs' and the passes' names too (`format_folded`)."""
+        # `like`: a printer of the same graph, whose symbols and names this one shares
+        self.symbols = like.symbols if like else graph_symbols(gm)
+        self.stable = stable_names or anonymous
+        kept = [n for n in printed if anonymous or not n.meta.get(NAMED)]
         self.names = {n: f"v{i}" for i, n in enumerate(kept)} if stable_names else {}
         self.external: dict[Node, str] = {}
-        self.by_name = {n.name: n for n in gm.graph.nodes}
+        self.by_name = like.by_name if like else {n.name: n for n in gm.graph.nodes}
 
     def name(self, node: Node) -> str:
-        if node.name in self.labels:
-            return self.labels[node.name]
         if node in self.names:
             return self.names[node]
+        if self.anonymous:
+            return self.external.setdefault(node, f"in{len(self.external)}")
+        if node.name in self.labels:
+            return self.labels[node.name]
         if self.stable and not node.meta.get(NAMED) and node.op != "placeholder":
             return self.external.setdefault(node, f"in{len(self.external)}")
         return node.name
@@ -159,3 +167,108 @@ def format_graph(
         printed.append(node)
     printer = _Printer(gm, dict(labels or {}), dict(groups or {}), printed, stable_names)
     return "\n".join(printer.line(node) for node in printed)
+
+
+_UNBACKED = re.compile(r"\bu\d+\b")
+
+
+def format_folded(
+    gm: GraphModule,
+    *,
+    labels: dict[str, str] | None = None,
+    groups: dict[str, str] | None = None,
+    unit_of: Callable[[Node], str | None],
+) -> str:
+    """The graph as `format_graph` prints it, each repeated unit (`unit_of`: a decoder layer)
+    whose plan equals an earlier unit's printed once.
+
+    Two units have the same plan when they print the same with stable names, their inputs from
+    outside (weights, cache tensors, the previous layer's values) numbered by first use and
+    their data-dependent sizes by first appearance: the same ops, placements, local shapes and
+    collectives, op for op. The first unit of such a group is printed in full, headed by what
+    it takes and makes; each later one becomes one line where its first node was, `outputs =
+    <first unit>(inputs)`, in the same order. A unit that reads a value defined after its
+    first node stays in full."""
+    labels, groups = dict(labels or {}), dict(groups or {})
+    printed = [n for n in gm.graph.nodes if n.op != "placeholder"]
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    units: dict[str, list[Node]] = {}
+    for node in printed:
+        unit = unit_of(node)
+        if unit is not None and node.op != "output":
+            units.setdefault(unit, []).append(node)
+    printer = _Printer(gm, labels, groups, printed, stable_names=False)
+    texts = {unit: _plan_text(printer, unit, nodes) for unit, nodes in units.items()}
+    first_of: dict[str, str] = {}  # a plan -> the first unit with it
+    calls: dict[str, tuple[str, bool]] = {}  # unit -> (the unit printed for it, own sizes)
+    for unit, nodes in units.items():
+        plan = _renumbered(texts[unit])
+        shown = first_of.setdefault(plan, unit)
+        if shown == unit or any(position[i] > position[nodes[0]] for i in _inputs(nodes)):
+            continue
+        calls[unit] = (shown, texts[unit] != texts[shown])
+    folded = {shown for shown, _ in calls.values()}
+    outputs = {
+        shown: _output_positions(
+            [units[shown]] + [units[u] for u, c in calls.items() if c[0] == shown]
+        )
+        for shown in folded
+    }
+    lines = []
+    for node in printed:
+        unit = unit_of(node) if node.op != "output" else None
+        if unit in calls:
+            if node is units[unit][0]:
+                shown, own_sizes = calls[unit]
+                nodes = units[unit]
+                made = ", ".join(printer.name(nodes[k]) for k in outputs[shown])
+                taken = ", ".join(printer.name(i) for i in _inputs(nodes))
+                note = ", with data-dependent sizes of its own" if own_sizes else ""
+                lines.append(f"{made} = {shown}({taken})  # {unit}: {shown}'s plan{note}")
+            continue
+        if unit in folded and node is units[unit][0]:
+            nodes = units[unit]
+            also = ", ".join(u for u, c in calls.items() if c[0] == unit)
+            lines.append(
+                f"# {unit}, printed once for itself and {also} (the same plan, called below): "
+                f"takes ({', '.join(printer.name(i) for i in _inputs(nodes))}), makes "
+                f"({', '.join(printer.name(nodes[k]) for k in outputs[unit])})"
+            )
+        lines.append(printer.line(node))
+    return "\n".join(lines)
+
+
+def _renumbered(text: str) -> str:
+    """`text` with its data-dependent sizes (`u17`) named by first appearance."""
+    names: dict[str, str] = {}
+    return _UNBACKED.sub(lambda m: names.setdefault(m.group(), f"u{len(names)}"), text)
+
+
+def _plan_text(like: _Printer, unit: str, nodes: list[Node]) -> str:
+    """A unit's nodes printed with every name by position and its own path (in the reasons)
+    as `<unit>`: comparable between units."""
+    printer = _Printer(
+        None, like.labels, like.groups, nodes, stable_names=True, anonymous=True, like=like
+    )
+    text = "\n".join(printer.line(n) for n in nodes)
+    return re.sub(rf"\b{re.escape(unit)}\b", "<unit>", text)
+
+
+def _inputs(nodes: list[Node]) -> list[Node]:
+    """The values a unit reads from outside it, in order of first use."""
+    inside = set(nodes)
+    seen: dict[Node, None] = {}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg not in inside:
+                seen.setdefault(arg)
+    return list(seen)
+
+
+def _output_positions(copies: list[list[Node]]) -> list[int]:
+    """The positions in a unit's node list of the values used outside any of its copies."""
+    used: set[int] = set()
+    for nodes in copies:
+        inside = set(nodes)
+        used |= {k for k, n in enumerate(nodes) if any(u not in inside for u in n.users)}
+    return sorted(used)
