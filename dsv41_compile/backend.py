@@ -252,7 +252,8 @@ def _shared_key(
     if not opts.share_compile or opts.dump_after or None in tags or watched:
         return None  # the pipeline must run here
     parts = (opts.cache_key(), mesh.world_size, mesh.tp, mesh.ep, mesh.device_type, target)
-    return program_key(gm, fakes, (*parts, adapter, tags))
+    dumps = opts.dump_dir is not None  # an artifact holds its graph's text only then
+    return program_key(gm, fakes, (*parts, adapter, tags, dumps))
 
 
 def _fakes(example_inputs: list[Any]) -> list[Any]:
@@ -361,7 +362,8 @@ def _program(gm: GraphModule, ctx: CompileContext) -> tuple[ProgramSpec, Program
         params=tuple(_param_input(i, node, ctx) for i, node in enumerate(placeholder_nodes)
                      if node.name in ctx.param_fqns and node.name not in ctx.buffers),
     )  # fmt: skip
-    report = ProgramReport(graph_text(gm, ctx), ctx.comm or comm_records(gm, ctx))
+    text = graph_text(gm, ctx) if ctx.options.dump_dir is not None else None  # seconds at flash
+    report = ProgramReport(text, ctx.comm or comm_records(gm, ctx))
     return spec, report
 
 
@@ -383,6 +385,8 @@ def _bind(
         )  # fmt: skip
     on_ep_stats = None
     if opts.dump_dir is not None:
+        if report.text is None:
+            raise InternalError("a program compiled without its graph text is asked to dump it")
         out = write_dump(opts.dump_dir, mesh, opts, report.text, report.comm, list(spec.ep_layers))
         if spec.ep_layers:
             on_ep_stats = EpStepLog(out / "comm.json", list(spec.ep_layers), mesh.rank)

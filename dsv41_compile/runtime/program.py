@@ -43,9 +43,10 @@ class ProgramSpec:
 @dataclass(frozen=True)
 class ProgramReport:
     """What the program's dumps show, the same on every rank: the graph as text
-    (`report.dump.graph_text`) and one record per collective (`report.comm.comm_records`)."""
+    (`report.dump.graph_text`; None unless the options ask for a dump, `dump_dir`: printing
+    flash's graph takes seconds) and one record per collective (`report.comm.comm_records`)."""
 
-    text: str
+    text: str | None
     comm: list[dict[str, Any]]
 
 

@@ -12,7 +12,9 @@ from dsv41_compile.testing.torch_shims import fake_process_group
 from dsv41_compile.testing.toy import ToyLM, toy_family
 
 
-def compile_and_call(rank: int, model: ToyLM, tokens: torch.Tensor) -> dict[str, int]:
+def compile_and_call(
+    rank: int, model: ToyLM, tokens: torch.Tensor, **options: object
+) -> dict[str, int]:
     """`model` compiled with `dynamic=True` and called as rank `rank` of a fake world of 8;
     what this rank added to the host cache's statistics."""
     before = STATS.copy()
@@ -20,7 +22,10 @@ def compile_and_call(rank: int, model: ToyLM, tokens: torch.Tensor) -> dict[str,
     with fake_process_group(world_size=8, rank=rank):
         clear_mesh_cache()
         compiled = torch.compile(
-            model, backend="dsv41_sp", options={"tp": 4, "lowering": "eager"}, dynamic=True
+            model,
+            backend="dsv41_sp",
+            options={"tp": 4, "lowering": "eager", **options},
+            dynamic=True,
         )
         try:
             assert compiled(tokens).shape == (tokens.shape[0], 64)
@@ -40,3 +45,19 @@ def test_a_restarted_trace_is_shared(tmp_path, monkeypatch):
     with toy_family():
         assert compile_and_call(1, model, tokens) == {"compiled": 2}
         assert compile_and_call(2, model, tokens) == {"loaded": 2}
+
+
+def test_a_dump_is_not_loaded_from_a_program_compiled_without_one(tmp_path, monkeypatch):
+    """A program holds its graph's text only when it was compiled with a dump (printing flash's
+    graph takes seconds): a rank asked for a dump compiles rather than load a program compiled
+    without one, and one compiled with a dump is shared with the host's other dumping ranks."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    model = ToyLM()
+    tokens = torch.arange(8)
+    dump = tmp_path / "dump"
+    with toy_family():
+        assert compile_and_call(1, model, tokens) == {"compiled": 2}
+        assert compile_and_call(2, model, tokens, dump_dir=str(dump)) == {"compiled": 2}
+        assert compile_and_call(3, model, tokens, dump_dir=str(dump)) == {"loaded": 2}
+    for rank in (2, 3):
+        assert "_c10d_functional" in (dump / f"rank{rank}" / "graph.py").read_text()
