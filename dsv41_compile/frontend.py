@@ -12,8 +12,8 @@ every T. A static graph remains a graph for its own T -- Dynamo's guards call it
 T, and values Dynamo computed from T (`T - 1` as a number) stay as traced.
 
 A model's compiled regions (`core.regions`: DeepSeek's decoder layers, traced once per kind)
-reach AOTAutograd as regions, which traces each once; a static graph's are copied in first,
-since making its token count symbolic reads every op.
+stay regions, each kind traced to ATen once by the backend; a static graph's are copied in
+first, since making its token count symbolic reads every op.
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import sympy
 import torch
 import torch.fx.traceback as fx_traceback
 from torch._functorch.aot_autograd import aot_module_simplified
@@ -37,10 +36,11 @@ from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 from torch.fx import GraphModule, Interpreter, Node
-from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import Unkeyed, metadata_key
+from dsv41_compile.core.symbols import new_unbacked_symbols, size_expr
 
 if TYPE_CHECKING:
     from dsv41_compile.core.context import CompileContext
@@ -357,14 +357,10 @@ def renamed_symbols(before: list[Any], after: list[Any]) -> dict[Any, Any]:
                 isinstance(a, torch.SymInt)
                 and isinstance(b, torch.SymInt | int)
                 and a.node.expr.is_Symbol
-                and _expr(b) != a.node.expr
+                and size_expr(b) != a.node.expr
             ):
-                renamed[a.node.expr] = _expr(b)
+                renamed[a.node.expr] = size_expr(b)
     return renamed
-
-
-def _expr(size: Any) -> Any:
-    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
 
 
 def _renamed(value: Any, renamed: dict[Any, Any]) -> Any:
@@ -418,8 +414,7 @@ def _trace_kind(kinds: RegionKinds, body: GraphModule, values: list[Any]) -> Any
             f"{len(values)} (aliased operands?)"
         )
     outputs = [o.meta.get("val") for o in traced.graph.output_node().args[0]]
-    known = set().union(*(free_unbacked_symbols(v) for v in values))
-    if any(free_unbacked_symbols(o) - known for o in outputs):
+    if new_unbacked_symbols(outputs, values):
         return None  # each call's sizes are its own
     written = {n.args[0] for n in traced.graph.nodes if n.target is aten.copy_.default} & set(
         inputs

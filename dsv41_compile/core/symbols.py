@@ -17,8 +17,9 @@ import weakref
 
 import sympy
 import torch
+import torch.utils._pytree as pytree
 from torch.fx import GraphModule
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
 from dsv41_compile.core.meta import SYMBOL
 
@@ -30,6 +31,7 @@ __all__ = [
     "hint",
     "hint_shape",
     "in_named_symbols",
+    "new_unbacked_symbols",
     "register_token_symbol",
     "size_expr",
 ]
@@ -84,6 +86,22 @@ def size_expr(size: object) -> sympy.Expr:
     """A size (int, SymInt, or a node holding one) as a sympy expression."""
     val = size.meta["val"] if isinstance(size, torch.fx.Node) else size
     return sympy.sympify(val.node.expr) if isinstance(val, torch.SymInt) else sympy.Integer(val)
+
+
+def new_unbacked_symbols(result: object, inputs: object) -> set[sympy.Symbol]:
+    """The data-dependent sizes (unbacked symbols) in `result` that `inputs` do not hold: sizes
+    an op made of its own, different at every call. Both may nest tensors and sizes in
+    lists, tuples and dicts."""
+    made = free_unbacked_symbols(_sized(result))
+    return set(made - free_unbacked_symbols(_sized(inputs))) if made else set()
+
+
+def _sized(value: object) -> list[object]:
+    return [
+        v
+        for v in pytree.tree_leaves(value)
+        if isinstance(v, torch.Tensor | torch.SymInt | torch.SymFloat | torch.SymBool)
+    ]
 
 
 def graph_symbols(gm: GraphModule) -> dict[sympy.Expr, sympy.Symbol]:

@@ -34,7 +34,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import snapshot_fake
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dsv41_compile.core.context import CompileContext
@@ -48,7 +47,7 @@ from dsv41_compile.core.meta import (
     metadata_key,
     tensor_inputs,
 )
-from dsv41_compile.core.symbols import hint_shape
+from dsv41_compile.core.symbols import hint_shape, new_unbacked_symbols
 from dsv41_compile.moe.expert_parallel import dispatched_values
 from dsv41_compile.moe.stats import ALL_TO_ALLS
 from dsv41_compile.report.comm import collective_axis, collective_kind, comm_records
@@ -105,7 +104,7 @@ class _OnceProp(FakeTensorProp):
         if key in self._results:
             return self._results[key]
         result = super().call_function(target, args, kwargs)
-        if not _new_symbols(result, args, kwargs):
+        if not new_unbacked_symbols(result, (args, kwargs)):
             self._results[key] = result
         return result
 
@@ -115,20 +114,6 @@ _READS_DATA = {
     torch.Tag.dynamic_output_shape,
     torch.Tag.inplace_view,
 }
-
-
-def _new_symbols(result: object, *inputs: object) -> bool:
-    """Whether `result` holds a data-dependent size its inputs do not."""
-    made = free_unbacked_symbols(_sized(result))
-    return bool(made) and bool(made - free_unbacked_symbols(_sized(inputs)))
-
-
-def _sized(value: object) -> list[object]:
-    return [
-        v
-        for v in pytree.tree_leaves(value)
-        if isinstance(v, torch.Tensor | torch.SymInt | torch.SymFloat | torch.SymBool)
-    ]
 
 
 def _placement(node: Node) -> object:
