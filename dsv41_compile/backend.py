@@ -162,13 +162,20 @@ def _compile(
     traced_inputs = example_inputs
     gm, example_inputs = generalize_token_count(gm, example_inputs, inputs, adapter)
     trace_regions_with_meta(gm)  # each layer kind's ATen nodes with their module paths
+    generalized = time.perf_counter()
     # each layer kind's ATen traced once, its calls operators
     kinds = trace_kinds_once(gm, renamed_symbols(traced_inputs, example_inputs))
+    traced = time.perf_counter()
 
     def compile_rank(aten_gm: GraphModule, aten_inputs: list[Any]) -> Any:
         kinds.attach(aten_gm)
         ctx = _context(aten_gm, aten_inputs, inputs, opts, mesh, adapter, target)
-        ctx.stage_seconds = {"aot": time.perf_counter() - start}
+        ctx.stage_seconds = {
+            "generalize": generalized - start,
+            "kinds": traced - generalized,
+            "aot": time.perf_counter() - traced,
+        }
+        ctx.kinds_traced = len(kinds.bodies)
         PASSES.run(aten_gm, ctx)
         for hooks in active():
             if hooks.on_pipeline is not None:

@@ -237,7 +237,7 @@ def _plan(cfg, options):
         )
         for i in range(cfg.n_layers)
     ]
-    return ops, comm, layers
+    return ops, comm, layers, ctx.kinds_traced
 
 
 def test_regions_change_nothing_in_the_plan():
@@ -267,11 +267,12 @@ def test_regions_change_nothing_in_the_plan():
         with_regions = _plan(cfg, options)
     assert seen and set(seen) == {2}  # Dynamo's graph and AOTAutograd's: layers 1 and 2
     assert len(traced) == 1 and traced[0] is not None  # their kind's ATen, traced once
+    assert with_regions[3] == 1  # and the compile says so (tools/bench_compile.py prints it)
     plain = Block.forward.__marked_compile_region_fn__  # what the decorator wraps
     with mock.patch.object(Block, "forward", plain):
         without = _plan(cfg, options)
     assert sum(with_regions[0].values()) > 1000
-    assert with_regions[0] == without[0]
+    assert with_regions[0] == without[0] and without[3] == 0
     assert with_regions[1] == without[1] and len(with_regions[1]) == 1 + 3 * 5
     # Two distinct planned layers for three: layers 1 and 2 (one kind) are planned into the
     # same per-rank ops, collectives and shapes (only their weights and numbering differ).

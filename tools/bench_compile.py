@@ -5,10 +5,15 @@ attention mode), times the first call of the compiled model (Dynamo + AOT + our 
 eager lowering) and the share spent in our passes, side by side in one run.
 
 `--flash-planning` instead times `planning.plan_rank` (meta tensors, compile only) on the
-first 5, 10, 20 and all 40 layers of `flash` (tp=4, ep=8): the cost of planning at real size,
-split into Dynamo (until the backend starts), AOTAutograd (both trace each layer kind once) and
-each of our passes (the first, `inline_regions`, copies each kind in at every layer); and the
-peak memory of the process (`ru_maxrss`, which only grows: the last row's is the run's peak).
+first 5, 10, 20 and all 40 layers of `flash` (tp=4, ep=8, the EP lowering `--ep-dispatch`):
+the cost of planning at real size, split into Dynamo (until the backend starts; it traces each
+layer kind once, but still walks every layer), the layer kinds the backend traces to ATen once
+each (how many, and their seconds), AOTAutograd's trace of the model with each kind's calls as
+one operator, and each of our passes (the first, `inline_regions`, copies each kind in at
+every layer; the passes then plan every layer); and the peak memory of the process
+(`ru_maxrss`, which only grows: the last row's is the run's peak). The last line says how the
+40-layer plan grew over the 5-layer one, stage by stage: a longer prefix meets layer kinds a
+shorter one does not (each traced once), and the other stages still grow with the layers.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ def timed_pipeline() -> Iterator[dict[str, float]]:
     """Within the context, the yielded dict sums the pipeline's `seconds` (`ctx.pass_seconds`,
     per pass in `passes`) over the graphs compiled and keeps the last graph's `nodes` (also
     when planning stops the pipeline), read through the backend's hooks."""
-    record: dict = {"seconds": 0.0, "nodes": 0, "passes": {}, "stages": {}}
+    record: dict = {"seconds": 0.0, "nodes": 0, "passes": {}, "stages": {}, "kinds": 0}
 
     def after(name, gm, ctx):
         if name == PASS_NAMES[-1]:
@@ -46,6 +51,7 @@ def timed_pipeline() -> Iterator[dict[str, float]]:
                 record["passes"][p] = record["passes"].get(p, 0.0) + seconds
             for stage, seconds in ctx.stage_seconds.items():
                 record["stages"][stage] = record["stages"].get(stage, 0.0) + seconds
+            record["kinds"] += ctx.kinds_traced
 
     with installed(Hooks(after_pass=after)):
         yield record
@@ -80,29 +86,48 @@ def flash_prefix(n_layers: int) -> ModelConfig:
     )
 
 
-def flash_planning() -> None:
+def flash_planning(ep_dispatch: str) -> None:
     from dsv41_compile.planning import plan_rank
 
     passes = [p for p in PASS_NAMES if p != "graph_mode"]
+    print(f"flash, tp=4, ep=8, ep_dispatch={ep_dispatch!r}")
     print(
         f"{'flash layers':>12} {'nodes':>7} {'plan s':>7} {'s/layer':>8} {'dynamo':>7} "
-        f"{'aot':>6} {'passes':>7}  " + " ".join(f"{p:>9}" for p in passes) + f" {'peak GiB':>9}"
+        f"{'kinds':>5} {'kinds s':>7} {'aot':>6} {'passes':>7}  "
+        + " ".join(f"{p:>9}" for p in passes)
+        + f" {'peak GiB':>9}"
     )
+    rows = {}
     for layers in (5, 10, 20, 40):
+        options = {"tp": 4, "ep": 8, "ep_dispatch": ep_dispatch}
         with timed_pipeline() as pipeline:
             start = time.perf_counter()
-            gm, _, _ = plan_rank(flash_prefix(layers), {"tp": 4, "ep": 8}, world_size=8)
+            gm, _, _ = plan_rank(flash_prefix(layers), options, world_size=8)
             total = time.perf_counter() - start
-        aot = pipeline["stages"].get("aot", 0.0)
+        stages = pipeline["stages"]
+        kinds_s, aot = stages.get("kinds", 0.0), stages.get("aot", 0.0)
         # The rest of the call before the backend's stages is Dynamo (and model building).
-        dynamo = total - pipeline["seconds"] - aot
+        dynamo = total - pipeline["seconds"] - sum(stages.values())
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        rows[layers] = {"total": total, "dynamo": dynamo, "kinds s": kinds_s, "aot": aot,
+                        "passes": pipeline["seconds"], "kinds": pipeline["kinds"]}  # fmt: skip
         print(
             f"{layers:>12} {len(gm.graph.nodes):>7} {total:>7.1f} {total / layers:>8.2f} "
-            f"{dynamo:>7.1f} {aot:>6.1f} {pipeline['seconds']:>7.1f}  "
+            f"{dynamo:>7.1f} {pipeline['kinds']:>5} {kinds_s:>7.1f} {aot:>6.1f} "
+            f"{pipeline['seconds']:>7.1f}  "
             + " ".join(f"{pipeline['passes'].get(p, 0.0):>9.1f}" for p in passes)
             + f" {peak:>9.1f}"
         )
+    short, long = rows[5], rows[40]
+    growth = ", ".join(
+        f"{stage} {long[stage] - short[stage]:+.1f} s"
+        for stage in ("dynamo", "kinds s", "aot", "passes")
+    )
+    print(
+        f"40 layers / 5 layers: {long['total'] / short['total']:.2f}x "
+        f"({long['total'] - short['total']:+.1f} s: {growth}; "
+        f"layer kinds traced {short['kinds']} -> {long['kinds']})"
+    )
 
 
 def main() -> None:
@@ -110,9 +135,13 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
     parser.add_argument("--flash-planning", action="store_true", help="time flash planning")
+    parser.add_argument(
+        "--ep-dispatch", choices=("exact", "padded"), default="exact",
+        help="the EP lowering flash is planned with (padded: torchair's graph mode)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.flash_planning:
-        flash_planning()
+        flash_planning(args.ep_dispatch)
         return
     rows = [("tiny-swa", n) for n in (1, 2, 4, 8)] + [("tiny", 8)]
     print(

@@ -76,6 +76,10 @@ class CompileContext:
     pass_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds spent in each pass (`core.passes.PassManager`)."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
-    """Seconds spent in the backend before the passes: `aot` (the token count made symbolic,
-    AOTAutograd). Dynamo's own time is the caller's to measure: it ends where the backend
-    starts."""
+    """Seconds spent in the backend before the passes: `generalize` (the token count made
+    symbolic), `kinds` (each layer kind's ATen traced once, `core.regions.trace_kinds_once`),
+    `aot` (AOTAutograd's trace of the model with each kind's calls as one operator). Dynamo's
+    own time is the caller's to measure: it ends where the backend starts."""
+    kinds_traced: int = 0
+    """How many layer kinds `core.regions.trace_kinds_once` traced (each once, whatever the
+    number of layers of the kind)."""
