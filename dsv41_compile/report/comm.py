@@ -10,11 +10,13 @@ reduce-scatter ((tp-1) shards each way), ring all-reduce (a reduce-scatter then 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import sympy
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
@@ -89,10 +91,19 @@ def collective_bytes(node: Node, ctx: CompileContext) -> tuple[str, int, sympy.E
 
 
 def format_size(size: object, names: dict[sympy.Expr, sympy.Symbol]) -> str:
-    """A size in the graph's named symbols (`((T + 3)//4)`)."""
-    if isinstance(size, torch.SymInt):
-        return str(sympy.sympify(size.node.expr).xreplace(names))
-    return str(size)
+    """A size in the graph's named symbols (`((T + 3)//4)`); a sum of consecutively numbered
+    ones as their range (`sum(ep_recv_8..15)`: the rows the 8 EP ranks send this rank)."""
+    if not isinstance(size, torch.SymInt):
+        return str(size)
+    expr = sympy.sympify(size.node.expr).xreplace(names)
+    args = sympy.Add.make_args(expr)
+    terms = [re.fullmatch(r"(.+)_(\d+)", str(t)) if isinstance(t, sympy.Symbol) else None
+             for t in args]  # fmt: skip
+    if len(args) > 2 and all(terms) and len({t[1] for t in terms}) == 1:
+        numbers = sorted(int(t[2]) for t in terms)
+        if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+            return f"sum({terms[0][1]}_{numbers[0]}..{numbers[-1]})"
+    return str(expr)
 
 
 def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
@@ -102,6 +113,7 @@ def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
     tokens); an exact one's sizes are data-dependent ("data-dependent": `comm.json`'s
     `ep_steps` has each call's bytes)."""
     names = graph_symbols(gm)
+    shape_names = {**_read_sizes(gm), **names}
     records = []
     for node in gm.graph.nodes:
         kind = collective_kind(node)
@@ -118,8 +130,8 @@ def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
                 "axis": axis,
                 "group_size": group_size,
                 "dtype": str(inp.dtype).removeprefix("torch."),
-                "input_shape": [format_size(s, names) for s in inp.shape],
-                "output_shape": [format_size(s, names) for s in out.shape],
+                "input_shape": [format_size(s, shape_names) for s in inp.shape],
+                "output_shape": [format_size(s, shape_names) for s in out.shape],
                 "bytes_sent": _format_bytes(sent),
                 "bytes_received": _format_bytes(received),
                 "bytes_sent_at": _bytes_at(sent, ctx.mesh.tp),
@@ -130,6 +142,17 @@ def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
             }
         )
     return records
+
+
+def _read_sizes(gm: GraphModule) -> dict[sympy.Symbol, sympy.Symbol]:
+    """Each size the graph reads from data (an unbacked symbol that a node's value is) by the
+    name of that node, as graph.py calls it: `ep_recv_3`, the rows EP rank 3 sends this rank."""
+    names: dict[sympy.Symbol, sympy.Symbol] = {}
+    for node in gm.graph.nodes:
+        expr = getattr(node.meta.get("val"), "node", None) and node.meta["val"].node.expr
+        if isinstance(expr, sympy.Symbol) and free_unbacked_symbols(expr):
+            names.setdefault(expr, sympy.Symbol(node.name))
+    return names
 
 
 def _format_bytes(expr: sympy.Expr | None) -> str:

@@ -70,6 +70,29 @@ def test_moe_halves_talk_only_over_ep_and_attention_only_over_tp(fixture, a2a, r
                 and n.args[3].op == "placeholder" and "ep_local" not in n.name]  # fmt: skip
 
 
+def test_comm_records_name_the_sizes_read_from_data(exact_rank5):
+    """comm.json gives exact EP's data-dependent row counts the names graph.py gives them, the
+    nodes that read them (`ep_send_k`: rows this rank sends EP rank k of the layer's eight;
+    `ep_recv_k`: rows it receives), a sum of them as their range."""
+    gm, ctx, _ = exact_rank5
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for layer in range(2):
+        send, recv = (
+            f"sum({side}_{8 * layer}..{8 * layer + 7})" for side in ("ep_send", "ep_recv")
+        )
+        records = [
+            r for r in ctx.comm if r["layer"] == layer and r["bytes_sent"] == "data-dependent"
+        ]
+        assert [(r["input_shape"], r["output_shape"]) for r in records] == [
+            ([send, "64"], [recv, "64"]),  # dispatch: the token rows
+            ([send, "12"], [recv, "12"]),  # dispatch: their routes
+            ([recv, "64"], [send, "64"]),  # combine: the rows back
+        ]
+        dispatch = nodes[records[0]["node"]]  # all_to_all_single(x, output splits, input splits)
+        assert [a.name for a in dispatch.args[2]] == [f"ep_send_{8 * layer + k}" for k in range(8)]
+        assert [a.name for a in dispatch.args[1]] == [f"ep_recv_{8 * layer + k}" for k in range(8)]
+
+
 @pytest.mark.parametrize("fixture", ["exact_rank5", "padded_rank2"])
 def test_each_rank_holds_its_own_slice_of_the_experts(fixture, request):
     gm, ctx, _ = request.getfixturevalue(fixture)
