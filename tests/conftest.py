@@ -33,6 +33,7 @@ SHARED_COMPILES = {
     "tests/tools/test_memory_plan.py": "tiny-swa-planned",
     "tests/moe/test_expert_parallel.py": "tiny-swa-ep8-fake-rank",
     "tests/spmd/test_verify.py": "tiny-swa-ep8-fake-rank",
+    "tests/report/test_graph_text.py": "tiny-swa-ep8-fake-rank",  # tiny-swa, 3 layers, exact EP
 }
 
 
@@ -67,17 +68,20 @@ def load_tool():
 
 
 @functools.cache
-def _plan(cfg: ModelConfig, options: tuple, world_size: int, max_len: int) -> Any:
-    return plan_rank(cfg, dict(options), world_size=world_size, max_len=max_len)
+def _plan(cfg: ModelConfig, options: tuple, world_size: int, rank: int, max_len: int) -> Any:
+    return plan_rank(cfg, dict(options), world_size=world_size, rank=rank, max_len=max_len)
 
 
 @pytest.fixture(scope="session")
 def plan_once():
-    """`planning.plan_rank`, memoised for the session on (config, options, world, max_len):
-    planning the same graph twice costs seconds and proves nothing new."""
+    """`planning.plan_rank`, memoised for the session on (config, options, world, rank,
+    max_len): planning the same graph twice costs seconds and proves nothing new. The plan is
+    shared: a test that changes it must restore it."""
 
-    def plan(cfg: ModelConfig, options: dict, *, world_size: int, max_len: int = 64) -> Any:
-        return _plan(cfg, tuple(sorted(options.items())), world_size, max_len)
+    def plan(
+        cfg: ModelConfig, options: dict, *, world_size: int, rank: int = 0, max_len: int = 64
+    ) -> Any:
+        return _plan(cfg, tuple(sorted(options.items())), world_size, rank, max_len)
 
     return plan
 

@@ -10,15 +10,15 @@ import pytest
 from torch.distributed.tensor import Replicate
 
 from dsv41_compile.core.meta import OUT
-from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.dump import _layer, graph_text
 from dsv41_compile.testing.presets import compile_config
 
 
 @pytest.fixture(scope="module")
-def planned():
+def planned(plan_once):
+    """The plan tests/spmd/test_verify.py checks verify's propagation on (planned once)."""
     cfg = compile_config("tiny-swa", (("n_layers", 3),))
-    gm, ctx, _ = plan_rank(cfg, {"tp": 4, "ep": 8}, world_size=8, rank=1)
+    gm, ctx, _ = plan_once(cfg, {"tp": 4, "ep": 8}, world_size=8, rank=1)
     return gm, ctx
 
 

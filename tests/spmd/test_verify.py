@@ -24,7 +24,6 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import IN, OUT, REASON, REGION
 from dsv41_compile.moe.expert_parallel import EP_SOURCE
-from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.comm import collective_kind
 from dsv41_compile.spmd.localize import local_inputs
 from dsv41_compile.spmd.verify import _OnceProp, verify
@@ -254,13 +253,13 @@ def _value_text(value) -> str:
     return str(value)
 
 
-def test_verify_propagates_each_layer_kind_once():
+def test_verify_propagates_each_layer_kind_once(plan_once):
     """verify's fake propagation runs an operator once per distinct input metadata: tiny-swa's
     layers 1 and 2 (one kind), exact EP, whose all-to-all sizes are data-dependent -- every
     node's value is what propagating every node gives, each MoE layer keeps its own unbacked
     sizes (a `.item()` of layer 2 is not layer 1's), and fewer operators ran."""
     cfg = compile_config("tiny-swa", (("n_layers", 3),))
-    gm, ctx, _ = plan_rank(cfg, {"tp": 4, "ep": 8}, world_size=8, rank=1)
+    gm, ctx, _ = plan_once(cfg, {"tp": 4, "ep": 8}, world_size=8, rank=1)  # graph.py's plan too
     once, ran_once = _propagated(gm, ctx, _OnceProp)
     every, ran_every = _propagated(gm, ctx, FakeTensorProp)
     assert once == every
