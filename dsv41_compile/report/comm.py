@@ -149,7 +149,8 @@ def _read_sizes(gm: GraphModule) -> dict[sympy.Symbol, sympy.Symbol]:
     name of that node, as graph.py calls it: `ep_recv_3`, the rows EP rank 3 sends this rank."""
     names: dict[sympy.Symbol, sympy.Symbol] = {}
     for node in gm.graph.nodes:
-        expr = getattr(node.meta.get("val"), "node", None) and node.meta["val"].node.expr
+        val = node.meta.get("val")
+        expr = val.node.expr if isinstance(val, torch.SymInt) else None
         if isinstance(expr, sympy.Symbol) and free_unbacked_symbols(expr):
             names.setdefault(expr, sympy.Symbol(node.name))
     return names
