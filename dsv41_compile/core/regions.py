@@ -372,12 +372,13 @@ def _renamed(value: Any, renamed: dict[Any, Any]) -> Any:
     if not isinstance(value, torch.Tensor) or not free_symbols(value) & renamed.keys():
         return value
     with value.fake_mode:
-        return torch.empty_strided(
-            [_size(d, renamed) for d in value.shape],
-            [_size(d, renamed) for d in value.stride()],
-            dtype=value.dtype,
-            device=value.device,
-        )
+        shape = [_size(d, renamed) for d in value.shape]
+        return _empty(value, shape, [_size(d, renamed) for d in value.stride()])
+
+
+def _empty(like: torch.Tensor, shape: Any, stride: Any) -> torch.Tensor:
+    """A tensor of `like`'s dtype and device with `shape` and `stride` (in the active mode)."""
+    return torch.empty_strided(shape, stride, dtype=like.dtype, device=like.device)
 
 
 def _size(size: Any, renamed: dict[Any, Any]) -> Any:
@@ -439,10 +440,7 @@ def _trace_kind(kinds: RegionKinds, body: GraphModule, values: list[Any]) -> Any
                 f"{got[i]}"
             )
         made = tuple(
-            torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
-            if isinstance(o, torch.Tensor)
-            else o
-            for o in outputs
+            _empty(o, o.shape, o.stride()) if isinstance(o, torch.Tensor) else o for o in outputs
         )
         return made if len(made) > 1 else made[0]
 

@@ -192,11 +192,12 @@ def format_folded(
     labels, groups = dict(labels or {}), dict(groups or {})
     printed = [n for n in gm.graph.nodes if n.op != "placeholder"]
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    unit_by_node = {n: unit_of(n) for n in printed if n.op != "output"}
     units: dict[str, list[Node]] = {}
-    for node in printed:
-        unit = unit_of(node)
-        if unit is not None and node.op != "output":
+    for node, unit in unit_by_node.items():
+        if unit is not None:
             units.setdefault(unit, []).append(node)
+    inputs = {unit: _inputs(nodes) for unit, nodes in units.items()}
     printer = _Printer(gm, labels, groups, printed, stable_names=False)
     texts = {unit: _plan_text(printer, unit, nodes) for unit, nodes in units.items()}
     first_of: dict[str, str] = {}  # a plan -> the first unit with it
@@ -204,7 +205,7 @@ def format_folded(
     for unit, nodes in units.items():
         plan = _renumbered(texts[unit])
         shown = first_of.setdefault(plan, unit)
-        if shown == unit or any(position[i] > position[nodes[0]] for i in _inputs(nodes)):
+        if shown == unit or any(position[i] > position[nodes[0]] for i in inputs[unit]):
             continue
         calls[unit] = (shown, texts[unit] != texts[shown])
     folded = {shown for shown, _ in calls.values()}
@@ -216,13 +217,13 @@ def format_folded(
     }
     lines = []
     for node in printed:
-        unit = unit_of(node) if node.op != "output" else None
+        unit = unit_by_node.get(node)
         if unit in calls:
             if node is units[unit][0]:
                 shown, own_sizes = calls[unit]
                 nodes = units[unit]
                 made = ", ".join(printer.name(nodes[k]) for k in outputs[shown])
-                taken = ", ".join(printer.name(i) for i in _inputs(nodes))
+                taken = ", ".join(printer.name(i) for i in inputs[unit])
                 note = ", with data-dependent sizes of its own" if own_sizes else ""
                 lines.append(f"{made} = {shown}({taken})  # {unit}: {shown}'s plan{note}")
             continue
@@ -231,7 +232,7 @@ def format_folded(
             also = ", ".join(u for u, c in calls.items() if c[0] == unit)
             lines.append(
                 f"# {unit}, printed once for itself and {also} (the same plan, called below): "
-                f"takes ({', '.join(printer.name(i) for i in _inputs(nodes))}), makes "
+                f"takes ({', '.join(printer.name(i) for i in inputs[unit])}), makes "
                 f"({', '.join(printer.name(nodes[k]) for k in outputs[unit])})"
             )
         lines.append(printer.line(node))
