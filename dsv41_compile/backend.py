@@ -65,7 +65,8 @@ from dsv41_compile.runtime.host_cache import (
     shared,
 )
 from dsv41_compile.runtime.program import ProgramReport, ProgramSpec, ShardedProgram
-from dsv41_compile.runtime.weights import has_no_weights, rank_weights, weight_inputs
+from dsv41_compile.runtime.weights import rank_weights, weight_inputs
+from dsv41_compile.storage import has_no_weights
 from dsv41_compile.targets import Handoff, compile_graph
 
 __all__ = ["BackendOptions", "dsv41_sp", "mark_token_dim"]

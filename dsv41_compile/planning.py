@@ -22,9 +22,9 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.fake_world import fake_world
 from dsv41_compile.core.hooks import Hooks, PipelineStopped, installed
 from dsv41_compile.core.mesh import clear_mesh_cache
-from dsv41_compile.models.deepseek_v41.batches import Request, pack
-from dsv41_compile.models.deepseek_v41.config import ModelConfig
-from dsv41_compile.models.deepseek_v41.model import DeepseekV41
+from dsv41_compile.model.batches import Request, pack
+from dsv41_compile.model.config import ModelConfig
+from dsv41_compile.model.model import DeepseekV41
 
 __all__ = ["plan_rank"]
 

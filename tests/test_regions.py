@@ -26,9 +26,9 @@ from dsv41_compile.core.regions import (
     trace_kinds_once,
     trace_regions_with_meta,
 )
-from dsv41_compile.models.deepseek_v41.batches import Request, pack
-from dsv41_compile.models.deepseek_v41.config import layer_plan
-from dsv41_compile.models.deepseek_v41.model import Block, DeepseekV41
+from dsv41_compile.model.batches import Request, pack
+from dsv41_compile.model.config import layer_plan
+from dsv41_compile.model.model import Block, DeepseekV41
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph

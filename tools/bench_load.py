@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
-from dsv41_compile.models.deepseek_v41.checkpoint import read_weights
+from dsv41_compile.model.checkpoint import read_weights
 from dsv41_compile.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from dsv41_compile.model import DeepseekV41, ModelConfig
-from dsv41_compile.models.deepseek_v41.cache import KVCache
+from dsv41_compile.model.cache import KVCache
 from dsv41_compile.testing.batches import Request, pack
 
 Forward = Callable[[Tensor, Tensor, Tensor, KVCache], Tensor]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from dsv41_compile.core.adapter import ModelAdapter
+from dsv41_compile.models.deepseek_v41.adapter import DEEPSEEK_V41
 
 __all__ = ["adapter_for", "adapters", "layouts", "register_adapter", "unregister_adapter"]
 
@@ -23,8 +24,6 @@ def unregister_adapter(adapter: ModelAdapter) -> None:
 
 
 def adapters() -> list[ModelAdapter]:
-    from dsv41_compile.models.deepseek_v41.adapter import DEEPSEEK_V41
-
     return [*_REGISTERED, DEEPSEEK_V41]
 
 

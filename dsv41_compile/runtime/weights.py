@@ -5,7 +5,7 @@ A rank reads only what its program takes: its slice of every sharded parameter (
 rows or columns, an EP rank's experts) and all of every replicated one, decoded to the
 parameter's dtype (the model family's `ModelAdapter.read_weights`). The program then runs on
 these tensors and ignores the model's own parameters, which may have no memory behind them
-(`has_no_weights`). The tensors are kept for the life of the process and shared by every
+(`storage.has_no_weights`). The tensors are kept for the life of the process and shared by every
 program compiled from the same checkpoint (a recompile reads nothing).
 """
 
@@ -20,19 +20,11 @@ from dsv41_compile.core.adapter import ModelAdapter, WeightInput, WeightSlice
 from dsv41_compile.core.context import ParamShard
 from dsv41_compile.core.mesh import Mesh
 
-__all__ = ["READ", "has_no_weights", "rank_weights", "weight_inputs"]
+__all__ = ["READ", "rank_weights", "weight_inputs"]
 
 _LOADED: dict[tuple[str, WeightInput], torch.Tensor] = {}
 READ: dict[str, int] = {}
 """Bytes this process read per checkpoint tensor (scales included)."""
-
-
-def has_no_weights(value: torch.Tensor) -> bool:
-    """A parameter with no memory behind it: on the meta device, or a broadcast whose storage
-    is smaller than its elements (`DeepseekV41.without_weights`)."""
-    if value.is_meta:
-        return True
-    return value.untyped_storage().nbytes() < value.numel() * value.element_size()
 
 
 def weight_inputs(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dsv41_compile.models.deepseek_v41.batches import Request, pack
+from dsv41_compile.model.batches import Request, pack
 
 __all__ = ["Request", "incremental_schedule", "pack"]
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv41_compile.models.deepseek_v41.checkpoint import INDEX, read_weights
+from dsv41_compile.model.checkpoint import INDEX, read_weights
 from dsv41_compile.testing.batches import Request
 from dsv41_compile.testing.cases import CaseSpec, compare_on_rank, model_config
 from dsv41_compile.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint

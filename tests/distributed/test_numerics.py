@@ -54,7 +54,7 @@ import torch
 from safetensors import safe_open
 
 from dsv41_compile.model import ModelConfig
-from dsv41_compile.models.deepseek_v41.checkpoint import INDEX
+from dsv41_compile.model.checkpoint import INDEX
 from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank, model_config
 from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 from dsv41_compile.testing.multirank import RankPool, run_ranks

@@ -1,6 +1,6 @@
 """The DeepSeek V4.1 family as the compiler sees it (`core.adapter.ModelAdapter`).
 
-Module names are the model's (`model.py`): `embed`, decoder layers `layers.N` with the attention
+Module names are the model's (`dsv41_compile/model/model.py`): `embed`, decoder layers `layers.N` with the attention
 half (`hc_attn`, `attn_norm`, `attn`) and the MoE half (`hc_ffn`, `ffn_norm`, `ffn`), then
 `norm` and `head`. The routed experts are one custom op, `dsv41::routed_experts`.
 """
@@ -20,8 +20,8 @@ from dsv41_compile.core.adapter import (
     Site,
     WeightInput,
 )
-from dsv41_compile.models.deepseek_v41 import ops  # noqa: F401  (registers dsv41::routed_experts)
-from dsv41_compile.models.deepseek_v41.checkpoint import read_weights
+from dsv41_compile.model import ops  # noqa: F401  (registers dsv41::routed_experts)
+from dsv41_compile.model.checkpoint import read_weights
 from dsv41_compile.models.deepseek_v41.graph_mode import routed_experts_grouped
 from dsv41_compile.models.deepseek_v41.plan import deepseek_v41_plan
 from dsv41_compile.moe.rules import routed_experts_rule

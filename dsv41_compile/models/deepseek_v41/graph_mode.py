@@ -11,7 +11,7 @@ import torch
 from torch.fx import Proxy
 
 from dsv41_compile.core.emitter import cast
-from dsv41_compile.models.deepseek_v41.ops import clamped_swiglu
+from dsv41_compile.model.ops import clamped_swiglu
 
 __all__ = ["grouped_matmul", "routed_experts_grouped"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv41_compile.model.ops import routed_experts
 from dsv41_compile.models.deepseek_v41.adapter import DEEPSEEK_V41
 from dsv41_compile.models.deepseek_v41.graph_mode import grouped_matmul
-from dsv41_compile.models.deepseek_v41.ops import routed_experts
 from dsv41_compile.testing.graphs import rewritten_for_graph_mode
 from dsv41_compile.testing.torchair_standin import register_npu_ops
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dsv41_compile.model import PRESETS, ModelConfig
-from dsv41_compile.models.deepseek_v41.hf_config import config_to_hf
+from dsv41_compile.model.hf_config import config_to_hf
 
 RELEASED = json.loads((Path(__file__).parent / "data" / "v41_flash_config.json").read_text())
 

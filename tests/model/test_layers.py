@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from dsv41_compile.model import ModelConfig
-from dsv41_compile.models.deepseek_v41.layers import (
+from dsv41_compile.model.layers import (
     HyperConnection,
     apply_rope,
     hc_collapse,
     hc_expand,
     rope_inv_freq,
 )
-from dsv41_compile.models.deepseek_v41.model import DeepseekV41
+from dsv41_compile.model.model import DeepseekV41
 
 
 def tiny_hc() -> tuple[ModelConfig, HyperConnection]:

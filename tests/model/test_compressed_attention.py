@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dsv41_compile.models.deepseek_v41.attention as attention
+import dsv41_compile.model.attention as attention
 from dsv41_compile.model import DeepseekV41, ModelConfig
-from dsv41_compile.models.deepseek_v41.attention import (
+from dsv41_compile.model.attention import (
     candidate_blocks,
     compressed_visible,
     sink_attention,
 )
-from dsv41_compile.models.deepseek_v41.layers import rope_inv_freq, yarn_inv_freq
+from dsv41_compile.model.layers import rope_inv_freq, yarn_inv_freq
 from dsv41_compile.testing.batches import Request, incremental_schedule, pack
 
 FP32_TOL = {"atol": 2e-5, "rtol": 2e-5}

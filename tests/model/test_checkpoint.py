@@ -16,10 +16,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dsv41_compile.core.adapter import WeightInput, WeightSlice
-from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
-from dsv41_compile.models.deepseek_v41 import checkpoint
-from dsv41_compile.models.deepseek_v41.checkpoint import INDEX, checkpoint_layout, read_weights
-from dsv41_compile.models.deepseek_v41.quant import CODECS
+from dsv41_compile.model import DeepseekV41, ModelConfig, checkpoint, load_checkpoint
+from dsv41_compile.model.checkpoint import INDEX, checkpoint_layout, read_weights
+from dsv41_compile.model.quant import CODECS
 from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 
 CFG = ModelConfig.from_name("tiny")

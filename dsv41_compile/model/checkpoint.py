@@ -20,7 +20,8 @@ an error naming the tensor and its file; tensors of the parts this model lacks (
 DSpark draft blocks, the vision tower) are refused unless `skip_unimplemented_parts=True`, and
 any other tensor the model does not know is an error.
 
-Not here yet: each rank reading only its own slices (the backend's `checkpoint` option).
+`read_weights(path, weights)` reads only the given slices of the given parameters (what the
+backend's `checkpoint` option reads on each rank).
 """
 
 from __future__ import annotations
@@ -30,18 +31,19 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 
-from dsv41_compile.core.adapter import WeightInput, WeightSlice
-from dsv41_compile.models.deepseek_v41.quant import BLOCK, CODECS
-from dsv41_compile.runtime.weights import has_no_weights
+from dsv41_compile.model.quant import BLOCK, CODECS
+from dsv41_compile.storage import has_no_weights
 
 __all__ = [
     "INDEX",
     "CheckpointEntry",
+    "TensorSlice",
+    "WantedWeight",
     "checkpoint_layout",
     "load_checkpoint",
     "read_weights",
@@ -49,6 +51,26 @@ __all__ = [
 ]
 
 INDEX = "model.safetensors.index.json"
+
+
+class TensorSlice(Protocol):
+    """A part of dim `dim` of a parameter: `bounds(size)` are its first and past-the-end
+    indices (a rank's tp shard; the experts an EP rank holds)."""
+
+    dim: int
+
+    def bounds(self, size: int) -> tuple[int, int]: ...
+
+
+class WantedWeight(NamedTuple):
+    """A parameter `read_weights` reads: its FQN, global shape, dtype, and the slice of it to
+    read (None: all of it). The backend's `core.adapter.WeightInput` has these fields."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    slice: TensorSlice | None = None
+
 
 _FP8 = re.compile(
     r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_expert\.w[123])"
@@ -244,7 +266,7 @@ class _Checkpoint:
         entry: CheckpointEntry,
         target: torch.Tensor,
         shape: Sequence[int],
-        part: WeightSlice | None,
+        part: TensorSlice | None,
     ) -> None:
         """Write weight `name` (of the parameter's part of global `shape`) into `target`:
         all of it, or `part` of it, decoded to `target`'s dtype."""
@@ -294,7 +316,7 @@ class _Checkpoint:
 
 def read_weights(
     path: str | Path,
-    weights: Sequence[WeightInput],
+    weights: Sequence[WantedWeight],
     *,
     skip_unimplemented_parts: bool = False,
     into: Sequence[torch.Tensor] | None = None,
@@ -313,7 +335,7 @@ def read_weights(
 
 def _read(
     checkpoint: _Checkpoint,
-    weights: Sequence[WeightInput],
+    weights: Sequence[WantedWeight],
     skip_unimplemented_parts: bool,
     into: Sequence[torch.Tensor] | None,
 ) -> list[torch.Tensor]:
@@ -374,7 +396,7 @@ def load_checkpoint(
             value = torch.empty(param.shape, dtype=param.dtype)
             params[fqn] = nn.Parameter(value, requires_grad=param.requires_grad)
             setattr(model.get_submodule(module_name), attr, params[fqn])
-    weights = [WeightInput(fqn, tuple(p.shape), p.dtype, None) for fqn, p in params.items()]
+    weights = [WantedWeight(fqn, tuple(p.shape), p.dtype) for fqn, p in params.items()]
     checkpoint = _Checkpoint(path)
     _read(checkpoint, weights, skip_unimplemented_parts, list(params.values()))
     per_file: dict[str, int] = {}

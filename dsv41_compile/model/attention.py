@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dsv41_compile.models.deepseek_v41.cache import LayerCache
-from dsv41_compile.models.deepseek_v41.config import LayerRole, ModelConfig
-from dsv41_compile.models.deepseek_v41.layers import (
+from dsv41_compile.model.cache import LayerCache
+from dsv41_compile.model.config import LayerRole, ModelConfig
+from dsv41_compile.model.layers import (
     Fp32Linear,
     RMSNorm,
     apply_rope,

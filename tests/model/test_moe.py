@@ -6,7 +6,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dsv41_compile.model import DeepseekV41, ModelConfig
-from dsv41_compile.models.deepseek_v41.ops import routed_experts, swiglu_expert
+from dsv41_compile.model.ops import routed_experts, swiglu_expert
 
 
 def tiny_moe():

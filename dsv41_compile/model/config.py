@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from dsv41_compile.model.hf_config import fields_from_hf
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -160,14 +162,18 @@ class ModelConfig:
     ) -> ModelConfig:
         """The config of a released checkpoint: `source` is its directory, its `config.json`,
         or that file's contents. Every key is read, checked or knowingly ignored
-        (`models.deepseek_v41.hf_config`); Engram, the DSpark draft blocks and the vision tower,
+        (`model.hf_config`); Engram, the DSpark draft blocks and the vision tower,
         which this model lacks, are refused unless `skip_unimplemented_parts=True`. The dtype
         is bfloat16 unless `overrides` say otherwise."""
-        from dsv41_compile.models.deepseek_v41.hf_config import config_from_hf
-
-        return config_from_hf(
-            source, skip_unimplemented_parts=skip_unimplemented_parts, **overrides
+        defaults = {
+            f.name
+            for f in dataclasses.fields(ModelConfig)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        }
+        fields = fields_from_hf(
+            source, defaults=defaults, skip_unimplemented_parts=skip_unimplemented_parts
         )
+        return dataclasses.replace(ModelConfig(**fields), **overrides)
 
 
 ATTENTION_MODES = ("swa", "full", "reindex", "reuse")

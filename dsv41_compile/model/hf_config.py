@@ -12,14 +12,12 @@ naming it: a key nobody has read could change the maths.
 
 from __future__ import annotations
 
-import dataclasses
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from dsv41_compile.models.deepseek_v41.config import ModelConfig
-
-__all__ = ["FIELDS", "FIXED", "IGNORED", "PARTS", "QUANTIZATION", "config_from_hf", "config_to_hf"]
+__all__ = ["FIELDS", "FIXED", "IGNORED", "PARTS", "QUANTIZATION", "config_to_hf", "fields_from_hf"]
 
 FIELDS = {
     "vocab_size": "vocab_size",
@@ -107,7 +105,7 @@ QUANTIZATION = {
     "scale_fmt": "ue8m0",
     "expert_dtype": "fp4",
 }
-"""The released weight format (`models.deepseek_v41.quant`); `activation_scheme` describes the
+"""The released weight format (`model.quant`); `activation_scheme` describes the
 official kernels, which quantise activations on the fly: this model computes in its dtype."""
 
 _TOP_LEVEL = {"text_config", "quantization_config", "vision_config", "image_token_id"}
@@ -130,14 +128,15 @@ def _load(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
     return json.loads(path.read_text()), str(path)
 
 
-def config_from_hf(
+def fields_from_hf(
     source: str | Path | dict[str, Any],
     *,
+    defaults: Collection[str],
     skip_unimplemented_parts: bool = False,
-    **overrides: Any,
-) -> ModelConfig:
-    """`source`: a checkpoint directory, its `config.json`, or that file's contents as a dict.
-    `overrides` replace fields afterwards (e.g. `dtype="float32"` for a reference model)."""
+) -> dict[str, Any]:
+    """The `ModelConfig` fields of `source`: a checkpoint directory, its `config.json`, or that
+    file's contents as a dict. `defaults` are the fields the config has a default for (the
+    others must be in the file)."""
     top, where = _load(source)
     if top.get("model_type") != "deepseek_v41":
         raise ValueError(
@@ -210,10 +209,10 @@ def config_from_hf(
         )
     fields["compress_ratios"] = tuple(ratios[:n_layers])
 
-    missing = sorted(k for k, f in FIELDS.items() if f not in fields and not _has_default(f))
+    missing = sorted(k for k, f in FIELDS.items() if f not in fields and f not in defaults)
     if missing:
         raise ValueError(f"{where}: text_config lacks {missing}")
-    return dataclasses.replace(ModelConfig(**fields), **overrides)
+    return fields
 
 
 def _check_fixed(key: str, value: Any, where: str) -> None:
@@ -223,14 +222,10 @@ def _check_fixed(key: str, value: Any, where: str) -> None:
         raise ValueError(f"{where}: {key} is {value!r}; this model implements only {fixed!r}")
 
 
-def _has_default(field: str) -> bool:
-    spec = ModelConfig.__dataclass_fields__[field]
-    return spec.default is not dataclasses.MISSING
-
-
-def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """The `config.json` of a checkpoint of `cfg` in the released layout (no Engram, DSpark or
-    vision): what `config_from_hf` reads back as `cfg` (with `dtype` bfloat16)."""
+def config_to_hf(cfg: Any) -> dict[str, Any]:
+    """The `config.json` of a checkpoint of `cfg` (a `ModelConfig`) in the released layout (no
+    Engram, DSpark or vision): what `ModelConfig.from_hf` reads back as `cfg` (with `dtype`
+    bfloat16)."""
     text: dict[str, Any] = {"model_type": "deepseek_v41_text"}
     for key, field in FIELDS.items():
         value = getattr(cfg, field)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dsv41_compile.models.deepseek_v41.config import ModelConfig
+from dsv41_compile.model.config import ModelConfig
 
 
 class StaticFloat(float):

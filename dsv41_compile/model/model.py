@@ -13,18 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dsv41_compile.models.deepseek_v41.attention import Attention, rope_frequencies
-from dsv41_compile.models.deepseek_v41.cache import KVCache, LayerCache
-from dsv41_compile.models.deepseek_v41.config import LayerRole, ModelConfig, layer_plan
-from dsv41_compile.models.deepseek_v41.layers import (
+from dsv41_compile.model.attention import Attention, rope_frequencies
+from dsv41_compile.model.cache import KVCache, LayerCache
+from dsv41_compile.model.config import LayerRole, ModelConfig, layer_plan
+from dsv41_compile.model.layers import (
     Embedding,
     HyperConnection,
     RMSNorm,
     hc_collapse,
     hc_expand,
 )
-from dsv41_compile.models.deepseek_v41.moe import MoE
-from dsv41_compile.runtime.weights import has_no_weights
+from dsv41_compile.model.moe import MoE
+from dsv41_compile.storage import has_no_weights
 
 # Distinct layer kinds `torch.compile` may keep (nested_compile_region's reuse entries, each a
 # traced kind): V4.1 has about six; the bound only has to exceed any layer count, where every

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv41_compile.models.deepseek_v41.quant import (
+from dsv41_compile.model.quant import (
     E2M1,
     dequantize_fp4,
     dequantize_fp8,

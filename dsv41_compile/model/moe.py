@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dsv41_compile.models.deepseek_v41.config import ModelConfig
-from dsv41_compile.models.deepseek_v41.layers import StaticFloat
-from dsv41_compile.models.deepseek_v41.ops import routed_experts, swiglu_expert
+from dsv41_compile.model.config import ModelConfig
+from dsv41_compile.model.layers import StaticFloat
+from dsv41_compile.model.ops import routed_experts, swiglu_expert
 
 
 class Gate(nn.Module):
