@@ -1,5 +1,7 @@
-"""From Dynamo's graph to the one the pipeline compiles: what each input is, which model family
-it is, and a symbolic token count however Dynamo traced it.
+"""From Dynamo's graph to the one the pipeline compiles: `capture` reads what each input is,
+which model family it is and how Dynamo traced the token count, and checks what a user can get
+wrong before anything is compiled; the `Captured` program it returns gives the graph with a
+symbolic token count however Dynamo traced it (`Captured.generalized`).
 
 Dynamo traces the first call with static sizes, the next ones with a backed symbol for the
 token count (automatic dynamic, or `dynamic=True`) except at T = 0 and T = 1, which it always
@@ -11,7 +13,7 @@ AOTAutograd with the token count as a symbol: the same placements and the same c
 every T. A static graph remains a graph for its own T -- Dynamo's guards call it only with that
 T, and values Dynamo computed from T (`T - 1` as a number) stay as traced.
 
-A model's compiled regions (`core.regions`: DeepSeek's decoder layers, traced once per kind)
+A model's compiled regions (`regions`: a decoder layer, traced once per kind)
 stay regions, each kind traced to ATen once by the backend; a static graph's are copied in
 first, since making its token count symbolic reads every op.
 """
@@ -28,22 +30,18 @@ import sympy
 import torch
 from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import CompileContext, TracingContext
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
 from dsv41_compile.core.adapter import ModelAdapter
 from dsv41_compile.core.meta import module_paths
-from dsv41_compile.core.regions import inline_dynamo_regions
+from dsv41_compile.models import adapter_for
+from dsv41_compile.options import BackendOptions
+from dsv41_compile.regions import inline_dynamo_regions
+from dsv41_compile.storage import has_no_weights
 
-__all__ = [
-    "GraphInputs",
-    "check_recompiles",
-    "check_whole_model",
-    "generalize_token_count",
-    "read_inputs",
-    "symbolic_token_inputs",
-]
+__all__ = ["Captured", "GraphInputs", "capture", "read_inputs"]
 
 _SOURCE_KEYS = re.compile(r"\['([^']+)'\]")
 
@@ -61,6 +59,114 @@ class GraphInputs:
 
     def index_of(self, name: str) -> int | None:
         return next((i for i, n in self.input_names.items() if n == name), None)
+
+
+@dataclass(frozen=True)
+class Captured:
+    """Dynamo's graph of a whole model, read once: what the backend compiles (or loads)."""
+
+    gm: GraphModule
+    example_inputs: list[Any]
+    """As Dynamo passed them (real tensors, or fake ones when it was given fakes)."""
+    fakes: list[Any]
+    """Dynamo's fake value of each input."""
+    inputs: GraphInputs
+    adapter: ModelAdapter
+    """The model family's."""
+    token_index: int
+    """The position among the inputs of the first token input (its length is T)."""
+    count: int | torch.SymInt | None
+    """T as Dynamo traced it: a number, a backed symbol, or None when it is unbacked already
+    (`mark_token_dim`)."""
+    device_type: str
+    """Where the inputs live; "meta" when planning (`planning.plan_rank`: nothing runs)."""
+
+    @property
+    def planning(self) -> bool:
+        return self.device_type == "meta"
+
+    def param_shapes(self) -> dict[str, Any]:
+        return {fqn: self.example_inputs[i].shape for i, fqn in self.inputs.param_fqns.items()}
+
+    def generalized(self) -> tuple[GraphModule, list[Any]]:
+        """The graph and its inputs with the token count an unbacked symbol, when Dynamo traced
+        it as a number T0 or as a backed symbol; unchanged when it is unbacked already. The
+        graph is rewritten in place.
+
+        Which numbers in a static graph are T: every int size argument equal to T0 is a
+        candidate. The graph is run on fake tensors with the token inputs of length `u` and each
+        candidate a symbol of its own; the shape checks of the ops then state which candidates
+        equal u (a view of a token-sharded activation, an expand that meets it in a `cat`) and
+        which a constant (a window of 4 when T0 = 4). The candidates equal to u become reads of
+        the token input's length; the rest keep their value."""
+        gm, count = self.gm, self.count
+        if isinstance(count, int):
+            inline_dynamo_regions(gm)  # the sizes to generalize are in every layer's ops
+            token_indices = {self.inputs.index_of(name) for name in self.adapter.token_inputs}
+            mark = _mark_call(self.adapter)
+            tokens = _token_slots(gm, self.example_inputs, token_indices, count, mark)
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            with gm.graph.inserting_after(placeholders[-1]):
+                size = gm.graph.call_method("size", (placeholders[self.token_index], 0))
+            for node, slot in tokens:
+                node.args = _with(node.args, slot, size)
+            gm.graph.lint()
+            gm.recompile()
+        return gm, self.symbolic_inputs(self.example_inputs)
+
+    def symbolic_inputs(self, values: list[Any]) -> list[Any]:
+        """`values` (the inputs, or their fakes) with the token inputs' length a fresh
+        unbacked symbol (and a backed token symbol Dynamo passes as an int input replaced by
+        it): what AOTAutograd and the targets trace with, whatever T Dynamo traced."""
+        count = self.count
+        if count is None:
+            return values
+        fake_mode = TracingContext.get().fake_mode
+        shape_env = fake_mode.shape_env
+        with shape_env.ignore_fresh_unbacked_symbols():  # an input, not an op's output
+            u = shape_env.create_unbacked_symint()
+        _is_size(u)
+        generalized = list(values)
+        if isinstance(count, torch.SymInt):
+            # A backed symbol (automatic dynamic, dynamic=True): the same graph, traced again
+            # with an unbacked one. Backed sizes are reasoned about at their example value, and
+            # a token-shard length whose example is 1 makes views of it come out wrong.
+            for i, x in enumerate(values):
+                if isinstance(x, torch.SymInt) and x.node.expr == count.node.expr:
+                    generalized[i] = u
+        for name in self.adapter.token_inputs:
+            i = self.inputs.index_of(name)
+            real = values[i]
+            with fake_mode:
+                generalized[i] = torch.empty((u,), dtype=real.dtype, device=real.device)
+        return generalized
+
+
+def capture(gm: GraphModule, example_inputs: list[Any], options: BackendOptions) -> Captured:
+    """Dynamo's graph read: its inputs, its family (which must have `options.layout`), its
+    token count; a ValueError that says what to change for a graph the backend cannot compile
+    (a piece of the model, past the recompile limit, misnamed inputs, a training graph,
+    parameters without weights)."""
+    inputs = read_inputs(gm)
+    adapter = adapter_for(inputs.param_fqns.values(), inputs.input_names.values(), options.layout)
+    _check_recompiles(adapter)
+    _check_whole_model(gm, adapter)
+    token_index = _token_index(inputs, adapter)  # before AOTAutograd: a misnamed input fails
+    _check_inference(example_inputs, inputs)
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    device_type = tensors[0].device.type if tensors else "cpu"
+    if device_type != "meta" and options.checkpoint is None:
+        _check_weights(example_inputs, inputs)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    count = placeholders[token_index].meta["example_value"].shape[0]
+    if isinstance(count, torch.SymInt) and free_unbacked_symbols(count.node.expr):
+        count = None
+    fake_mode = TracingContext.get().fake_mode
+    fakes = [
+        fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not is_fake(x) else x
+        for x in example_inputs
+    ]
+    return Captured(gm, example_inputs, fakes, inputs, adapter, token_index, count, device_type)
 
 
 def _fqn(source: str) -> str | None:
@@ -90,7 +196,50 @@ def read_inputs(gm: GraphModule) -> GraphInputs:
     return GraphInputs(params, inputs, frozenset(buffers))
 
 
-def check_recompiles(adapter: ModelAdapter) -> None:
+def _token_index(inputs: GraphInputs, adapter: ModelAdapter) -> int:
+    """The index among the graph's inputs of the model's first token input."""
+    token = inputs.index_of(adapter.token_inputs[0])
+    if token is None:
+        names = sorted({n for n in inputs.input_names.values() if ".size()" not in n})
+        raise ValueError(
+            f"dsv41_sp expects the {adapter.name} model's inputs "
+            f"{', '.join(adapter.token_inputs)}: no input named {adapter.token_inputs[0]} among "
+            f"{names}"
+        )
+    return token
+
+
+def _check_weights(example_inputs: list[Any], inputs: GraphInputs) -> None:
+    """Without the `checkpoint` option the program runs on the model's parameters: each must
+    have its values."""
+    empty = [
+        fqn
+        for i, fqn in inputs.param_fqns.items()
+        if i not in inputs.buffers and has_no_weights(example_inputs[i])
+    ]
+    if empty:
+        raise ValueError(
+            f"{len(empty)} parameters of this model have no weights ({empty[0]}, ...): pass "
+            "options checkpoint=DIR (each rank reads only its own shards), or load the weights "
+            "into the model first"
+        )
+
+
+def _check_inference(example_inputs: list[Any], inputs: GraphInputs) -> None:
+    """AOTAutograd traces a training graph when a parameter requires grad in grad mode."""
+    if not torch.is_grad_enabled():
+        return
+    trained = [fqn for i, fqn in inputs.param_fqns.items() if example_inputs[i].requires_grad]
+    if trained:
+        raise ValueError(
+            f"dsv41_sp compiles inference graphs, but {len(trained)} parameters of this model "
+            f"require grad ({trained[0]}, ...) and grad mode is on; call the compiled model "
+            "under torch.no_grad() or torch.inference_mode(), or call "
+            "model.requires_grad_(False) first"
+        )
+
+
+def _check_recompiles(adapter: ModelAdapter) -> None:
     """Refuse the compile that uses up Dynamo's recompile limit for the frame: past it, Dynamo
     runs the frame eagerly -- the single-device model, unsharded, on every rank, silently."""
     compile_id = CompileContext.current_compile_id()
@@ -107,7 +256,7 @@ def check_recompiles(adapter: ModelAdapter) -> None:
         )
 
 
-def check_whole_model(gm: GraphModule, adapter: ModelAdapter) -> None:
+def _check_whole_model(gm: GraphModule, adapter: ModelAdapter) -> None:
     seen = {p.split(".")[0] for n in gm.graph.nodes for p in module_paths(n)}
     missing = [m for m in adapter.whole_model_modules if m not in seen]
     if missing:
@@ -158,81 +307,6 @@ def _with(args: tuple, slot: Slot, value: object) -> tuple:
         seq[index] = value
         args[position] = tuple(seq) if isinstance(args[position], tuple) else seq
     return tuple(args)
-
-
-def generalize_token_count(
-    gm: GraphModule, example_inputs: list[Any], inputs: GraphInputs, adapter: ModelAdapter
-) -> tuple[GraphModule, list[Any]]:
-    """`gm` and its inputs with the token count as an unbacked symbol, when Dynamo traced it as
-    a number T0 or as a backed symbol; unchanged when it is unbacked already.
-
-    Which numbers in a static graph are T: every int size argument equal to T0 is a candidate.
-    The graph is run on fake tensors with the token inputs of length `u` and each candidate a
-    symbol of its own; the shape checks of the ops then state which candidates equal u (a view
-    of a token-sharded activation, an expand that meets it in a `cat`) and which a constant (a
-    window of 4 when T0 = 4). The candidates equal to u become reads of the token input's
-    length; the rest keep their value."""
-    count = _traced_count(gm, inputs, adapter)
-    if count is None:
-        return gm, example_inputs
-    if isinstance(count, int):
-        inline_dynamo_regions(gm)  # the sizes to generalize are in every layer's ops
-        token_indices = {inputs.index_of(name) for name in adapter.token_inputs}
-        tokens = _token_slots(gm, example_inputs, token_indices, count, _mark_call(adapter))
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        anchor = placeholders[inputs.index_of(adapter.token_inputs[0])]
-        with gm.graph.inserting_after(placeholders[-1]):
-            size = gm.graph.call_method("size", (anchor, 0))
-        for node, slot in tokens:
-            node.args = _with(node.args, slot, size)
-        gm.graph.lint()
-        gm.recompile()
-    return gm, symbolic_token_inputs(gm, example_inputs, inputs, adapter)
-
-
-def symbolic_token_inputs(
-    gm: GraphModule, example_inputs: list[Any], inputs: GraphInputs, adapter: ModelAdapter
-) -> list[Any]:
-    """The inputs with the token inputs' length a fresh unbacked symbol (and a backed token
-    symbol Dynamo passes as an int input replaced by it): what AOTAutograd and the targets
-    trace with, whatever T Dynamo traced."""
-    count = _traced_count(gm, inputs, adapter)
-    if count is None:
-        return example_inputs
-    fake_mode = TracingContext.get().fake_mode
-    shape_env = fake_mode.shape_env
-    with shape_env.ignore_fresh_unbacked_symbols():  # an input, not an op's output
-        u = shape_env.create_unbacked_symint()
-    _is_size(u)
-    generalized = list(example_inputs)
-    if isinstance(count, torch.SymInt):
-        # A backed symbol (automatic dynamic, dynamic=True): the same graph, traced again with
-        # an unbacked one. Backed sizes are reasoned about at their example value, and a
-        # token-shard length whose example is 1 makes views of it come out wrong.
-        for i, x in enumerate(example_inputs):
-            if isinstance(x, torch.SymInt) and x.node.expr == count.node.expr:
-                generalized[i] = u
-    for name in adapter.token_inputs:
-        i = inputs.index_of(name)
-        real = example_inputs[i]
-        with fake_mode:
-            generalized[i] = torch.empty((u,), dtype=real.dtype, device=real.device)
-    return generalized
-
-
-def _traced_count(
-    gm: GraphModule, inputs: GraphInputs, adapter: ModelAdapter
-) -> int | torch.SymInt | None:
-    """The token count as Dynamo traced it: a number, a backed symbol, or None when it is
-    unbacked already (`mark_token_dim`) or the graph has no token input."""
-    indices = [inputs.index_of(name) for name in adapter.token_inputs]
-    if None in indices:
-        return None
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    count = placeholders[indices[0]].meta["example_value"].shape[0]
-    if isinstance(count, torch.SymInt) and free_unbacked_symbols(count.node.expr):
-        return None
-    return count
 
 
 def _is_size(symbol: torch.SymInt) -> None:

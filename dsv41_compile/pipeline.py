@@ -1,31 +1,54 @@
 """The pipeline: the named passes that turn the AOT inference graph into the per-rank graph, in
 order. Each pass's module says what it requires and what it ensures; `core.passes.PassManager`
-runs them (timed, logged, dumped on request, hooked)."""
+runs them (timed, logged, dumped on request, hooked).
+
+The rewrites are the same for every target; a target adds the passes it needs after them
+(`targets.Target.passes`: torchair's `graph_mode`), and verify checks the result last.
+"""
 
 from __future__ import annotations
 
 from dsv41_compile.core.passes import Pass
-from dsv41_compile.core.regions import inline_regions
 from dsv41_compile.moe.expert_parallel import expert_parallel
+from dsv41_compile.options import BackendOptions
+from dsv41_compile.regions import inline_regions
 from dsv41_compile.spmd.annotate import annotate
 from dsv41_compile.spmd.entry_cut import entry_cut
 from dsv41_compile.spmd.insert import insert_collectives
 from dsv41_compile.spmd.localize import localize
 from dsv41_compile.spmd.token_sizes import token_sizes
-from dsv41_compile.spmd.verify import verify
-from dsv41_compile.targets.graph_mode import graph_mode
+from dsv41_compile.targets import TARGETS, Target
+from dsv41_compile.verify import verify
 
-__all__ = ["PASS_NAMES", "PIPELINE"]
+__all__ = ["PASS_NAMES", "REWRITES", "VERIFY", "check_dump_after", "passes"]
 
-PIPELINE: tuple[Pass, ...] = (
+REWRITES: tuple[Pass, ...] = (
     Pass("inline_regions", inline_regions),  # each layer kind's ATen, copied in at every layer
     Pass("token_sizes", token_sizes),  # every read of T from the token input
     Pass("annotate", annotate),  # a placement per node: the plan, then the op rules
     Pass("entry_cut", entry_cut),  # per-token ops before the entry gather, if it is cheaper
     Pass("insert", insert_collectives),  # the transition table at every mismatch
-    Pass("localize", localize),  # global shapes -> per-rank shapes, parameter shards
+    Pass("localize", localize),  # global shapes -> per-rank shapes, the program's signature
     Pass("expert_parallel", expert_parallel, enabled=lambda ctx: ctx.mesh.ep > 1),
-    Pass("graph_mode", graph_mode, enabled=lambda ctx: ctx.target == "torchair"),
-    Pass("verify", verify),  # fake re-propagation, local shapes, the layout's invariants
 )
-PASS_NAMES = tuple(p.name for p in PIPELINE)
+VERIFY = Pass("verify", verify)  # fake re-propagation, local shapes, the layout's invariants
+
+
+def passes(target: Target) -> tuple[Pass, ...]:
+    """The passes a compile for `target` runs, in order."""
+    return (*REWRITES, *target.passes, VERIFY)
+
+
+PASS_NAMES = tuple(
+    dict.fromkeys(
+        p.name for p in (*REWRITES, *(p for t in TARGETS.values() for p in t.passes), VERIFY)
+    )
+)
+"""Every pass some compile runs, in order (what `dump_after` may name)."""
+
+
+def check_dump_after(options: BackendOptions) -> None:
+    """A ValueError when the `dump_after` option names no pass."""
+    unknown = sorted(set(options.dump_after) - set(PASS_NAMES))
+    if unknown:
+        raise ValueError(f"dump_after names no pass: {unknown}; the passes are {PASS_NAMES}")

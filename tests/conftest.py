@@ -32,7 +32,7 @@ SHARED_COMPILES = {
     "tests/tools/test_comm_report.py": "tiny-swa-planned",
     "tests/tools/test_memory_plan.py": "tiny-swa-planned",
     "tests/moe/test_expert_parallel.py": "tiny-swa-ep8-fake-rank",
-    "tests/spmd/test_verify.py": "tiny-swa-ep8-fake-rank",
+    "tests/test_verify.py": "tiny-swa-ep8-fake-rank",
     "tests/report/test_graph_text.py": "tiny-swa-ep8-fake-rank",  # tiny-swa, 3 layers, exact EP
 }
 

@@ -14,12 +14,13 @@ import torch._dynamo
 from torch.distributed.tensor import Shard
 
 import dsv41_compile
+from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.mesh import clear_mesh_cache
 from dsv41_compile.core.meta import GLOBAL_VAL, OUT, REASON, REGION, module_paths
 from dsv41_compile.model import DeepseekV41
-from dsv41_compile.report.comm import collective_kind
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
+from dsv41_compile.spmd.entry_cut import entry_cuts
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.fake_rank import compile_on_fake_rank, layer_text
 from dsv41_compile.testing.presets import ONE_LAYER, WIDE, compile_config
@@ -99,7 +100,7 @@ def test_auto_exits_attention_with_an_all_to_all_of_wo_bs_input(rank1):
                 "reduce_scatter; wo_b replicated: +24,576 B of weights per rank"
             )
     assert ctx.options.attn_exit == "all_to_all"
-    wo_b = [s for s in ctx.param_shards.values() if s.fqn.endswith("wo_b.weight")]
+    wo_b = [s for s in ctx.signature.param_shards.values() if s.fqn.endswith("wo_b.weight")]
     assert wo_b == []  # whole on every rank
     assert not any(collective_kind(n) in ("reduce_scatter", "all_reduce") for n in gm.graph.nodes)
 
@@ -126,7 +127,7 @@ def test_auto_entry_gathers_the_q_and_kv_latents_where_they_are_narrower(wide_ra
     for source in sources:
         assert (source.meta[OUT], source.meta["val"].dtype) == (Shard(0), torch.float32)
         assert source.meta[GLOBAL_VAL].shape[1:] == (32,)
-    cut = ctx.entry_cuts["layers.0.attn"]
+    cut = entry_cuts(ctx)["layers.0.attn"]
     assert cut.gathered == tuple(sources) and cut.row_bytes == (128, 128)
     assert cut.input_row_bytes == 128 * 4
     why = (
@@ -151,13 +152,13 @@ def test_auto_entry_keeps_the_input_where_nothing_is_narrower(rank1, seed_rank1)
     collectives: the input, the requirement's layout. attn_entry="input" plans no cut."""
     _, ctx, _ = rank1
     for layer in (0, 1):
-        cut = ctx.entry_cuts[f"layers.{layer}.attn"]
+        cut = entry_cuts(ctx)[f"layers.{layer}.attn"]
         assert not cut.sharded and cut.input_row_bytes == 256
         assert ctx.choices[f"layers.{layer}.attn"] == (
             "attn_entry='auto': the input, 256 B per token row, against 256 B for the cheapest cut"
         )
     _, seed_ctx, _ = seed_rank1
-    assert seed_ctx.plan.entry_cuts == () and seed_ctx.entry_cuts == {}
+    assert seed_ctx.plan.entry_cuts == () and entry_cuts(seed_ctx) == {}
 
 
 def test_graph_text_is_identical_on_every_rank(rank1, rank6_dumped):

@@ -286,18 +286,32 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
             {"tp": 4, "embedding": "tied"},
             "embedding='tied' is not supported; choose one of ('replicated', 'vocab_sharded')",
         ),
-        (
-            {"tp": 4, "dump_after": ["insert", "lower"]},
-            "dump_after names no pass: ['lower']; the passes are ('inline_regions', "
-            "'token_sizes', 'annotate', 'entry_cut', 'insert', 'localize', 'expert_parallel', "
-            "'graph_mode', 'verify')",
-        ),
     ],
 )
 def test_bad_options(options, message):
     with pytest.raises(ValueError) as info:
         BackendOptions.from_dict(options)
     assert str(info.value) == message
+    assert_error(raised(lambda: compile_toy(options)), ValueError, message)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"tp": 4, "dump_after": ["insert", "lower"]},
+            "dump_after names no pass: ['lower']; the passes are ('inline_regions', "
+            "'token_sizes', 'annotate', 'entry_cut', 'insert', 'localize', 'expert_parallel', "
+            "'graph_mode', 'verify')",
+        ),
+        (
+            {"tp": 4, "layout": "replicated"},
+            "layout='replicated' is not a layout of the toy_lm model family; choose one of ('sp',)",
+        ),
+    ],
+)
+def test_options_checked_against_the_pipeline_and_the_model_family(options, message):
+    """Pass names and layouts are the pipeline's and the family's: checked at compile time."""
     assert_error(raised(lambda: compile_toy(options)), ValueError, message)
 
 

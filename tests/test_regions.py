@@ -1,4 +1,4 @@
-"""Compiled regions (`core.regions`): DeepSeek V4.1's decoder layer is a `nested_compile_region`,
+"""Compiled regions (`regions`): DeepSeek V4.1's decoder layer is a `nested_compile_region`,
 so Dynamo traces each layer kind once and calls the traced subgraph at every layer of the kind,
 AOTAutograd turns each into ATen once, and the pipeline's first pass copies it in at each call
 under the call's module path."""
@@ -17,19 +17,19 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 
 import dsv41_compile
-from dsv41_compile.core import regions
+from dsv41_compile import regions
 from dsv41_compile.core.meta import module_paths
-from dsv41_compile.core.regions import (
+from dsv41_compile.model.batches import Request, pack
+from dsv41_compile.model.config import layer_plan
+from dsv41_compile.model.model import Block, DeepseekV41
+from dsv41_compile.planning import plan_rank
+from dsv41_compile.regions import (
     inline_dynamo_regions,
     inline_regions,
     region_calls,
     trace_kinds_once,
     trace_regions_with_meta,
 )
-from dsv41_compile.model.batches import Request, pack
-from dsv41_compile.model.config import layer_plan
-from dsv41_compile.model.model import Block, DeepseekV41
-from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 from dsv41_compile.runtime.host_cache import program_key

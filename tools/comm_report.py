@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from dsv41_compile.model import ModelConfig
+from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.accounting import graph_costs, per_layer_formulas, summarize
 
@@ -81,7 +82,7 @@ def report(
         gm, ctx, _ = plan(cfg, config_options(config, args), world_size=world, max_len=MAX_LEN)
         costs[config] = graph_costs(gm, ctx)
         seconds[config] = time.perf_counter() - start
-        choices[config] = sorted({*ctx.choices.values(), *(info.why for info in ctx.ep_layers)})
+        choices[config] = sorted({*ctx.choices.values(), *(info.why for info in ep_layers(ctx))})
     scenarios = []
     for name, requests, length in SCENARIOS:
         tokens = requests * length

@@ -11,13 +11,14 @@ import argparse
 import time
 from collections import Counter
 
+from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.meta import REGION
+from dsv41_compile.core.placements import format_placement
 from dsv41_compile.model import ModelConfig
+from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.planning import plan_rank
-from dsv41_compile.report.comm import collective_kind
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
-from dsv41_compile.spmd.placements import format_placement
 
 
 def main() -> None:
@@ -87,7 +88,7 @@ def main() -> None:
     print("\nchoices per layer (every layer where a pattern says layers.*):")
     for pattern, why in ctx.choices.items():
         print(f"  {pattern:<20} {why}")
-    for info in ctx.ep_layers:
+    for info in ep_layers(ctx):
         print(f"  {info.region:<20} {info.why}")
     mode = model.plan[args.layer].mode
     print(f"\nlayer {args.layer} ({mode}) of the rewritten graph; T = the DP group's tokens:\n")

@@ -59,7 +59,7 @@ def memory_plan(gm: Any, ctx: Any, *, max_len: int) -> dict[str, Any]:
         size = value.numel() * value.element_size()
         source = ctx.input_sources.get(node.name, "")
         if node.name in ctx.param_fqns:
-            kind = "sharded" if index in ctx.param_shards else "replicated"
+            kind = "sharded" if index in ctx.signature.param_shards else "replicated"
             weights[str(value.dtype).removeprefix("torch.")][kind] += int(size)
         elif source.startswith("cache.") and value.dim() >= 2:
             cache[source] = int(size)

@@ -186,7 +186,6 @@ def check(
     """Per graph ("model config"): unsupported op -> (count, why). `models`: name ->
     `ModelConfig`."""
     from dsv41_compile.planning import plan_rank
-    from dsv41_compile.spmd.localize import local_inputs
     from dsv41_compile.testing.torchair_standin import aot_graph, graph_ops, register_npu_ops
 
     register_npu_ops()  # torch_npu's npu_grouped_matmul, which graph mode emits
@@ -195,7 +194,7 @@ def check(
         for name in configs or CONFIGS:
             options = {"tp": 4, "lowering": "torchair", **CONFIGS[name]}
             gm, ctx, _ = plan_rank(cfg, options, world_size=8)
-            ops = graph_ops(aot_graph(gm, local_inputs(gm, ctx)))
+            ops = graph_ops(aot_graph(gm, ctx.local_inputs(gm)))
             report[f"{model} {name}"] = unsupported(ops, registry)
     return report
 

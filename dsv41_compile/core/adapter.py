@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 if TYPE_CHECKING:
+    from dsv41_compile.core.plan import ShardingPlan
     from dsv41_compile.options import BackendOptions
-    from dsv41_compile.spmd.plan import ShardingPlan
 
 __all__ = [
     "PARTS",
@@ -138,7 +138,7 @@ class ModelAdapter(abc.ABC):
 
     @abc.abstractmethod
     def expected_collectives(self, options: BackendOptions) -> LayerCollectives:
-        """What `options.layout` promises per decoder layer (checked by `spmd.verify`)."""
+        """What `options.layout` promises per decoder layer (checked by `verify`)."""
 
     @abc.abstractmethod
     def check(self, options: BackendOptions, param_shapes: Mapping[str, Sequence[int]]) -> None:

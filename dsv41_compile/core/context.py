@@ -1,43 +1,28 @@
 """What the passes share about one graph being compiled: the mesh, the options, the model
-adapter and its plan, what each placeholder is, and what the passes found (the token-size
-nodes, parameter shards, EP layers, communication records, time per pass)."""
+adapter and its plan, what each placeholder is, the program's signature, and what the passes
+found -- each package's findings as objects of its own types (`put` / `get`), so that this
+module knows none of them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.tensor import Placement
+from torch.fx import GraphModule
 
 from dsv41_compile.core.adapter import ModelAdapter
+from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.mesh import Mesh
+from dsv41_compile.core.meta import EP_TOKENS, GLOBAL_VAL
+from dsv41_compile.core.plan import ShardingPlan
+from dsv41_compile.core.signature import ProgramSignature
+from dsv41_compile.options import BackendOptions
 
-if TYPE_CHECKING:
-    from dsv41_compile.moe.stats import EpLayer
-    from dsv41_compile.options import BackendOptions
-    from dsv41_compile.spmd.entry_cut import EntryCut
-    from dsv41_compile.spmd.plan import ShardingPlan
-    from dsv41_compile.spmd.transitions import TokenSizes
+__all__ = ["CompileContext"]
 
-__all__ = ["CompileContext", "ParamShard"]
-
-
-@dataclass(frozen=True)
-class ParamShard:
-    """A parameter the graph receives as a local shard: chunk `mesh.axis_rank(axis)` of `parts`
-    on `dim` (a tp shard by `tp_rank`, an expert shard by the world rank)."""
-
-    fqn: str
-    placement: Placement
-    dim: int
-    parts: int
-    axis: str
-
-    def local_shape(self, shape: list[int]) -> list[int]:
-        shape = list(shape)
-        shape[self.dim] //= self.parts
-        return shape
+R = TypeVar("R")
+_NONE: Any = object()
 
 
 @dataclass
@@ -62,24 +47,41 @@ class CompileContext:
     cut's collective runs -> the choice and its alternatives' bytes (appended to the
     collective's reason). From the adapter (`ModelAdapter.resolve`: the attention exit) and
     the entry_cut pass (one entry per region it cut)."""
-    entry_cuts: dict[str, EntryCut] = field(default_factory=dict)
-    """Region -> the cut its entry AllGathers moved to (`spmd.entry_cut`)."""
+    signature: ProgramSignature | None = None
+    """The per-rank program's inputs: written by localize (and expert_parallel's `ep_tokens`)."""
     comm: list[dict[str, Any]] = field(default_factory=list)
-    """One record per collective (`report.comm.comm_records`), filled by verify."""
-    sizes: TokenSizes | None = None
-    """The token-size nodes, created by insert."""
-    param_shards: dict[int, ParamShard] = field(default_factory=dict)
-    """Placeholder index -> shard, for parameters held as local shards."""
-    ep_layers: list[EpLayer] = field(default_factory=list)
-    """One `moe.stats.EpLayer` per rewritten routed-experts node, in graph order (the order of
-    the graph's extra EP-statistics outputs)."""
+    """One record per collective (`report.comm.comm_records`), filled once, by verify."""
+    results: dict[type, Any] = field(default_factory=dict)
+    """What the passes found, one object per type, each type its package's (`put`, `get`)."""
     pass_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds spent in each pass (`core.passes.PassManager`)."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Seconds spent in the backend before the passes: `generalize` (the token count made
-    symbolic), `kinds` (each layer kind's ATen traced once, `core.regions.trace_kinds_once`),
+    symbolic), `kinds` (each layer kind's ATen traced once, `regions.trace_kinds_once`),
     `aot` (AOTAutograd's trace of the model with each kind's calls as one operator). Dynamo's
     own time is the caller's to measure: it ends where the backend starts."""
     kinds_traced: int = 0
-    """How many layer kinds `core.regions.trace_kinds_once` traced (each once, whatever the
+    """How many layer kinds `regions.trace_kinds_once` traced (each once, whatever the
     number of layers of the kind)."""
+
+    def local_inputs(self, gm: GraphModule) -> list[Any]:
+        """Fake values of the inputs of `gm`, the per-rank graph being compiled (after
+        `localize`): `signature.local_fakes` of its placeholders' global values."""
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        model = [n.meta.get(GLOBAL_VAL, n.meta.get("val")) for n in placeholders]
+        ep_tokens = next((n.meta["val"] for n in placeholders if n.name == EP_TOKENS), None)
+        loaded = self.options.checkpoint is not None
+        return self.signature.local_fakes(model, self.fake_mode, loaded=loaded, ep_tokens=ep_tokens)
+
+    def put(self, result: object) -> None:
+        """Keep a pass's finding, by its type (one per type: a later `put` replaces it)."""
+        self.results[type(result)] = result
+
+    def get(self, kind: type[R], default: R = _NONE) -> R:
+        """The finding of type `kind` a pass kept; `default` when no pass did (an
+        `InternalError` without one: the pass that makes it has not run)."""
+        if kind in self.results:
+            return self.results[kind]
+        if default is _NONE:
+            raise InternalError(f"no pass has kept a {kind.__name__} for this compile")
+        return default

@@ -4,30 +4,25 @@
         compiled(input_ids, positions, slots, cache)
 
 Hooks are process-wide while installed (every graph `dsv41_sp` compiles in the block sees them)
-and stack: an inner block adds to the outer one. A hook that watches the pipeline
+and stack: an inner block adds to the outer one. `pass_manager` builds the pipeline's pass
+manager with the installed hooks. A hook that watches the pipeline
 (`after_pass`, `on_pipeline`, `stop_after`) or adds a pass without a cache tag makes the compiles
 it sees run the pipeline on this rank (no program is loaded from the host's cache).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.fx import GraphModule
 
-if TYPE_CHECKING:
-    from dsv41_compile.core.context import CompileContext
-    from dsv41_compile.core.passes import Pass
+from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.passes import GraphWriter, Pass, PassManager, PipelineStopped
 
-__all__ = ["Hooks", "PipelineStopped", "active", "installed"]
-
-
-class PipelineStopped(Exception):
-    """Raised after the pass named by `Hooks.stop_after`: the graph is rewritten and verified,
-    nothing is lowered or run (planning on a fake world, whose collectives move no data)."""
+__all__ = ["Hooks", "PipelineStopped", "active", "installed", "pass_manager"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +49,18 @@ _ACTIVE: list[Hooks] = []
 
 def active() -> tuple[Hooks, ...]:
     return tuple(_ACTIVE)
+
+
+def pass_manager(passes: Sequence[Pass], *, write_graph: GraphWriter) -> PassManager:
+    """A manager of `passes`, then the installed hooks' extra passes, watched by their
+    `after_pass` and stopped by their `stop_after`."""
+    hooks = active()
+    return PassManager(
+        (*passes, *(p for h in hooks for p in h.extra_passes)),
+        write_graph=write_graph,
+        watchers=[h.after_pass for h in hooks if h.after_pass is not None],
+        stop_after={h.stop_after for h in hooks if h.stop_after},
+    )
 
 
 @contextmanager

@@ -9,6 +9,8 @@ import torch
 from torch.fx import Node
 
 __all__ = [
+    "EP_SOURCE",
+    "EP_TOKENS",
     "GLOBAL_VAL",
     "IN",
     "NAMED",
@@ -36,6 +38,13 @@ REASON = "dsv41_reason"  # str: on inserted nodes, why they exist
 GLOBAL_VAL = "dsv41_global_val"  # the node's value before localization (global shapes)
 SYMBOL = "dsv41_symbol"  # str: the name a size node prints as ("T", "Tl_max"); see core.symbols
 NAMED = "dsv41_named"  # bool: a pass chose the node's name (`Emitter.named`); printers keep it
+EP_SOURCE = (
+    "dsv41_ep_source"  # bool: the node reads what the EP dispatch sends (its first argument)
+)
+
+EP_TOKENS = "ep_tokens"
+"""The padded EP lowering's extra graph input: the largest token-shard length Tl over the EP group
+(the DP groups' token counts differ), agreed on the host before each call."""
 
 _ROOT = re.compile(r"^L\['self'\]\.?")
 

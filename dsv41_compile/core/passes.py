@@ -3,29 +3,26 @@
 Each `Pass` is a name, a function `run(gm, *, ctx)` that rewrites the graph in place and
 documents what it requires and ensures, and a predicate saying when it runs. The manager times
 every pass (`ctx.pass_seconds`), logs it (logger `dsv41_compile`, level INFO), writes the graph
-after the passes named in the `dump_after` option, calls the installed hooks (`core.hooks`),
-and turns a broken invariant into an `InternalError` that names the pass and points at the
-graph it left behind.
+after the passes named in the `dump_after` option, calls its watchers after each pass and stops
+where asked (`core.hooks.pass_manager` makes one with the installed hooks), and turns a broken
+invariant into an `InternalError` that names the pass and points at the graph it left
+behind.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from torch.fx import GraphModule
 
+from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
-from dsv41_compile.core.hooks import PipelineStopped, active
 
-if TYPE_CHECKING:
-    from dsv41_compile.core.context import CompileContext
-
-__all__ = ["Pass", "PassManager"]
+__all__ = ["GraphWriter", "Pass", "PassManager", "PipelineStopped"]
 
 log = logging.getLogger("dsv41_compile")
 
@@ -47,27 +44,41 @@ class Pass:
     the cache off for the compiles it sees."""
 
 
-GraphWriter = Callable[[GraphModule, "CompileContext", str], Path]
+GraphWriter = Callable[[GraphModule, CompileContext, str], Path]
 """Writes the graph as text under a name (`after_insert`) and returns the file."""
+Watcher = Callable[[str, GraphModule, CompileContext], None]
+"""Called after a pass ran, with its name; must not change the graph."""
+
+
+class PipelineStopped(Exception):
+    """Raised after a pass the manager was asked to stop after: the graph is rewritten as far as
+    that pass, nothing is lowered or run (`Hooks.stop_after`: planning on a fake world, whose
+    collectives move no data)."""
 
 
 class PassManager:
-    def __init__(self, passes: Sequence[Pass], *, write_graph: GraphWriter) -> None:
+    def __init__(
+        self,
+        passes: Sequence[Pass],
+        *,
+        write_graph: GraphWriter,
+        watchers: Sequence[Watcher] = (),
+        stop_after: Collection[str] = (),
+    ) -> None:
         names = [p.name for p in passes]
         if len(set(names)) != len(names):
             raise ValueError(f"pass names must be unique, got {names}")
         self.passes = tuple(passes)
         self.write_graph = write_graph
+        self.watchers = tuple(watchers)
+        self.stop_after = frozenset(stop_after)
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.passes)
 
     def run(self, gm: GraphModule, ctx: CompileContext) -> None:
-        hooks = active()
-        extra = tuple(p for h in hooks for p in h.extra_passes)
-        stop = {h.stop_after for h in hooks if h.stop_after}
-        for p in (*self.passes, *extra):
+        for p in self.passes:
             if not p.enabled(ctx):
                 log.debug("pass %s: skipped", p.name)
                 continue
@@ -83,10 +94,9 @@ class PassManager:
             log.info("pass %s: %.2f s, %d nodes", p.name, seconds, len(gm.graph.nodes))
             if p.name in ctx.options.dump_after:
                 self.write_graph(gm, ctx, f"after_{p.name}")
-            for h in hooks:
-                if h.after_pass is not None:
-                    h.after_pass(p.name, gm, ctx)
-            if p.name in stop:
+            for watch in self.watchers:
+                watch(p.name, gm, ctx)
+            if p.name in self.stop_after:
                 raise PipelineStopped(p.name)
 
     def _report(

@@ -17,7 +17,7 @@ rows it holds):
     sum       each token's k outputs are added in fp32 at the source
 
 plus one `[2, ep]` int64 output per MoE layer -- the assignments this rank sent to and received
-from each rank -- appended to the graph's outputs and described by `ctx.ep_layers`.
+from each rank -- appended to the graph's outputs and described by `EpLayers` (`moe.stats.ep_layers(ctx)`).
 
 That is one row per (token, expert) assignment (`ep_rows="per_assignment"`). With
 `ep_rows="per_rank"` (DeepEP's normal mode) a row is a (token, destination rank) pair: the
@@ -51,11 +51,21 @@ from torch.fx import Graph, GraphModule, Node, Proxy
 from dsv41_compile.core.adapter import RoutedExperts
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.emitter import Emitter, cast
-from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REASON, REGION, SYMBOL, replace_node
-from dsv41_compile.moe.stats import EP_ROWS, EP_TOKENS, EpLayer
-from dsv41_compile.spmd.placements import ExpertShard
+from dsv41_compile.core.meta import (
+    EP_SOURCE,
+    EP_TOKENS,
+    GLOBAL_VAL,
+    IN,
+    OUT,
+    REASON,
+    REGION,
+    SYMBOL,
+    replace_node,
+)
+from dsv41_compile.core.placements import ExpertShard
+from dsv41_compile.moe.stats import EP_ROWS, EpLayer, EpLayers
 
-__all__ = ["EP_SOURCE", "dispatched_values", "expert_parallel", "sharded_routed_experts"]
+__all__ = ["expert_parallel", "sharded_routed_experts"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -74,19 +84,9 @@ def sharded_routed_experts(
     return found
 
 
-EP_SOURCE = "dsv41_ep_source"
-"""meta key: the node reads what a rank dispatches -- its first argument is the routed
-experts' token rows or routing table (`dispatched_values`)."""
-
-
 def _dispatched(value: Proxy) -> Proxy:
     value.node.meta[EP_SOURCE] = True
     return value
-
-
-def dispatched_values(gm: GraphModule) -> list[Node]:
-    """The values the EP dispatches of `gm` send: token rows and routing tables."""
-    return [n.args[0] for n in gm.graph.nodes if n.meta.get(EP_SOURCE)]
 
 
 def expert_parallel(gm: GraphModule, *, ctx: CompileContext) -> None:
@@ -95,7 +95,11 @@ def expert_parallel(gm: GraphModule, *, ctx: CompileContext) -> None:
     ep_tokens = (
         _ep_tokens_input(graph, ctx) if targets and ctx.options.ep_dispatch == "padded" else None
     )
-    stats = [_rewrite(graph, node, spec, ctx, ep_tokens) for node, spec in targets]
+    rewritten = [_rewrite(graph, node, spec, ctx, ep_tokens) for node, spec in targets]
+    stats = [node for node, _ in rewritten]
+    ctx.put(EpLayers(tuple(info for _, info in rewritten)))
+    if ep_tokens is not None:
+        ctx.signature = ctx.signature.with_ep_tokens()
     if stats and ctx.options.ep_dispatch == "exact":
         # The split sizes are read on the host: fake propagation (validate, inductor) must give
         # them unbacked symbols rather than refuse.
@@ -139,7 +143,7 @@ class _Routed:
 
 def _rewrite(
     graph: Graph, node: Node, spec: RoutedExperts, ctx: CompileContext, ep_tokens: Node | None
-) -> Node:
+) -> tuple[Node, EpLayer]:
     x, idx, w = node.args[:3]
     weights = [node.args[i] for i in spec.weight_args()]
     constants = node.args[3 + spec.n_weights :]
@@ -174,8 +178,7 @@ def _rewrite(
     for new in added:  # the choice, where graph.py shows the dispatch
         if new.name.startswith("ep_rows"):
             new.meta[REASON] = f"{new.meta[REASON]} ({info.why})"
-    ctx.ep_layers.append(info)
-    return stats.node
+    return stats.node, info
 
 
 def _choose_rows(info: EpLayer, option: str) -> EpLayer:

@@ -15,9 +15,8 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.fx import Node
 
 from dsv41_compile.core.adapter import RoutedExperts
-from dsv41_compile.spmd.dtensor_adapter import Strategy
-from dsv41_compile.spmd.placements import ExpertShard
-from dsv41_compile.spmd.rules import RuleFn
+from dsv41_compile.core.placements import ExpertShard
+from dsv41_compile.core.strategy import RuleFn, Strategy
 
 __all__ = ["routed_experts_rule"]
 

@@ -10,7 +10,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALL_TO_ALLS", "COUNT_BYTES", "EP_ROWS", "EP_TOKENS", "ROUTE_ROW_BYTES", "EpLayer"]
+from dsv41_compile.core.context import CompileContext
+
+__all__ = [
+    "ALL_TO_ALLS",
+    "COUNT_BYTES",
+    "EP_ROWS",
+    "ROUTE_ROW_BYTES",
+    "EpLayer",
+    "EpLayers",
+    "ep_layers",
+]
 
 ALL_TO_ALLS = {"exact": 4, "padded": 3}
 """All-to-alls per MoE layer: (counts,) token rows, routes, combined outputs."""
@@ -113,6 +123,14 @@ class EpLayer:
         }
 
 
-EP_TOKENS = "ep_tokens"
-"""The padded lowering's extra graph input: the largest token-shard length Tl over the EP group
-(the DP groups' token counts differ), agreed on the host before each call."""
+@dataclass(frozen=True)
+class EpLayers:
+    """What `expert_parallel` kept for a compile: one `EpLayer` per rewritten routed-experts
+    node, in graph order (the order of the graph's extra EP-statistics outputs)."""
+
+    layers: tuple[EpLayer, ...]
+
+
+def ep_layers(ctx: CompileContext) -> tuple[EpLayer, ...]:
+    """The MoE layers lowered over the EP group in this compile (none without EP)."""
+    return ctx.get(EpLayers, EpLayers(())).layers

@@ -35,12 +35,13 @@ from torch.fx import GraphModule, Node
 from torch.utils._sympy.functions import FloorDiv
 
 from dsv41_compile.core.adapter import PARTS
+from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import module_paths
 from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols
-from dsv41_compile.moe.stats import EpLayer
-from dsv41_compile.report.comm import collective_bytes, collective_kind
+from dsv41_compile.moe.stats import EpLayer, ep_layers
+from dsv41_compile.report.comm import collective_bytes
 
 __all__ = ["PARTS", "Cost", "graph_costs", "per_layer_formulas", "summarize"]
 
@@ -206,7 +207,7 @@ def _rows_per_peer(info: EpLayer) -> sympy.Rational:
 def _ep_layer(node: Node, ctx: CompileContext) -> EpLayer | None:
     """The expert-parallel MoE layer `node` belongs to, if any."""
     paths = module_paths(node)
-    return next((info for info in ctx.ep_layers if info.region in paths), None)
+    return next((info for info in ep_layers(ctx) if info.region in paths), None)
 
 
 def _in_t(expr: sympy.Expr, names: dict[object, sympy.Expr], node: Node) -> sympy.Expr:

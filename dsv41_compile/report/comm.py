@@ -18,42 +18,19 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from dsv41_compile.core.collectives import collective_axis, collective_kind
 from dsv41_compile.core.context import CompileContext
-from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import REASON, REGION
 from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols, in_named_symbols, size_expr
 
 __all__ = [
-    "COLLECTIVES",
     "EXAMPLE_TOKEN_COUNTS",
-    "collective_axis",
     "collective_bytes",
-    "collective_kind",
     "comm_records",
     "format_size",
 ]
 
-c10d = torch.ops._c10d_functional
-COLLECTIVES = {
-    c10d.all_gather_into_tensor.default: "all_gather",
-    c10d.reduce_scatter_tensor.default: "reduce_scatter",
-    c10d.all_reduce.default: "all_reduce",
-    c10d.all_to_all_single.default: "all_to_all",
-}
 EXAMPLE_TOKEN_COUNTS = (1, 8, 2048)
-
-
-def collective_kind(node: Node) -> str | None:
-    return COLLECTIVES.get(node.target) if node.op == "call_function" else None
-
-
-def collective_axis(node: Node, ctx: CompileContext) -> str:
-    group = node.args[-1]
-    if group == ctx.mesh.tp_group_name:
-        return "tp"
-    if group == ctx.mesh.ep_group_name:
-        return "ep"
-    raise InternalError(f"a collective runs on an unknown process group {group!r}", node)
 
 
 def _numel(val: torch.Tensor) -> sympy.Expr:
@@ -70,7 +47,7 @@ def _a2a_bytes(splits: list[object], val: torch.Tensor, rank: int) -> sympy.Expr
 def collective_bytes(node: Node, ctx: CompileContext) -> tuple[str, int, sympy.Expr, sympy.Expr]:
     """(axis, group size, bytes this rank sends, bytes it receives) of a collective node, in the
     graph's own symbols (data-dependent all-to-all splits stay unbacked symbols)."""
-    kind, axis = collective_kind(node), collective_axis(node, ctx)
+    kind, axis = collective_kind(node), collective_axis(node, ctx.mesh)
     inp, out = node.args[0].meta["val"], node.meta["val"]
     tp = ctx.mesh.tp
     if kind == "all_to_all":

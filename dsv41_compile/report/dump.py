@@ -38,9 +38,10 @@ def graph_text(gm: GraphModule, ctx: CompileContext) -> str:
     layer planned the same as an earlier one as one line that calls it (`format_folded`). The
     same on every rank (the rank enters as the `tp_rank` input)."""
     labels, groups = graph_labels(ctx)
+    shards = ctx.signature.param_shards
     inputs = [
         f"#   {labels.get(n.name, n.name)}"
-        + (f"  (local shard {ctx.param_shards[i].placement})" if i in ctx.param_shards else "")
+        + (f"  (local shard {shards[i].placement})" if i in shards else "")
         for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
     ]
     body = format_folded(gm, labels=labels, groups=groups, unit_of=lambda n: _layer(n, ctx))

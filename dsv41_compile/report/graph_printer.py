@@ -22,8 +22,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from dsv41_compile.core.meta import NAMED, OUT, REASON, REGION
+from dsv41_compile.core.placements import format_placement
 from dsv41_compile.core.symbols import graph_symbols
-from dsv41_compile.spmd.placements import format_placement
 
 __all__ = ["format_folded", "format_graph"]
 

@@ -98,9 +98,7 @@ class Artifact:
 
     graph: bytes
     spec: Any
-    """`runtime.program.ProgramSpec`."""
-    report: Any
-    """`runtime.program.ProgramReport`."""
+    """`runtime.program.ProgramSpec`: its inputs, EP layers and dumps."""
     guards: tuple[sympy.Expr, ...] = ()
     """The guards the compile added, over the inputs' canonical symbols (`canonical_symbols`)."""
     restart: tuple[str, ...] | None = None

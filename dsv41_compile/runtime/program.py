@@ -1,8 +1,9 @@
 """The per-rank program as AOTAutograd calls it, once per call of the compiled model.
 
-`ProgramSpec` is what a call needs besides the compiled graph -- which inputs are parameter
-shards, where the token count is, the EP layers -- and is the same on every rank (the host
-compile cache stores it, `runtime.host_cache`). `ShardedProgram` binds it to this rank.
+`ProgramSpec` is what a program is besides its compiled graph -- its inputs (which are
+parameter shards, where the token count is: `core.signature.ProgramSignature`), its EP layers,
+what its dumps show -- and is the same on every rank (the host compile cache stores it,
+`runtime.host_cache`). `ShardedProgram` binds it to this rank.
 """
 
 from __future__ import annotations
@@ -14,40 +15,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsv41_compile.core.context import ParamShard
 from dsv41_compile.core.mesh import Mesh
+from dsv41_compile.core.signature import ProgramSignature
 from dsv41_compile.moe.stats import EpLayer
 from dsv41_compile.runtime.checks import check_same_inputs, collective_failure
 
-__all__ = ["ProgramReport", "ProgramSpec", "ShardedProgram"]
+__all__ = ["ProgramSpec", "ShardedProgram"]
 
 
 @dataclass(frozen=True)
 class ProgramSpec:
-    param_shards: dict[int, ParamShard]
-    """Input index -> the shard of that parameter the graph takes."""
-    token_index: int
-    """Input index of the token input (its length is T)."""
-    token_inputs: tuple[tuple[int, str], ...] = ()
-    """(input index, name) of every input whose dim 0 is the token count."""
-    param_indices: frozenset[int] = frozenset()
-    """The inputs that are the model's weights (sharded or not)."""
+    """A per-rank program besides its graph, the same on every rank."""
+
+    signature: ProgramSignature
+    """Its inputs."""
     ep_layers: tuple[EpLayer, ...] = ()
     """One per MoE layer lowered over the EP group: the graph's trailing statistics outputs."""
-    ep_tokens_input: bool = False
-    """The graph takes `ep_tokens` (padded EP dispatch) after `tp_rank`."""
-    params: tuple[tuple[int, str, tuple[int, ...], torch.dtype], ...] = ()
-    """(input index, FQN, global shape, dtype) of every parameter input (not buffers)."""
-
-
-@dataclass(frozen=True)
-class ProgramReport:
-    """What the program's dumps show, the same on every rank: the graph as text
-    (`report.dump.graph_text`; None unless the options ask for a dump, `dump_dir`: printing
-    flash's graph takes seconds) and one record per collective (`report.comm.comm_records`)."""
-
-    text: str | None
-    comm: list[dict[str, Any]]
+    text: str | None = None
+    """The graph as `graph.py` shows it (`report.dump.graph_text`); None unless the options ask
+    for a dump (`dump_dir`: printing flash's graph takes seconds)."""
+    comm: tuple[dict[str, Any], ...] = ()
+    """One record per collective (`report.comm.comm_records`)."""
 
 
 class ShardedProgram:
@@ -67,7 +55,6 @@ class ShardedProgram:
         compiled: Callable[..., Any],
         spec: ProgramSpec,
         *,
-        report: ProgramReport | None = None,
         tp: int,
         tp_rank: int,
         rank: int,
@@ -76,7 +63,7 @@ class ShardedProgram:
         check_inputs: dist.ProcessGroup | None = None,
         weights: dict[int, torch.Tensor] | None = None,
     ) -> None:
-        self.compiled, self.spec, self.report = compiled, spec, report
+        self.compiled, self.spec, self.signature = compiled, spec, spec.signature
         self.tp, self.tp_rank, self.rank, self.device_type = tp, tp_rank, rank, device_type
         self.on_ep_stats = on_ep_stats
         self.check_inputs = check_inputs
@@ -110,7 +97,7 @@ class ShardedProgram:
         cached = self._shards.get(index)
         if cached is not None and cached[0] is full and cached[1] == full._version:
             return cached[2]
-        shard = self.spec.param_shards[index]
+        shard = self.signature.param_shards[index]
         part = self.tp_rank if shard.axis == "tp" else self.rank
         local = full.chunk(shard.parts, shard.dim)[part].contiguous()
         self._shards[index] = (full, full._version, local)
@@ -134,22 +121,22 @@ class ShardedProgram:
 
     def _call(self, args: list[Any]) -> Any:
         if self.check_inputs is not None:
-            indices, names = zip(*self.spec.token_inputs)
+            indices, names = zip(*self.signature.token_positions)
             check_same_inputs(
                 [args[i] for i in indices], names, self.check_inputs, self.rank // self.tp
             )
-        tokens = args[self.spec.token_index].shape[0]
+        tokens = args[self.signature.token_index].shape[0]
         if self.weights is not None:
             for index, weight in self.weights.items():
                 args[index] = weight
         else:
-            for index in self.spec.param_shards:
+            for index in self.signature.param_shards:
                 args[index] = self.local_shard(index, args[index])
         if self.tp_rank_tensor is None:
             self.tp_rank_tensor = torch.tensor(self.tp_rank, dtype=torch.int64)
         args.append(self.tp_rank_tensor)
         ep_tokens = -(-tokens // self.tp)
-        if self.spec.ep_tokens_input:
+        if self.signature.ep_tokens:
             ep_tokens = self.agree_ep_tokens(tokens)
             args.append(ep_tokens)
         self.ep_tokens = ep_tokens

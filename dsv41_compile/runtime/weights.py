@@ -17,8 +17,8 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from dsv41_compile.core.adapter import ModelAdapter, WeightInput, WeightSlice
-from dsv41_compile.core.context import ParamShard
 from dsv41_compile.core.mesh import Mesh
+from dsv41_compile.core.signature import ProgramSignature
 
 __all__ = ["READ", "rank_weights", "weight_inputs"]
 
@@ -27,20 +27,14 @@ READ: dict[str, int] = {}
 """Bytes this process read per checkpoint tensor (scales included)."""
 
 
-def weight_inputs(
-    params: tuple[tuple[int, str, tuple[int, ...], torch.dtype], ...],
-    shards: dict[int, ParamShard],
-    mesh: Mesh,
-) -> dict[int, WeightInput]:
-    """Input index -> what this rank holds of that parameter."""
+def weight_inputs(signature: ProgramSignature, mesh: Mesh) -> dict[int, WeightInput]:
+    """Input index -> what this rank holds of that parameter (buffers are not read)."""
     out = {}
-    for index, fqn, shape, dtype in params:
-        shard = shards.get(index)
+    for p in signature.weights:
         part = None
-        if shard is not None:
-            rank = mesh.tp_rank if shard.axis == "tp" else mesh.rank
-            part = WeightSlice(shard.dim, rank, shard.parts)
-        out[index] = WeightInput(fqn, shape, dtype, part)
+        if p.shard is not None:
+            part = WeightSlice(p.shard.dim, mesh.axis_rank(p.shard.axis), p.shard.parts)
+        out[p.index] = WeightInput(p.fqn, p.shape, p.dtype, part)
     return out
 
 

@@ -34,7 +34,7 @@ from dsv41_compile.core.meta import (
     module_paths,
     tensor_inputs,
 )
-from dsv41_compile.spmd.placements import ExpertShard, format_placement
+from dsv41_compile.core.placements import ExpertShard, format_placement
 from dsv41_compile.spmd.rules import strategy_for
 
 __all__ = ["annotate", "exit_placement"]

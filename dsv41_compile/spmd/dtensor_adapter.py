@@ -27,9 +27,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.utils._pytree import tree_leaves, tree_map
 
-from dsv41_compile.spmd.placements import format_placement
+from dsv41_compile.core.strategy import Strategy
 
-__all__ = ["PlacedTensor", "Strategy", "propagate"]
+__all__ = ["PlacedTensor", "propagate"]
 
 
 @dataclass(frozen=True)
@@ -39,21 +39,6 @@ class PlacedTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     placement: Placement
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """DTensor's answer for one op: the placement each tensor input must have (equal to the
-    given one unless the rule asks for a redistribution), one per tensor leaf of the arguments in
-    pytree order, and the placement of each output (None for a non-tensor output)."""
-
-    inputs: tuple[Placement, ...]
-    outputs: tuple[Placement | None, ...]
-
-    def __str__(self) -> str:
-        ins = ", ".join(format_placement(p) for p in self.inputs)
-        outs = ", ".join(format_placement(p) for p in self.outputs)
-        return f"({ins}) -> {outs}"
 
 
 def _spec(mesh: DeviceMesh, arg: PlacedTensor) -> DTensorSpec:

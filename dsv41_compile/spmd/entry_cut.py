@@ -4,7 +4,7 @@ Requires: annotate. Ensures: in every region the plan lets cut (`ShardingPlan.en
 ops on the input's side of the cheapest cut run on token shards (their `meta[IN]`, `meta[OUT]`
 and `meta[RULE]` rewritten), so that insert gathers the values crossing the cut where it
 gathered the region's input; every other node keeps its placements. The cut of each region is
-in `ctx.entry_cuts` and its reason in `ctx.choices`, which insert appends to its AllGathers.
+in `EntryCuts` (`entry_cuts(ctx)`) and its reason in `ctx.choices`, which insert appends to its AllGathers.
 
 A region with a Replicate anchor (sp's attention) receives its token-sharded input x gathered:
 every op in it runs on all T rows. Some of those ops act row by row with replicated weights
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import networkx as nx
@@ -42,10 +43,10 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import IN, OUT, REGION, RULE, module_paths, tensor_inputs
-from dsv41_compile.spmd.plan import pattern_matches
+from dsv41_compile.core.plan import pattern_matches
 from dsv41_compile.spmd.rules import strategy_for
 
-__all__ = ["EntryCut", "entry_cut"]
+__all__ = ["EntryCut", "EntryCuts", "entry_cut", "entry_cuts"]
 
 _TOKENS = Shard(0)
 
@@ -83,6 +84,18 @@ class EntryCut:
         )
 
 
+@dataclass(frozen=True)
+class EntryCuts:
+    """What the pass kept for a compile: region -> the cut its entry AllGathers moved to."""
+
+    regions: Mapping[str, EntryCut]
+
+
+def entry_cuts(ctx: CompileContext) -> Mapping[str, EntryCut]:
+    """The regions the pass cut in this compile (none when it did not run)."""
+    return ctx.get(EntryCuts, EntryCuts({})).regions
+
+
 def _label(node: Node, region: str) -> str:
     """What made `node`: its module relative to `region` (`q_norm`, `indexer.weights_proj`), or
     its op where the region's own code made it (`cat`). The graph's AllGathers name the node."""
@@ -106,12 +119,14 @@ def entry_cut(gm: GraphModule, *, ctx: CompileContext) -> None:
         if n.op == "placeholder" and ctx.input_sources.get(n.name) in ctx.adapter.token_inputs
     ]  # fmt: skip
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    cuts = {}
     for region, nodes in regions.items():
         cut = _cut(region, nodes, ctx, token_count, token_inputs, order)
         if cut is None:
             continue
-        ctx.entry_cuts[region] = cut
+        cuts[region] = cut
         ctx.choices[region] = cut.why(f"attn_entry={ctx.options.attn_entry!r}")
+    ctx.put(EntryCuts(cuts))
 
 
 def _row_bytes(node: Node) -> int | None:

@@ -17,9 +17,9 @@ from torch.fx import GraphModule, Node
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REGION, RULE
+from dsv41_compile.core.placements import format_placement
+from dsv41_compile.core.plan import pattern_matches
 from dsv41_compile.spmd.annotate import exit_placement
-from dsv41_compile.spmd.placements import format_placement
-from dsv41_compile.spmd.plan import pattern_matches
 from dsv41_compile.spmd.transitions import TokenSizes, pad_value, redistribute
 
 __all__ = ["insert_collectives"]
@@ -28,7 +28,8 @@ __all__ = ["insert_collectives"]
 def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> None:
     graph = gm.graph
     token_input = next(n for n in graph.nodes if n.name == ctx.token_input)
-    sizes = ctx.sizes = TokenSizes.create(graph, token_input, ctx.mesh.tp, ctx.mesh.tp_group_name)
+    sizes = TokenSizes.create(graph, token_input, ctx.mesh.tp, ctx.mesh.tp_group_name)
+    ctx.put(sizes)
     done: dict[tuple[Node, Placement, int], Node] = {}
     for node in list(graph.nodes):
         needed: tuple[Placement, ...] | None = node.meta.get(IN)

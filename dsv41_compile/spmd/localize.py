@@ -1,8 +1,9 @@
 """localize: global shapes -> per-rank shapes.
 
 Requires: annotate and insert (placements on every node, collectives in place).
-Ensures: sharded parameters are recorded in `ctx.param_shards` (the runtime hands the graph the
-local shard, sliced once: a tp shard by `tp_rank`, an expert shard by the world rank); every size argument that names a sharded dim is the local size (a
+Ensures: `ctx.signature`, the program's inputs, with the shard of each sharded parameter (the
+runtime hands the graph the local shard, sliced once: a tp shard by `tp_rank`, an expert shard
+by the world rank); every size argument that names a sharded dim is the local size (a
 `-1` where the op can infer it, the token-shard length `Tl`, or `size // tp`); a vocab-sharded
 embedding looks up only its own rows and leaves zeros elsewhere (its partial sum). Ops that
 would create a sharded tensor from a global size are refused.
@@ -11,19 +12,19 @@ would create a sharded tensor from a global size are refused.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from dsv41_compile.core.context import CompileContext, ParamShard
+from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import GLOBAL_VAL, OUT, REASON, describe
-from dsv41_compile.moe.stats import EP_TOKENS
-from dsv41_compile.spmd.placements import ExpertShard
+from dsv41_compile.core.placements import ExpertShard
+from dsv41_compile.core.signature import ParamInput, ParamShard, ProgramSignature
+from dsv41_compile.spmd.transitions import TokenSizes
 
-__all__ = ["local_inputs", "localize"]
+__all__ = ["localize"]
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
@@ -37,14 +38,7 @@ _FACTORIES = {
 def localize(gm: GraphModule, *, ctx: CompileContext) -> None:
     mesh = ctx.mesh
     tp = mesh.tp
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for index, node in enumerate(placeholders):
-        placement = node.meta.get(OUT)
-        fqn = ctx.param_fqns.get(node.name)
-        if fqn is not None and isinstance(placement, Shard):
-            ctx.param_shards[index] = ParamShard(fqn, placement, placement.dim, tp, "tp")
-        elif fqn is not None and isinstance(placement, ExpertShard):
-            ctx.param_shards[index] = ParamShard(fqn, placement, placement.dim, mesh.ep, "ep")
+    ctx.signature = _signature(gm, ctx)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
@@ -66,33 +60,27 @@ def localize(gm: GraphModule, *, ctx: CompileContext) -> None:
     gm.recompile()
 
 
-def local_inputs(gm: GraphModule, ctx: CompileContext) -> list[Any]:
-    """Fake values of the per-rank graph's inputs: local parameter shards, `tp_rank`, and the
-    (unchanged) model inputs. With the `checkpoint` option every parameter is a contiguous
-    tensor of the rank's own (`runtime.weights`)."""
-    inputs = []
+def _signature(gm: GraphModule, ctx: CompileContext) -> ProgramSignature:
+    """The model's inputs (before `tp_rank`), each parameter with the shard its placement asks
+    for."""
+    params, inputs = [], []
     for index, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         if node.name == "tp_rank":
-            with ctx.fake_mode:
-                inputs.append(torch.zeros((), dtype=torch.int64))
+            break
+        fqn = ctx.param_fqns.get(node.name)
+        if fqn is None:
+            inputs.append((index, ctx.input_sources[node.name]))
             continue
-        if node.name == EP_TOKENS:
-            inputs.append(node.meta["val"])
-            continue
-        val = node.meta.get(GLOBAL_VAL, node.meta.get("val"))
-        loaded = (
-            ctx.options.checkpoint is not None
-            and node.name in ctx.param_fqns
-            and node.name not in ctx.buffers
-        )
-        if index in ctx.param_shards or loaded:  # contiguous, as the program passes them
-            shape = list(val.shape)
-            if index in ctx.param_shards:
-                shape = ctx.param_shards[index].local_shape(shape)
-            with ctx.fake_mode:
-                val = torch.empty(shape, dtype=val.dtype, device=val.device)
-        inputs.append(val)
-    return inputs
+        placement, val = node.meta.get(OUT), node.meta.get(GLOBAL_VAL, node.meta.get("val"))
+        shard = None
+        if isinstance(placement, Shard):
+            shard = ParamShard(fqn, placement, placement.dim, ctx.mesh.tp, "tp")
+        elif isinstance(placement, ExpertShard):
+            shard = ParamShard(fqn, placement, placement.dim, ctx.mesh.ep, "ep")
+        buffer = node.name in ctx.buffers
+        shape = tuple(int(s) for s in val.shape)
+        params.append(ParamInput(index, fqn, shape, val.dtype, buffer, shard))
+    return ProgramSignature(tuple(params), tuple(inputs), tuple(ctx.adapter.token_inputs))
 
 
 def _local_view_sizes(node: Node, sizes: list[object], dim: int, tp: int) -> list[object]:
@@ -130,8 +118,8 @@ def _local_expand_sizes(node: Node, dim: int, ctx: CompileContext) -> list[objec
     size = sizes[dim]
     if isinstance(size, int) and size % ctx.mesh.tp == 0:
         sizes[dim] = size // ctx.mesh.tp
-    elif isinstance(size, Node) and size.meta.get("val") == ctx.sizes.T.meta.get("val"):
-        sizes[dim] = ctx.sizes.Tl
+    elif isinstance(size, Node) and size.meta.get("val") == ctx.get(TokenSizes).T.meta.get("val"):
+        sizes[dim] = ctx.get(TokenSizes).Tl
     else:
         raise NotImplementedError(f"{describe(node)}: cannot localize a broadcast to a sharded dim")
     return sizes
@@ -158,7 +146,7 @@ def _localize_vocab_sharded_embedding(gm: GraphModule, node: Node, ctx: CompileC
     rows = weight.meta[GLOBAL_VAL].shape[0] // ctx.mesh.tp
     g = gm.graph
     with g.inserting_before(node):
-        offset = g.call_function(aten.mul.Tensor, (ctx.sizes.tp_rank, rows))
+        offset = g.call_function(aten.mul.Tensor, (ctx.get(TokenSizes).tp_rank, rows))
         local = g.call_function(aten.sub.Tensor, (ids, offset))
         mine = g.call_function(
             aten.bitwise_and.Tensor,

@@ -21,17 +21,13 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dsv41_compile.core.meta import describe, is_tensor
+from dsv41_compile.core.placements import format_placement
+from dsv41_compile.core.strategy import RuleFn, Strategy
 from dsv41_compile.core.symbols import hint, hint_shape
-from dsv41_compile.spmd.dtensor_adapter import (
-    PlacedTensor,
-    Strategy,
-    format_placement,
-    propagate,
-)
+from dsv41_compile.spmd.dtensor_adapter import PlacedTensor, propagate
 
-__all__ = ["RuleFn", "rule", "strategy_for"]
+__all__ = ["rule", "strategy_for"]
 
-RuleFn = Callable[[Node, Sequence[Placement]], Strategy | None]
 _RULES: dict[object, RuleFn] = {}
 
 

@@ -35,7 +35,7 @@ from torch.fx import Graph, Node
 
 from dsv41_compile.core.adapter import ModelAdapter
 from dsv41_compile.core.meta import OUT, REASON, REGION, SYMBOL, describe
-from dsv41_compile.spmd.placements import format_placement
+from dsv41_compile.core.placements import format_placement
 
 __all__ = ["TokenSizes", "Transition", "redistribute", "transition"]
 

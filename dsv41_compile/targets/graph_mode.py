@@ -37,7 +37,6 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.emitter import Emitter
 from dsv41_compile.core.meta import replace_node
-from dsv41_compile.spmd.localize import local_inputs
 
 __all__ = ["graph_mode", "rewrite_for_graph_mode"]
 
@@ -54,7 +53,7 @@ def graph_mode(gm: GraphModule, *, ctx: CompileContext) -> None:
     # Local values for every node (expert_parallel's nodes have none yet): the rewrites read
     # shapes and dtypes.
     with enable_python_dispatcher():  # the decompositions that take symbolic sizes
-        FakeTensorProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*local_inputs(gm, ctx))
+        FakeTensorProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*ctx.local_inputs(gm))
     rewrite_for_graph_mode(gm, ctx.adapter.graph_mode_rewrites)
 
 

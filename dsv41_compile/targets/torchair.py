@@ -9,7 +9,7 @@ becomes `npu_define.all_to_all_single_npu` (the one all-to-all with a GE convert
 The all-gather / reduce-scatter / all-reduce converters resolve the HCCL group while compiling,
 so the process group exists by then (the backend compiles on the first call).
 
-Before the hand-off, the pipeline's graph_mode pass (`targets/graph_mode.py`) has replaced
+Before the hand-off, this target's pass, graph_mode (`targets/graph_mode.py`), has replaced
 the ops torchair cannot convert. Status: checked on CPU only -- every op handed over has a
 torchair converter (`tools/torchair_coverage.py`, read from torch-npu 2.13.0's source), and the
 graph, run on CPU by `testing.torchair_standin`, matches the single-device model. Nothing here
@@ -20,16 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.fx import GraphModule
 
 from dsv41_compile.core.hooks import active
 from dsv41_compile.options import BackendOptions
-
-if TYPE_CHECKING:
-    from dsv41_compile.targets import Handoff
+from dsv41_compile.targets.base import Handoff
 
 __all__ = ["compiler_config", "import_torchair", "lower_torchair"]
 

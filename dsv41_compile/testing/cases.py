@@ -225,7 +225,7 @@ def _run_mode(
     return {
         "logits": logits,
         "seconds": time.perf_counter() - start,
-        "programs": [layer_collectives(p.report.comm) for p in programs],
+        "programs": [layer_collectives(p.spec.comm) for p in programs],
         "compiles": len(programs),
         "cache": cache,
     }

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from dsv41_compile.core.adapter import WeightInput, WeightSlice
+from dsv41_compile.core.placements import ExpertShard
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.model.checkpoint import (
     checkpoint_layout,
@@ -29,7 +30,6 @@ from dsv41_compile.model.checkpoint import (
 from dsv41_compile.model.hf_config import config_to_hf
 from dsv41_compile.models.deepseek_v41.adapter import DEEPSEEK_V41
 from dsv41_compile.options import BackendOptions
-from dsv41_compile.spmd.placements import ExpertShard
 
 __all__ = ["loading_peak", "rank_weight_inputs", "synthetic_checkpoint"]
 

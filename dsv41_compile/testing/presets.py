@@ -41,7 +41,7 @@ EVERY_MODE_6: tuple[tuple[str, Any], ...] = (
 )
 """EVERY_MODE_5 and a sixth layer, a second ratio-1 REUSE (after the REINDEX layer, whose top-k
 it reuses): a layer kind met twice, so Dynamo traces it once and calls the subgraph at layers 3
-and 5 (`core.regions` copies it in at both)."""
+and 5 (`regions` copies it in at both)."""
 
 ONE_LAYER: tuple[tuple[str, Any], ...] = (("n_layers", 1),)
 """One decoder layer (of tiny-swa: window-only); the boundary between layers is not in it."""

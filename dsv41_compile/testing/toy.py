@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from dsv41_compile import models
 from dsv41_compile.core.adapter import LayerCollectives, ModelAdapter, Site
-from dsv41_compile.spmd.plan import ShardingPlan
+from dsv41_compile.core.plan import ShardingPlan
 
 __all__ = ["ToyAdapter", "ToyLM", "toy_family"]
 

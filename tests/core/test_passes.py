@@ -12,7 +12,7 @@ import torch
 from torch.fx import Graph, GraphModule
 
 from dsv41_compile.core.errors import InternalError
-from dsv41_compile.core.hooks import Hooks, PipelineStopped, installed
+from dsv41_compile.core.hooks import Hooks, PipelineStopped, installed, pass_manager
 from dsv41_compile.core.passes import Pass, PassManager
 
 
@@ -99,12 +99,12 @@ def test_hooks_see_every_pass_add_passes_and_stop_the_pipeline(tmp_path):
     seen, probes = [], []
     probe = Pass("probe", lambda gm, *, ctx: probes.append(len(gm.graph.nodes)))
     hooks = Hooks(after_pass=lambda name, gm, ctx: seen.append(name), extra_passes=(probe,))
-    manager = PassManager([Pass("double", doubling)], write_graph=Written(tmp_path))
+    passes, written = [Pass("double", doubling)], Written(tmp_path)
     with installed(hooks):
-        manager.run(small_graph(), context())
+        pass_manager(passes, write_graph=written).run(small_graph(), context())
     assert seen == ["double", "probe"]
     assert probes == [3]
     with installed(Hooks(stop_after="double")), pytest.raises(PipelineStopped):
-        manager.run(small_graph(), context())
-    manager.run(small_graph(), context())  # uninstalled: no hook left behind
+        pass_manager(passes, write_graph=written).run(small_graph(), context())
+    pass_manager(passes, write_graph=written).run(small_graph(), context())  # uninstalled
     assert seen == ["double", "probe"]

@@ -63,7 +63,7 @@ COMPILES = {
 # run has one layer, twice as wide (D = 128), where the default cuts move all three boundaries:
 # the q / kv latents gathered, wo_b's input moved to its tokens, one EP row per rank. The
 # replicated run has three: layers 1 and 2 are one kind, which Dynamo traces once -- at a
-# static T, then at a symbolic one -- and calls twice (`core.regions`).
+# static T, then at a symbolic one -- and calls twice (`regions`).
 MODEL = {"preset": "tiny-swa", "overrides": (("n_layers", 3), *SINKHORN_3)}
 WIDE_MODEL = {"preset": "tiny-swa", "overrides": (*ONE_LAYER, *SINKHORN_3, *WIDE)}
 _CHECKPOINT = tempfile.TemporaryDirectory(prefix="dsv41_ckpt_")

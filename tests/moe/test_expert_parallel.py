@@ -13,10 +13,10 @@ import expecttest
 import pytest
 import torch
 
+from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.meta import REASON, REGION
-from dsv41_compile.moe.stats import EpLayer
-from dsv41_compile.report.comm import collective_kind
-from dsv41_compile.spmd.placements import ExpertShard
+from dsv41_compile.core.placements import ExpertShard
+from dsv41_compile.moe.stats import EpLayer, ep_layers
 from dsv41_compile.testing.batches import Request
 from dsv41_compile.testing.fake_rank import compile_on_fake_rank, layer_text, run_on_fake_rank
 from dsv41_compile.testing.presets import ONE_LAYER, compile_config
@@ -37,7 +37,7 @@ def exact_rank5():
 
 @pytest.fixture(scope="module")
 def padded_rank2():
-    """With the seed's attention exit: tests/spmd/test_verify.py's graph, compiled once."""
+    """With the seed's attention exit: tests/test_verify.py's graph, compiled once."""
     return compile_on_fake_rank(2, ep_options("padded", attn_exit="reduce_scatter"))
 
 
@@ -97,7 +97,11 @@ def test_comm_records_name_the_sizes_read_from_data(exact_rank5):
 def test_each_rank_holds_its_own_slice_of_the_experts(fixture, request):
     gm, ctx, _ = request.getfixturevalue(fixture)
     rank = ctx.mesh.rank
-    experts = {s.fqn: s for s in ctx.param_shards.values() if isinstance(s.placement, ExpertShard)}
+    experts = {
+        s.fqn: s
+        for s in ctx.signature.param_shards.values()
+        if isinstance(s.placement, ExpertShard)
+    }
     assert sorted(experts) == [
         f"layers.{i}.ffn.experts.{w}" for i in range(2) for w in ("w1", "w2", "w3")
     ]
@@ -105,7 +109,7 @@ def test_each_rank_holds_its_own_slice_of_the_experts(fixture, request):
     assert ctx.mesh.axis_rank("ep") == rank  # the shard the program slices (test_program)
     local = [n for n in gm.graph.nodes if n.name.startswith("ep_local_experts")]
     assert [n.args[3].meta["val"].shape for n in local] == [torch.Size([2, 32, 64])] * 2
-    assert [layer.layer for layer in ctx.ep_layers] == [0, 1]
+    assert [layer.layer for layer in ep_layers(ctx)] == [0, 1]
 
 
 def test_padded_dispatch_has_no_host_read_and_a_static_capacity(padded_rank2):
@@ -131,7 +135,7 @@ def test_statistics_are_extra_graph_outputs(exact_rank5):
     outputs = gm.graph.output_node().args[0]
     assert [n.name for n in outputs[-2:]] == ["ep_stats", "ep_stats_1"]
     # assignments sent / received, rows sent / received (one row per token and rank)
-    assert [layer.rows for layer in ctx.ep_layers] == ["per_rank"] * 2
+    assert [layer.rows for layer in ep_layers(ctx)] == ["per_rank"] * 2
     assert [tuple(n.meta["val"].shape) for n in outputs[-2:]] == [(4, 8)] * 2
 
 
@@ -154,7 +158,7 @@ def test_padded_buffer_rows_per_peer(dispatch, rows, per_token):
 
 def test_auto_picks_the_form_with_fewer_expected_bytes_and_says_why(exact_rank5):
     gm, ctx, _ = exact_rank5
-    (layer, _) = ctx.ep_layers
+    (layer, _) = ep_layers(ctx)
     # 16 experts, top-6, 2 per rank: a token reaches 1 - C(14, 6)/C(16, 6) = 5/8 of the ranks
     assert layer.expected_rows_per_peer == 1 - Fraction(3003, 8008)
     per_assignment = dataclasses.replace(layer, rows="per_assignment")
@@ -387,7 +391,7 @@ v99 = add(ep_routed_out, v98)  # S(0) f32[((T+3)//4), 64]""",
         in fp32 in rank order (= expert order). From the gate's output to the statistics.
         The default options' program (`ep_rows="auto"` picks this form at tiny's sizes)."""
         gm, ctx, _ = compile_on_fake_rank(5, ep_options("exact"))
-        assert [info.rows for info in ctx.ep_layers] == ["per_rank"] * 2
+        assert [info.rows for info in ep_layers(ctx)] == ["per_rank"] * 2
         text = layer_text(gm, ctx, "layers.0.ffn").splitlines()
         start = next(i for i, line in enumerate(text) if " ge(" in line)
         end = next(i for i, line in enumerate(text) if line.startswith("ep_stats"))

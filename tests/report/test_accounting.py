@@ -15,9 +15,9 @@ from collections import Counter
 import pytest
 import torch
 
+from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.meta import REGION
 from dsv41_compile.report.accounting import graph_costs, summarize
-from dsv41_compile.spmd.verify import collective_kind
 from dsv41_compile.testing.presets import ONE_LAYER, WIDE, compile_config
 
 WORLD, TP, EP, T = 8, 4, 8, 8

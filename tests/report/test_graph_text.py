@@ -16,7 +16,7 @@ from dsv41_compile.testing.presets import compile_config
 
 @pytest.fixture(scope="module")
 def planned(plan_once):
-    """The plan tests/spmd/test_verify.py checks verify's propagation on (planned once)."""
+    """The plan tests/test_verify.py checks verify's propagation on (planned once)."""
     cfg = compile_config("tiny-swa", (("n_layers", 3),))
     gm, ctx, _ = plan_once(cfg, {"tp": 4, "ep": 8}, world_size=8, rank=1)
     return gm, ctx

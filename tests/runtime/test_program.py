@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Shard
 
-from dsv41_compile.core.context import ParamShard
+from dsv41_compile.core.placements import ExpertShard
+from dsv41_compile.core.signature import ParamInput, ParamShard, ProgramSignature
 from dsv41_compile.moe.stats import EpLayer
 from dsv41_compile.runtime.program import ProgramSpec, ShardedProgram
-from dsv41_compile.spmd.placements import ExpertShard
 
 
 def test_parameters_are_sliced_once_and_resliced_after_an_update():
@@ -19,7 +19,13 @@ def test_parameters_are_sliced_once_and_resliced_after_an_update():
         seen.append((weight, int(tp_rank)))
         return (x @ weight.t(),)
 
-    spec = ProgramSpec(param_shards={0: ParamShard("w", Shard(0), 0, 4, "tp")}, token_index=1)
+    shard = ParamShard("w", Shard(0), 0, 4, "tp")
+    signature = ProgramSignature(
+        params=(ParamInput(0, "w", (8, 4), torch.float32, shard=shard),),
+        inputs=((1, "x"),),
+        token_inputs=("x",),
+    )
+    spec = ProgramSpec(signature)
     program = ShardedProgram(graph, spec, tp=4, tp_rank=2, rank=6)
     weight = torch.arange(32.0).view(8, 4)
     x = torch.ones(3, 4)
@@ -45,11 +51,13 @@ def test_expert_shards_by_world_rank_and_statistics_are_not_returned():
         token_row_bytes=16,
     )  # fmt: skip
     seen = []
-    spec = ProgramSpec(
-        param_shards={0: ParamShard("experts.w1", ExpertShard(0), 0, 2, "ep")},
-        token_index=1,
-        ep_layers=(layer,),
+    shard = ParamShard("experts.w1", ExpertShard(0), 0, 2, "ep")
+    signature = ProgramSignature(
+        params=(ParamInput(0, "experts.w1", (6, 2), torch.float32, shard=shard),),
+        inputs=((1, "ids"),),
+        token_inputs=("ids",),
     )
+    spec = ProgramSpec(signature, ep_layers=(layer,))
     program = ShardedProgram(
         graph, spec, tp=4, tp_rank=3, rank=1,
         on_ep_stats=lambda stats, tokens: seen.append((stats, tokens)),

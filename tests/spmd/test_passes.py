@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.hooks import Hooks, PipelineStopped, installed
 from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REGION
-from dsv41_compile.report.comm import collective_kind
 from dsv41_compile.testing.cases import layer_collectives
 from dsv41_compile.testing.fake_rank import compile_model_on_fake_rank
 from dsv41_compile.testing.toy import ToyLM, toy_family
@@ -78,7 +78,7 @@ def test_localize_gives_parameter_shards_their_local_shape():
         ctx.param_fqns[placeholders[i].name]: shard.local_shape(
             list(placeholders[i].meta[GLOBAL_VAL].shape)
         )
-        for i, shard in ctx.param_shards.items()
+        for i, shard in ctx.signature.param_shards.items()
     }
     assert local == {
         "blocks.0.mlp.up.weight": [8, 16],

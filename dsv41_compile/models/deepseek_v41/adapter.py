@@ -20,13 +20,13 @@ from dsv41_compile.core.adapter import (
     Site,
     WeightInput,
 )
+from dsv41_compile.core.plan import ShardingPlan
 from dsv41_compile.model import ops  # noqa: F401  (registers dsv41::routed_experts)
 from dsv41_compile.model.checkpoint import read_weights
 from dsv41_compile.models.deepseek_v41.graph_mode import routed_experts_grouped
 from dsv41_compile.models.deepseek_v41.plan import deepseek_v41_plan
 from dsv41_compile.moe.rules import routed_experts_rule
 from dsv41_compile.options import BackendOptions
-from dsv41_compile.spmd.plan import ShardingPlan
 
 __all__ = ["DEEPSEEK_V41", "DeepseekV41Adapter"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from dsv41_compile.spmd.placements import ExpertShard
-from dsv41_compile.spmd.plan import ShardingPlan
+from dsv41_compile.core.placements import ExpertShard
+from dsv41_compile.core.plan import ShardingPlan
 
 __all__ = ["deepseek_v41_plan"]
 

@@ -21,14 +21,12 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.errors import InternalError
-from dsv41_compile.core.meta import IN, OUT, REASON, REGION
-from dsv41_compile.moe.expert_parallel import EP_SOURCE
-from dsv41_compile.report.comm import collective_kind
-from dsv41_compile.spmd.localize import local_inputs
-from dsv41_compile.spmd.verify import _OnceProp, verify
+from dsv41_compile.core.meta import EP_SOURCE, IN, OUT, REASON, REGION
 from dsv41_compile.testing.fake_rank import compile_on_fake_rank
 from dsv41_compile.testing.presets import compile_config
+from dsv41_compile.verify import _OnceProp, verify
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -236,7 +234,7 @@ def _propagated(gm: GraphModule, ctx, prop: type[FakeTensorProp]) -> tuple[list[
         mock.patch.object(torch.fx.Interpreter, "call_function", counted),
         enable_python_dispatcher(),
     ):
-        prop(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*local_inputs(gm, ctx))
+        prop(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*ctx.local_inputs(gm))
     names: dict[str, str] = {}
     values = [
         re.sub(r"\bu\d+\b", lambda m: names.setdefault(m.group(0), f"u{len(names)}"), text)

@@ -36,6 +36,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import snapshot_fake
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from dsv41_compile.core.collectives import collective_axis, collective_kind, dispatched_values
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import (
@@ -47,12 +48,11 @@ from dsv41_compile.core.meta import (
     metadata_key,
     tensor_inputs,
 )
+from dsv41_compile.core.placements import ExpertShard, format_placement
 from dsv41_compile.core.symbols import hint_shape, new_unbacked_symbols
-from dsv41_compile.moe.expert_parallel import dispatched_values
-from dsv41_compile.moe.stats import ALL_TO_ALLS
-from dsv41_compile.report.comm import collective_axis, collective_kind, comm_records
-from dsv41_compile.spmd.localize import local_inputs
-from dsv41_compile.spmd.placements import ExpertShard, format_placement
+from dsv41_compile.moe.stats import ALL_TO_ALLS, ep_layers
+from dsv41_compile.report.comm import comm_records
+from dsv41_compile.spmd.entry_cut import entry_cuts
 
 __all__ = ["verify"]
 
@@ -61,7 +61,7 @@ def verify(gm: GraphModule, *, ctx: CompileContext) -> None:
     gm.graph.lint()
     _check_placements(gm, ctx)
     with enable_python_dispatcher():  # the decompositions that take symbolic sizes
-        _OnceProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*local_inputs(gm, ctx))
+        _OnceProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*ctx.local_inputs(gm))
     _check_reduction_dtypes(gm)
     _check_local_shapes(gm, ctx)
     ctx.comm[:] = comm_records(gm, ctx)
@@ -123,7 +123,7 @@ def _placement(node: Node) -> object:
 def _check_placements(gm: GraphModule, ctx: CompileContext) -> None:
     for node in gm.graph.nodes:
         kind = collective_kind(node)
-        if kind in _REDUCTIONS and collective_axis(node, ctx) == "tp":
+        if kind in _REDUCTIONS and collective_axis(node, ctx.mesh) == "tp":
             _check_reduction(node, kind)
         if isinstance(_placement(node), Partial):
             for user in node.users:
@@ -247,13 +247,13 @@ def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
         site = ctx.adapter.site(node.meta.get(REGION, ""))
         if kind == "all_reduce" and layout == "sp":
             raise InternalError("the sp layout has no all-reduce", node)
-        if collective_axis(node, ctx) == "ep":
+        if collective_axis(node, ctx.mesh) == "ep":
             if kind != "all_to_all" or site.part != "moe":
                 raise InternalError(f"an EP {kind} outside a MoE half", node)
             ep_by_region[node.meta[REGION]] += 1
         elif site.layer is not None:
             tp_by_layer[site.layer][site.part == "moe"].append(node)
-    cuts = {ctx.adapter.site(region).layer: cut for region, cut in ctx.entry_cuts.items()}
+    cuts = {ctx.adapter.site(region).layer: cut for region, cut in entry_cuts(ctx).items()}
     for layer in sorted(_decoder_layers(ctx)):
         outside = list(promise.tp_outside_moe)
         cut = cuts.get(layer)
@@ -292,7 +292,7 @@ def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
                     nodes[0] if nodes else None,
                 )
     expected_a2a = ALL_TO_ALLS[ctx.options.ep_dispatch]
-    for info in ctx.ep_layers:
+    for info in ep_layers(ctx):
         if ep_by_region[info.region] != expected_a2a:
             raise InternalError(
                 f"{info.region} has {ep_by_region[info.region]} EP all-to-alls, expected "

@@ -20,7 +20,7 @@ the dumps read (`core.meta.module_paths`). For the ATen nodes of a region to car
 at all, it must be traced node by node (`trace_regions_with_meta`). A graph Dynamo traced with a
 static token count is copied in before AOTAutograd instead (`inline_dynamo_regions`): making its
 count symbolic reads every op of the graph. The copies of a kind are the same operators on
-inputs of the same metadata, which verify's fake propagation exploits (`spmd.verify`).
+inputs of the same metadata, which verify's fake propagation exploits (`verify`).
 """
 
 from __future__ import annotations

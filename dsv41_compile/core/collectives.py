@@ -1,0 +1,43 @@
+"""The collectives a rewritten graph may hold: their kinds, the mesh axis each runs on, and the
+values the EP dispatches send. What they cost is `report.comm`'s; which run where, the passes'."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from dsv41_compile.core.errors import InternalError
+from dsv41_compile.core.mesh import Mesh
+from dsv41_compile.core.meta import EP_SOURCE
+
+__all__ = ["COLLECTIVES", "collective_axis", "collective_kind", "dispatched_values"]
+
+c10d = torch.ops._c10d_functional
+COLLECTIVES = {
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_reduce.default: "all_reduce",
+    c10d.all_to_all_single.default: "all_to_all",
+}
+"""Functional collective op -> its kind."""
+
+
+def collective_kind(node: Node) -> str | None:
+    """ "all_gather", "reduce_scatter", "all_reduce", "all_to_all", or None for another node."""
+    return COLLECTIVES.get(node.target) if node.op == "call_function" else None
+
+
+def collective_axis(node: Node, mesh: Mesh) -> str:
+    """ "tp" or "ep": the mesh axis whose process group a collective runs on."""
+    group = node.args[-1]
+    if group == mesh.tp_group_name:
+        return "tp"
+    if group == mesh.ep_group_name:
+        return "ep"
+    raise InternalError(f"a collective runs on an unknown process group {group!r}", node)
+
+
+def dispatched_values(gm: GraphModule) -> list[Node]:
+    """The values the EP dispatches of `gm` send: token rows and routing tables (the first
+    argument of every node marked `EP_SOURCE`)."""
+    return [n.args[0] for n in gm.graph.nodes if n.meta.get(EP_SOURCE)]

@@ -1,0 +1,39 @@
+"""What a target is (`Target`: a name, the passes it needs, a compile function) and what it
+receives (`Handoff`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch.fx import GraphModule
+
+from dsv41_compile.core.passes import Pass
+from dsv41_compile.options import BackendOptions
+
+__all__ = ["Handoff", "Target"]
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Everything a target receives besides the per-rank graph."""
+
+    target: str
+    example_inputs: list[Any]
+    """Fake values of the graph's inputs, at their local shapes."""
+    param_indices: frozenset[int]
+    """The inputs that are the model's weights."""
+    fake_mode: Any
+    options: BackendOptions
+    rank: int
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    compile: Callable[[GraphModule, Handoff], Callable[..., Any]]
+    """`compile(gm, handoff)`: a callable taking the graph's inputs."""
+    passes: tuple[Pass, ...] = ()
+    """What this target needs done to the per-rank graph: run after the pipeline's rewrites,
+    before verify checks the result (`pipeline.passes`)."""
