@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml | $(PY)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 # Two workers, one per core: multi-rank runs leave a core idle while one rank compiles for the
 # host. A test file (or the files tests/conftest.py groups) runs on one worker, where the compiles
