@@ -138,6 +138,7 @@ def _compile(
     # each layer kind's ATen traced once, its calls operators
     kinds = trace_kinds_once(gm, renamed_symbols(captured.example_inputs, example_inputs))
     traced = time.perf_counter()
+
     def compile_rank(aten_gm: GraphModule, aten_inputs: list[Any]) -> Any:
         kinds.attach(aten_gm)
         ctx = _context(aten_gm, aten_inputs, captured, build)
