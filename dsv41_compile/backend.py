@@ -20,16 +20,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._dynamo.backends.registry import register_backend
-from torch._dynamo.exc import TensorifyScalarRestartAnalysis
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch._guards import TracingContext, detect_fake_mode
 from torch.fx import GraphModule
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.hooks import active, pass_manager
 from dsv41_compile.core.mesh import Mesh, build_mesh
+from dsv41_compile.core.torch_private import (
+    TensorifyScalarRestartAnalysis,
+    TracingContext,
+    aot_module_simplified,
+    detect_fake_mode,
+    mark_unbacked,
+    register_backend,
+)
 from dsv41_compile.frontend import Captured, capture
 from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.options import BackendOptions
@@ -65,8 +69,6 @@ def mark_token_dim(*tensors: torch.Tensor) -> None:
     Without it the model still compiles and runs at every T, but Dynamo decides when to trace
     again: a static graph for the first T, a dynamic one from the second T on, and a static
     graph of its own for T = 0 and for T = 1 (docs/backend.md, "Token counts")."""
-    from torch._dynamo.decorators import mark_unbacked
-
     for t in tensors:
         mark_unbacked(t, 0)
 

@@ -28,14 +28,19 @@ from typing import Any
 
 import sympy
 import torch
-from torch._dispatch.python import enable_python_dispatcher
-from torch._guards import CompileContext, TracingContext
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
 from dsv41_compile.core.adapter import ModelAdapter
 from dsv41_compile.core.meta import module_paths
+from dsv41_compile.core.torch_private import (
+    DynamoCompileContext,
+    FakeTensorMode,
+    TracingContext,
+    enable_python_dispatcher,
+    is_fake,
+    recompile_limit,
+)
 from dsv41_compile.models import adapter_for
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.regions import inline_dynamo_regions
@@ -242,8 +247,8 @@ def _check_inference(example_inputs: list[Any], inputs: GraphInputs) -> None:
 def _check_recompiles(adapter: ModelAdapter) -> None:
     """Refuse the compile that uses up Dynamo's recompile limit for the frame: past it, Dynamo
     runs the frame eagerly -- the single-device model, unsharded, on every rank, silently."""
-    compile_id = CompileContext.current_compile_id()
-    limit = torch._dynamo.config.recompile_limit
+    compile_id = DynamoCompileContext.current_compile_id()
+    limit = recompile_limit()
     if compile_id is None or compile_id.frame_compile_id is None:
         return
     if compile_id.frame_compile_id + 1 >= limit:

@@ -114,11 +114,6 @@ class BackendOptions:
         budget = self.extra_weight_bytes
         if budget is not None and (not isinstance(budget, int) or budget < 0):
             raise ValueError(f"extra_weight_bytes must be None or an int >= 0, got {budget!r}")
-        if self.attn_exit == "all_to_all" and self.layout != "sp":
-            raise ValueError(
-                f"attn_exit='all_to_all' is a cut of the sp layout; layout={self.layout!r} "
-                "all-reduces attention's output (use attn_exit='auto' or 'reduce_scatter')"
-            )
         if self.checkpoint is not None and not isinstance(self.checkpoint, str):
             object.__setattr__(self, "checkpoint", os.fspath(self.checkpoint))
         if self.skip_unimplemented_parts and self.checkpoint is None:

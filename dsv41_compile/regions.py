@@ -27,23 +27,26 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch._guards import TracingContext, detect_fake_mode, tracing
-from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
-from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
+from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import Unkeyed, metadata_key
 from dsv41_compile.core.symbols import new_unbacked_symbols, size_expr
-
-if TYPE_CHECKING:
-    from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.torch_private import (
+    OpOverload,
+    TracingContext,
+    aot_module_simplified,
+    auto_functionalized_v2,
+    detect_fake_mode,
+    invoke_subgraph,
+    tracing,
+)
 
 __all__ = [
     "RegionKinds",
@@ -71,7 +74,7 @@ def region_calls(gm: GraphModule) -> list[Node]:
 def _is_region(target: Any) -> bool:
     """`invoke_subgraph`, or a kind's operator (`trace_kinds_once`)."""
     return target is invoke_subgraph or (
-        isinstance(target, torch._ops.OpOverload) and target.namespace == _NAMESPACE
+        isinstance(target, OpOverload) and target.namespace == _NAMESPACE
     )
 
 
@@ -185,7 +188,7 @@ def _inline(
             copy.meta = {**node.meta, **moved(node)}
             env[node] = copy
     returned = [*results, *new_bases] if call.target is auto_functionalized_v2 else results
-    if isinstance(call.target, torch._ops.OpOverload) and len(call.target._schema.returns) == 1:
+    if isinstance(call.target, OpOverload) and len(call.target._schema.returns) == 1:
         call.replace_all_uses_with(returned[0])  # a kind's operator returns one output bare
     for user in list(call.users):
         if user.op != "call_function" or user.target is not operator.getitem:

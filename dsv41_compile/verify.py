@@ -28,9 +28,6 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
-from torch._dispatch.python import enable_python_dispatcher
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import snapshot_fake
@@ -50,6 +47,12 @@ from dsv41_compile.core.meta import (
 )
 from dsv41_compile.core.placements import ExpertShard, format_placement
 from dsv41_compile.core.symbols import hint_shape, new_unbacked_symbols
+from dsv41_compile.core.torch_private import (
+    FakeTensorMode,
+    OpOverload,
+    enable_python_dispatcher,
+    tree_map_only,
+)
 from dsv41_compile.moe.stats import ALL_TO_ALLS, ep_layers
 from dsv41_compile.report.comm import comm_records
 from dsv41_compile.spmd.entry_cut import entry_cuts
@@ -89,12 +92,12 @@ class _OnceProp(FakeTensorProp):
         self._results: dict[tuple[object, ...], object] = {}
 
     def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        if not isinstance(target, OpOverload) or target._schema.is_mutable:
             return super().call_function(target, args, kwargs)
         if _READS_DATA.intersection(target.tags):
             # A result shared with an earlier layer carries that layer's memo of its data
             # (FakeTensor.item_memo, ...): read a fresh alias of it instead.
-            args, kwargs = pytree.tree_map_only(torch.Tensor, snapshot_fake, (args, kwargs))
+            args, kwargs = tree_map_only(torch.Tensor, snapshot_fake, (args, kwargs))
             return super().call_function(target, args, kwargs)
         try:
             key = (target, metadata_key(args), metadata_key(kwargs))
@@ -245,8 +248,12 @@ def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
         if kind is None:
             continue
         site = ctx.adapter.site(node.meta.get(REGION, ""))
-        if kind == "all_reduce" and layout == "sp":
-            raise InternalError("the sp layout has no all-reduce", node)
+        if kind == "all_reduce" and not isinstance(ctx.plan.partial_to, Replicate):
+            raise InternalError(
+                f"an all-reduce in the {layout} layout, whose plan reduce-scatters its partial "
+                "sums to token shards",
+                node,
+            )
         if collective_axis(node, ctx.mesh) == "ep":
             if kind != "all_to_all" or site.part != "moe":
                 raise InternalError(f"an EP {kind} outside a MoE half", node)

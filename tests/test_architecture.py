@@ -30,10 +30,8 @@ def test_the_tree_names_every_module_and_folder_of_the_package():
 
 @pytest.fixture
 def restored_registries():
-    adapters, table = list(models._REGISTERED), list(transitions._TRANSITIONS)
-    yield
-    models._REGISTERED[:] = adapters
-    transitions._TRANSITIONS[:] = table
+    with models.REGISTRY.restored(), transitions.TRANSITIONS.restored():
+        yield
 
 
 def test_the_worked_examples_run_as_written(restored_registries):

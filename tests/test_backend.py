@@ -15,7 +15,6 @@ from torch.distributed.tensor import Shard
 
 import dsv41_compile
 from dsv41_compile.core.collectives import collective_kind
-from dsv41_compile.core.mesh import clear_mesh_cache
 from dsv41_compile.core.meta import GLOBAL_VAL, OUT, REASON, REGION, module_paths
 from dsv41_compile.model import DeepseekV41
 from dsv41_compile.report.dump import graph_labels
@@ -245,12 +244,10 @@ def test_one_compile_serves_every_token_count():
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     cache = model.new_cache(16, 32)
     with fake_process_group(world_size=8, rank=0):
-        clear_mesh_cache()
         for slot, T in enumerate((1, 3, 8, 13, 2)):  # includes T < tp and T % tp != 0
             ids, positions, slots = pack([Request(slot, list(range(1, T + 1)), 0)])
             dsv41_compile.mark_token_dim(ids, positions, slots)
             assert compiled(ids, positions, slots, cache).shape == (T, 512)
-        clear_mesh_cache()
     assert len(frames) == 1
 
 
@@ -276,12 +273,10 @@ def test_an_int_input_next_to_t_does_not_stop_a_static_graph_generalising(monkey
     cache, ref_cache = model.new_cache(4, 32), model.new_cache(4, 32)
     steps = ([Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0)], [Request(0, [6], 3)], [])
     with fake_process_group(world_size=1, rank=0):
-        clear_mesh_cache()
         for step in steps:  # T = 5 (dynamic), 1 and 0 (static graphs, generalised)
             batch = pack(step)
             got = compiled(*batch, cache)
             torch.testing.assert_close(got, model(*batch, ref_cache), atol=1e-5, rtol=1e-5)
-        clear_mesh_cache()
 
 
 def test_backend_is_listed_through_the_entry_point_without_importing_the_package():

@@ -11,7 +11,6 @@ import torch
 import torch._dynamo
 
 import dsv41_compile
-from dsv41_compile.core.mesh import clear_mesh_cache
 from dsv41_compile.model import DeepseekV41
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.testing.batches import Request, pack
@@ -47,17 +46,13 @@ def compile_and_run(options: dict, *, cfg=None, patch=None, fullgraph=True, mode
     if patch is not None:
         patch(model)
     torch._dynamo.reset()
-    clear_mesh_cache()
     ids, positions, slots = pack(REQUESTS)
     dsv41_compile.mark_token_dim(ids, positions, slots)
     compiled = torch.compile(
         model, backend="dsv41_sp", options={"lowering": "eager", **options}, fullgraph=fullgraph
     )
     with fake_process_group(world_size=8, rank=1):
-        try:
-            return compiled(ids, positions, slots, model.new_cache(4, 16))
-        finally:
-            clear_mesh_cache()
+        return compiled(ids, positions, slots, model.new_cache(4, 16))
 
 
 def compile_toy(options: dict):
@@ -136,7 +131,6 @@ def test_ep_not_dividing_the_routed_experts():
 
 def test_no_process_group():
     torch._dynamo.reset()
-    clear_mesh_cache()
     options = {"tp": 4, "lowering": "eager"}
     compiled = torch.compile(ToyLM(), backend="dsv41_sp", options=options, fullgraph=True)
     with toy_family():
@@ -315,6 +309,17 @@ def test_options_checked_against_the_pipeline_and_the_model_family(options, mess
     assert_error(raised(lambda: compile_toy(options)), ValueError, message)
 
 
+def test_the_attention_exit_all_to_all_is_a_cut_of_the_sp_layout():
+    assert_error(
+        raised(
+            lambda: compile_and_run({"tp": 4, "layout": "replicated", "attn_exit": "all_to_all"})
+        ),
+        ValueError,
+        "attn_exit='all_to_all' is a cut of the sp layout; layout='replicated' all-reduces "
+        "attention's output (use attn_exit='auto' or 'reduce_scatter')",
+    )
+
+
 def test_auto_lowering_on_npu_tensors_refuses_the_exact_dispatch():
     """lowering="auto" resolves to torchair on NPU tensors, which cannot run the exact EP
     lowering: the same refusal as lowering="torchair", naming the choice "auto" made."""
@@ -336,10 +341,8 @@ def test_compiling_past_the_recompile_limit_is_refused():
         ToyLM(), backend="dsv41_sp", options={"tp": 4, "lowering": "eager"}, dynamic=False
     )
     with toy_family(), torch._dynamo.config.patch(recompile_limit=2), fake_process_group(8, 1):
-        clear_mesh_cache()
         compiled(torch.arange(2))
         error = raised(lambda: compiled(torch.arange(3)))
-        clear_mesh_cache()
     assert_error(
         error,
         ValueError,

@@ -29,7 +29,6 @@ import torch._dynamo
 
 import dsv41_compile
 from dsv41_compile.core.hooks import Hooks, installed
-from dsv41_compile.core.mesh import clear_mesh_cache
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.pipeline import PASS_NAMES
 from dsv41_compile.testing.batches import Request, pack
@@ -61,7 +60,6 @@ def compile_once(cfg: ModelConfig, tp: int, lowering: str) -> tuple[float, float
     torch.manual_seed(0)
     model = DeepseekV41(cfg)
     torch._dynamo.reset()
-    clear_mesh_cache()
     with timed_pipeline() as pipeline:
         ids, positions, slots = pack([Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0)])
         dsv41_compile.mark_token_dim(ids, positions, slots)
@@ -157,7 +155,6 @@ def main() -> None:
                 f"{preset:<10} {layers:>6} {nodes:>6} {total:>10.1f} {total / layers:>8.2f} "
                 f"{in_passes:>9.1f}"
             )
-    clear_mesh_cache()
 
 
 if __name__ == "__main__":

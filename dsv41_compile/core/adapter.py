@@ -13,13 +13,13 @@ import abc
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from dsv41_compile.core.plan import ShardingPlan
-    from dsv41_compile.options import BackendOptions
+from dsv41_compile.core.plan import ShardingPlan
+from dsv41_compile.core.torch_private import OpOverload
+from dsv41_compile.options import BackendOptions
 
 __all__ = [
     "PARTS",
@@ -55,7 +55,7 @@ class RoutedExperts:
     `weights` are the `n_weights` stacked expert weights, expert dim first (the EP shard dim);
     `topk_idx == -1` is "no assignment" (a padding row routes nowhere)."""
 
-    op: torch._ops.OpOverload
+    op: OpOverload
     n_weights: int = 3
 
     TOKEN_ARGS = (0, 1, 2)
@@ -119,10 +119,13 @@ class ModelAdapter(abc.ABC):
     piece of the model: Dynamo split it at a graph break)."""
     routed_experts: tuple[RoutedExperts, ...] = ()
     """The model's routed-experts ops: `moe.expert_parallel` lowers them over the EP group."""
-    rules: Mapping[torch._ops.OpOverload, Callable[..., Any]] = {}
+    rules: Mapping[OpOverload, Callable[..., Any]] = {}
     """Sharding rules of the model's custom ops (`spmd.rules.RuleFn`), asked first."""
-    graph_mode_rewrites: Mapping[torch._ops.OpOverload, GraphModeRewrite] = {}
+    graph_mode_rewrites: Mapping[OpOverload, GraphModeRewrite] = {}
     """How graph mode computes the model's custom ops from ops torchair converts."""
+    tp_divides: str = ""
+    """What tp must divide in this family, in its own words, for the messages of the passes
+    (DeepSeek V4.1: "n_heads and o_groups"); empty: the size of the sharded dim."""
 
     @abc.abstractmethod
     def matches(self, param_fqns: Iterable[str], inputs: Iterable[str]) -> bool:
@@ -169,6 +172,18 @@ class ModelAdapter(abc.ABC):
             f"the {self.name} model family has no checkpoint reader: load the weights into the "
             "model instead of passing the checkpoint option"
         )
+
+    def tp_advice(self, size: object) -> str:
+        """What to change when tp does not divide a sharded dim of `size`."""
+        return f"choose a tp that divides {self.tp_divides or size}"
+
+    def planning_example(
+        self, config: Any, **example: Any
+    ) -> tuple[torch.nn.Module, tuple[Any, ...], tuple[torch.Tensor, ...]] | None:
+        """For `planning.plan_rank`: the model of `config` built on the meta device, the
+        arguments of one example call (meta tensors; `example` says what the family accepts)
+        and the token inputs among them; None when `config` is not a config of this family."""
+        return None
 
     def routed_experts_op(self, op: object) -> RoutedExperts | None:
         return next((r for r in self.routed_experts if r.op is op), None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 
 from dsv41_compile.core.adapter import ModelAdapter
@@ -17,6 +16,7 @@ from dsv41_compile.core.mesh import Mesh
 from dsv41_compile.core.meta import EP_TOKENS, GLOBAL_VAL
 from dsv41_compile.core.plan import ShardingPlan
 from dsv41_compile.core.signature import ProgramSignature
+from dsv41_compile.core.torch_private import FakeTensorMode
 from dsv41_compile.options import BackendOptions
 
 __all__ = ["CompileContext"]

@@ -4,7 +4,9 @@ A user mistake (an option, the mesh, an input, a graph break, an op without a ru
 `ValueError` or `NotImplementedError` whose message says what to change; the passes raise those
 directly. A broken invariant of our own passes is an `InternalError`: the pass manager adds the
 pass that broke it and writes the graph it left behind, so the report carries what a fix
-needs.
+needs. `InternalError` derives from the package's own base, `Dsv41Error`, not from
+`AssertionError`: code that handles a library's failed assertion (DTensor's rules assert)
+never swallows one of ours.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ from torch.fx import Node
 
 from dsv41_compile.core.meta import describe
 
-__all__ = ["InternalError"]
+__all__ = ["Dsv41Error", "InternalError"]
 
 
-class InternalError(AssertionError):
+class Dsv41Error(Exception):
+    """The base of the errors dsv41_compile defines."""
+
+
+class InternalError(Dsv41Error):
     """An invariant of dsv41_compile's own passes does not hold: a bug in dsv41_compile, not in
     the model. `node` is where it was found; the pass manager fills in `pass_name` and
     `graph_path`."""

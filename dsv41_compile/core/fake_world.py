@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import FakeProcessGroup
+
+from dsv41_compile.core.torch_private import FakeProcessGroup
 
 __all__ = ["fake_world"]
 

@@ -2,9 +2,10 @@
 group, when ep > 1, is the whole world.
 
 Rank r is `tp_rank = r % tp` of TP group `dp_rank = r // tp` and holds the routed experts
-`[r*E/ep, (r+1)*E/ep)`. The groups are created once per (world, tp) and reused by every
-recompilation, so that all ranks create the same groups in the same order whatever their
-compile history.
+`[r*E/ep, (r+1)*E/ep)`. The groups are created once per (tp, device) of the default process
+group and reused by every recompilation, so that all ranks create the same groups in the same
+order whatever their compile history; a new default process group (after
+`destroy_process_group`) starts afresh, and the old one's meshes are dropped.
 
 The graph names its groups the same way on every rank. c10d names a TP group by its creation
 order, so the two DP groups' TP groups have different names; each rank registers its own TP
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["Mesh", "build_mesh", "clear_mesh_cache", "tp_group_name"]
+from dsv41_compile.core.torch_private import register_process_group, unregister_process_group
+
+__all__ = ["Mesh", "build_mesh", "tp_group_name"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,9 @@ def tp_group_name(tp: int) -> str:
     return f"dsv41_tp{tp}"
 
 
-_MESHES: dict[tuple[int, int, int, str], DeviceMesh] = {}
+_MESHES: dict[tuple[int, str], DeviceMesh] = {}
+"""(tp, device type) -> the TP mesh, for the default process group `_WORLD`."""
+_WORLD: list[dist.ProcessGroup | None] = [None]
 
 
 def build_mesh(*, tp: int, ep: int, device_type: str) -> Mesh:
@@ -84,7 +88,10 @@ def build_mesh(*, tp: int, ep: int, device_type: str) -> Mesh:
             f"size {world} (experts sharded over every rank) or 1 (every rank holds every "
             f"routed expert)"
         )
-    key = (id(dist.group.WORLD), world, tp, device_type)
+    if _WORLD[0] is not dist.group.WORLD:  # a new default group: the old meshes are gone
+        _MESHES.clear()
+        _WORLD[0] = dist.group.WORLD
+    key = (tp, device_type)
     if key not in _MESHES:
         grid = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
         _MESHES[key] = grid["tp"]
@@ -107,10 +114,5 @@ def _inherit_timeout(group: dist.ProcessGroup, device_type: str) -> None:
 
 
 def _alias(name: str, group: dist.ProcessGroup) -> None:
-    _unregister_process_group(name)  # from an earlier world; a no-op for an unknown name
-    _register_process_group(name, group)
-
-
-def clear_mesh_cache() -> None:
-    """Forget the cached meshes (after `destroy_process_group`, e.g. between tests)."""
-    _MESHES.clear()
+    unregister_process_group(name)  # from an earlier world; a no-op for an unknown name
+    register_process_group(name, group)

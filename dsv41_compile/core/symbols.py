@@ -17,11 +17,11 @@ import weakref
 
 import sympy
 import torch
-import torch.utils._pytree as pytree
 from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
 from dsv41_compile.core.meta import SYMBOL
+from dsv41_compile.core.torch_private import tree_leaves
 
 __all__ = [
     "PLANNING_TOKENS",
@@ -99,7 +99,7 @@ def new_unbacked_symbols(result: object, inputs: object) -> set[sympy.Symbol]:
 def _sized(value: object) -> list[object]:
     return [
         v
-        for v in pytree.tree_leaves(value)
+        for v in tree_leaves(value)
         if isinstance(v, torch.Tensor | torch.SymInt | torch.SymFloat | torch.SymBool)
     ]
 

@@ -6,13 +6,10 @@ graph; callers (the demo, benchmarks, serving loops) run `validate_batch` on eac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from dsv41_compile.model.cache import KVCache
+from dsv41_compile.model.cache import KVCache
 
 __all__ = ["validate_batch"]
 

@@ -5,26 +5,36 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from dsv41_compile.core.adapter import ModelAdapter
+from dsv41_compile.core.registry import Registry
 from dsv41_compile.models.deepseek_v41.adapter import DEEPSEEK_V41
 
-__all__ = ["adapter_for", "adapters", "layouts", "register_adapter", "unregister_adapter"]
+__all__ = [
+    "REGISTRY",
+    "adapter_for",
+    "adapters",
+    "layouts",
+    "register_adapter",
+    "unregister_adapter",
+]
 
-_REGISTERED: list[ModelAdapter] = []
+REGISTRY: Registry[ModelAdapter] = Registry("model family")
+"""The registered families by name (`ModelAdapter.name`), besides the built-in ones."""
 
 
 def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
     """Add a model family; it is asked before the ones registered earlier and the built-in
-    ones."""
-    _REGISTERED.insert(0, adapter)
-    return adapter
+    ones. A family of the same name must be unregistered first (a ValueError otherwise)."""
+    if adapter.name == DEEPSEEK_V41.name:
+        raise ValueError(f"{adapter.name!r} is the name of a built-in model family")
+    return REGISTRY.add(adapter.name, adapter)
 
 
 def unregister_adapter(adapter: ModelAdapter) -> None:
-    _REGISTERED.remove(adapter)
+    REGISTRY.remove(adapter.name)
 
 
 def adapters() -> list[ModelAdapter]:
-    return [*_REGISTERED, DEEPSEEK_V41]
+    return [*reversed(REGISTRY.values()), DEEPSEEK_V41]
 
 
 def layouts() -> tuple[str, ...]:

@@ -63,6 +63,7 @@ from dsv41_compile.core.meta import (
     replace_node,
 )
 from dsv41_compile.core.placements import ExpertShard
+from dsv41_compile.core.torch_private import OpOverload
 from dsv41_compile.moe.stats import EP_ROWS, EpLayer, EpLayers
 
 __all__ = ["expert_parallel", "sharded_routed_experts"]
@@ -131,7 +132,7 @@ class _Emitter(Emitter):
 class _Routed:
     """The replaced op's arguments, as proxies: this rank's token shard and its experts."""
 
-    op: torch._ops.OpOverload
+    op: OpOverload
     x: Proxy  # [Tl, D]
     topk_idx: Proxy  # [Tl, K] int64, -1: no assignment
     topk_weight: Proxy  # [Tl, K] fp32

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import sympy
 import torch
 from torch.fx import GraphModule, Node
-from torch.utils._sympy.functions import FloorDiv
 
 from dsv41_compile.core.adapter import PARTS
 from dsv41_compile.core.collectives import collective_kind
@@ -40,6 +39,7 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import module_paths
 from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols
+from dsv41_compile.core.torch_private import FloorDiv
 from dsv41_compile.moe.stats import EpLayer, ep_layers
 from dsv41_compile.report.comm import collective_bytes
 

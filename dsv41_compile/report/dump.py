@@ -20,7 +20,15 @@ from dsv41_compile.core.meta import REGION
 from dsv41_compile.moe.stats import EpLayer
 from dsv41_compile.report.graph_printer import format_folded, format_graph
 
-__all__ = ["EpStepLog", "graph_labels", "graph_text", "rank_dir", "write_dump", "write_graph"]
+__all__ = [
+    "EpStepLog",
+    "graph_labels",
+    "graph_text",
+    "layer_module",
+    "rank_dir",
+    "write_dump",
+    "write_graph",
+]
 
 
 def graph_labels(ctx: CompileContext) -> tuple[dict[str, str], dict[str, str]]:
@@ -44,13 +52,27 @@ def graph_text(gm: GraphModule, ctx: CompileContext) -> str:
         + (f"  (local shard {shards[i].placement})" if i in shards else "")
         for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
     ]
-    body = format_folded(gm, labels=labels, groups=groups, unit_of=lambda n: _layer(n, ctx))
+    layer_modules: dict[str, str | None] = {}
+
+    def unit_of(node: Node) -> str | None:
+        region = node.meta.get(REGION, "")
+        if region not in layer_modules:
+            layer_modules[region] = layer_module(region, ctx)
+        return layer_modules[region]
+
+    body = format_folded(gm, labels=labels, groups=groups, unit_of=unit_of)
     return "# inputs, in order:\n" + "\n".join(inputs) + "\n\n" + body + "\n"
 
 
-def _layer(node: Node, ctx: CompileContext) -> str | None:
-    layer = ctx.adapter.site(node.meta.get(REGION, "")).layer
-    return None if layer is None else f"layers.{layer}"
+def layer_module(region: str, ctx: CompileContext) -> str | None:
+    """The decoder layer's module a region sits in (`layers.3` for `layers.3.attn`): its
+    shortest prefix in the same layer, by the adapter's `site`; None outside the layers."""
+    layer = ctx.adapter.site(region).layer
+    if layer is None:
+        return None
+    parts = region.split(".")
+    prefixes = (".".join(parts[:n]) for n in range(1, len(parts) + 1))
+    return next(p for p in prefixes if ctx.adapter.site(p).layer == layer)
 
 
 def rank_dir(dump_dir: str | None, rank: int) -> Path:

@@ -24,6 +24,7 @@ from torch.fx import GraphModule, Node
 from dsv41_compile.core.meta import NAMED, OUT, REASON, REGION
 from dsv41_compile.core.placements import format_placement
 from dsv41_compile.core.symbols import graph_symbols
+from dsv41_compile.core.torch_private import OpOverload
 
 __all__ = ["format_folded", "format_graph"]
 
@@ -59,7 +60,7 @@ def _placement(out: object) -> str:
 def _target(node: Node) -> str:
     if node.target in _OPS:
         return _OPS[node.target]
-    if isinstance(node.target, torch._ops.OpOverload):
+    if isinstance(node.target, OpOverload):
         ns = node.target.namespace
         return f"{'' if ns == 'aten' else ns + '.'}{node.target._opname}"
     return getattr(node.target, "__name__", str(node.target))

@@ -51,8 +51,16 @@ import sympy
 import torch
 from filelock import FileLock
 from torch.fx import GraphModule
-from torch.fx._graph_pickler import GraphPickler, Options
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from dsv41_compile.core.torch_private import (
+    FakeTensorMode,
+    GraphPickler,
+    GraphPicklerOptions,
+    TensorifyScalarRestartAnalysis,
+    TensorifyState,
+    inductor_cache_dir,
+)
 
 __all__ = [
     "STATS",
@@ -77,8 +85,6 @@ the backend)."""
 
 def cache_dir() -> Path:
     """`<inductor's cache directory>/dsv41_compile` (TORCHINDUCTOR_CACHE_DIR moves both)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
-
     path = Path(inductor_cache_dir()) / "dsv41_compile"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -113,15 +119,13 @@ def save_graph(gm: GraphModule) -> bytes:
     try:
         for node in saved:
             node.meta = {}
-        return GraphPickler.dumps(gm, Options(ops_filter=None))
+        return GraphPickler.dumps(gm, GraphPicklerOptions(ops_filter=None))
     finally:
         for node, meta in saved.items():
             node.meta = meta
 
 
 def load_graph(data: bytes) -> GraphModule:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     gm = GraphPickler.loads(data, FakeTensorMode())
     gm.recompile()
     return gm
@@ -210,16 +214,11 @@ def add_guards(
 def restart_requested() -> tuple[str, ...]:
     """The float inputs AOTAutograd asked Dynamo to specialise when it raised
     `TensorifyScalarRestartAnalysis` (Dynamo keeps them in `TensorifyState`)."""
-    from torch._dynamo.symbolic_convert import TensorifyState
-
     return tuple(sorted(TensorifyState.force_specializations))
 
 
 def restart_like(specialized: tuple[str, ...]) -> None:
     """Make this rank's Dynamo restart its trace as the compiling rank's did."""
-    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
-    from torch._dynamo.symbolic_convert import TensorifyState
-
     for name in specialized:
         TensorifyState.specialize(name)
     raise TensorifyScalarRestartAnalysis

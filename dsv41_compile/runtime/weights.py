@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from dsv41_compile.core.adapter import ModelAdapter, WeightInput, WeightSlice
 from dsv41_compile.core.mesh import Mesh
 from dsv41_compile.core.signature import ProgramSignature
+from dsv41_compile.core.torch_private import unset_fake_temporarily
 
 __all__ = ["READ", "rank_weights", "weight_inputs"]
 

@@ -35,7 +35,7 @@ from dsv41_compile.core.meta import (
     tensor_inputs,
 )
 from dsv41_compile.core.placements import ExpertShard, format_placement
-from dsv41_compile.spmd.rules import strategy_for
+from dsv41_compile.spmd.rules import rule_answers, strategy_for
 
 __all__ = ["annotate", "exit_placement"]
 
@@ -87,12 +87,13 @@ def _annotate_placeholder(node: Node, ctx: CompileContext) -> None:
         size = val.shape[placement.dim]
         parts = ctx.mesh.ep if isinstance(placement, ExpertShard) else ctx.mesh.tp
         if not isinstance(size, int) or size % parts:
-            raise ValueError(_indivisible(fqn, list(val.shape), placement, parts))
+            advice = ctx.adapter.tp_advice(size)
+            raise ValueError(_indivisible(fqn, list(val.shape), placement, parts, advice))
     node.meta[OUT] = placement
     node.meta[RULE] = f"plan: {fqn}"
 
 
-def _indivisible(fqn: str, shape: list, placement: Placement, parts: int) -> str:
+def _indivisible(fqn: str, shape: list, placement: Placement, parts: int, advice: str) -> str:
     size = shape[placement.dim]
     if isinstance(placement, ExpertShard):
         return (
@@ -102,7 +103,7 @@ def _indivisible(fqn: str, shape: list, placement: Placement, parts: int) -> str
         )
     return (
         f"the plan shards {fqn} (shape {shape}) on dim {placement.dim} over tp={parts}, which "
-        f"does not divide {size}; choose a tp that divides n_heads and o_groups"
+        f"does not divide {size}; {advice}"
     )
 
 
@@ -123,7 +124,7 @@ def _annotate_call(
 
     _check_no_size_of_shard(node, inputs)
 
-    strategy, source = strategy_for(node, given, mesh, ctx.adapter.rules)
+    strategy, source = strategy_for(node, given, mesh, ctx.adapter.rules, rule_answers(ctx))
     if len(strategy.inputs) != len(inputs):
         raise InternalError(
             f"the rule gave {len(strategy.inputs)} input placements for {len(inputs)} tensor "
@@ -137,8 +138,8 @@ def _annotate_call(
                 f"the plan places {ctx.param_fqns[producer.name]} as {format_placement(have)}, "
                 f"but {describe(node)} needs it as {format_placement(needed)} "
                 f"(rule {strategy}); the parameter would be re-gathered on every call. If the "
-                f"op splits heads or output groups, choose a tp that divides n_heads and "
-                f"o_groups; otherwise change the plan or the model so this op sees the shard"
+                f"op splits the sharded dim, {ctx.adapter.tp_advice('it')}; otherwise change "
+                "the plan or the model so this op sees the shard"
             )
     node.meta[IN] = strategy.inputs
     val = node.meta.get("val")

@@ -1,18 +1,18 @@
-"""The one module that touches DTensor's private sharding-propagation API.
+"""The one module that asks DTensor's sharding propagation.
 
 `torch.distributed.tensor` keeps its op rules behind private names (`OpSchema`, `DTensorSpec`,
-`TensorMeta`, the dispatcher's `sharding_propagator`). Every use of them in dsv41_compile goes
-through `propagate` below, so a torch upgrade that moves them breaks one file and one test
-(`tests/spmd/test_dtensor_adapter.py`), not the passes.
+`TensorMeta`, the dispatcher's sharding propagator; imported in `core.torch_private`). Every
+question the passes ask of them goes through `propagate` below.
 
 Rules run on concrete shapes, with the token count at `core.symbols.PLANNING_TOKENS`:
 placements do not depend on the token count, and DTensor's propagator hashes its specs, which a
 symbolic size cannot be.
 
 A rule's answer depends only on the op, the arguments' shapes, dtypes and placements, the
-other arguments and the mesh, and a model repeats its layers: `propagate` keeps every answer
-(and every refusal) for the process, so the second layer of a kind costs a dict lookup
-instead of DTensor's propagation (about 3 ms per op).
+other arguments and the mesh, and a model repeats its layers: given a memo (`answers`: one per
+compile, `spmd.rules.rule_answers`), `propagate` keeps every answer (and every refusal) in it, so
+the second layer of a kind costs a dict lookup instead of DTensor's propagation (about 3 ms per
+op).
 """
 
 from __future__ import annotations
@@ -22,12 +22,19 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.distributed.tensor import Placement
 
+from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.strategy import Strategy
+from dsv41_compile.core.torch_private import (
+    DTensorSpec,
+    OpOverload,
+    OpSchema,
+    TensorMeta,
+    sharding_propagator,
+    tree_leaves,
+    tree_map,
+)
 
 __all__ = ["PlacedTensor", "propagate"]
 
@@ -58,9 +65,6 @@ def _is_spec(x: object) -> bool:
     return isinstance(x, DTensorSpec)
 
 
-_ANSWERS: dict[object, Strategy | Exception] = {}
-
-
 def _hashable(x: object) -> object:
     """`x` as a key: lists and tuples as tagged tuples, dicts as sorted items."""
     if isinstance(x, (list, tuple)):
@@ -71,21 +75,24 @@ def _hashable(x: object) -> object:
 
 
 def propagate(
-    op: torch._ops.OpOverload,
+    op: OpOverload,
     args: Sequence[PlacedTensor | object],
     mesh: DeviceMesh,
     kwargs: dict[str, object] | None = None,
+    answers: dict[object, Strategy | Exception] | None = None,
 ) -> Strategy:
-    """Run DTensor's sharding rule of `op` on a one-axis `mesh` (once per distinct question:
-    the module docstring).
+    """Run DTensor's sharding rule of `op` on a one-axis `mesh` (once per distinct question
+    in `answers`, when given: the module docstring).
 
     `args` are the op's positional arguments: `PlacedTensor` for tensors (also inside lists, as
     for `cat` or `index`), plain values otherwise. Raises `NotImplementedError` when DTensor has
     no rule for `op`.
     """
+    if answers is None:
+        return _propagate(op, args, mesh, kwargs)
     key = (op, _hashable(tuple(args)), mesh, _hashable(kwargs or {}))
     try:
-        answer = _ANSWERS.get(key)
+        answer = answers.get(key)
     except TypeError:  # an argument that cannot be hashed: ask DTensor every time
         return _propagate(op, args, mesh, kwargs)
     if answer is None:
@@ -93,25 +100,23 @@ def propagate(
             answer = _propagate(op, args, mesh, kwargs)
         except (NotImplementedError, RuntimeError, ValueError, AssertionError) as error:
             answer = error
-        _ANSWERS[key] = answer
+        answers[key] = answer
     if isinstance(answer, Exception):
         raise answer.with_traceback(None)
     return answer
 
 
 def _propagate(
-    op: torch._ops.OpOverload,
+    op: OpOverload,
     args: Sequence[PlacedTensor | object],
     mesh: DeviceMesh,
     kwargs: dict[str, object] | None,
 ) -> Strategy:
     if mesh.ndim != 1:
-        raise AssertionError(
-            f"propagate works on one mesh axis at a time, got a {mesh.ndim}-D mesh"
-        )
+        raise InternalError(f"propagate works on one mesh axis at a time, got a {mesh.ndim}-D mesh")
     is_placed = lambda x: isinstance(x, PlacedTensor)  # noqa: E731
     schema_args = tree_map(lambda a: _spec(mesh, a) if is_placed(a) else a, tuple(args))
-    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator = sharding_propagator()
     known = (
         propagator.op_strategy_funcs,
         propagator.op_single_dim_strategy_funcs,

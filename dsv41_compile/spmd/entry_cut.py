@@ -44,7 +44,7 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import IN, OUT, REGION, RULE, module_paths, tensor_inputs
 from dsv41_compile.core.plan import pattern_matches
-from dsv41_compile.spmd.rules import strategy_for
+from dsv41_compile.spmd.rules import rule_answers, strategy_for
 
 __all__ = ["EntryCut", "EntryCuts", "entry_cut", "entry_cuts"]
 
@@ -164,9 +164,11 @@ def _per_token(
     inputs = tensor_inputs(node)
     given = tuple(_TOKENS if p in aligned else need for p, need in zip(inputs, node.meta[IN]))
     try:
-        strategy, source = strategy_for(node, given, ctx.mesh.tp_mesh, ctx.adapter.rules)
+        strategy, source = strategy_for(
+            node, given, ctx.mesh.tp_mesh, ctx.adapter.rules, rule_answers(ctx)
+        )
     except (NotImplementedError, ValueError, RuntimeError, AssertionError):
-        return None  # no rule takes this op's inputs token-sharded (DTensor asserts, for some)
+        return None  # no rule takes this op's inputs token-sharded (DTensor's rules assert)
     if tuple(strategy.inputs) != given:
         return None
     val = node.meta.get("val")

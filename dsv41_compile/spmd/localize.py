@@ -44,7 +44,8 @@ def localize(gm: GraphModule, *, ctx: CompileContext) -> None:
             continue
         out = node.meta.get(OUT)
         if node.target in _VIEWS and isinstance(out, Shard):
-            node.args = (node.args[0], _local_view_sizes(node, list(node.args[1]), out.dim, tp))
+            sizes = _local_view_sizes(node, list(node.args[1]), out.dim, tp, ctx)
+            node.args = (node.args[0], sizes)
         elif node.target is aten.expand.default and isinstance(out, Shard):
             node.args = (node.args[0], _local_expand_sizes(node, out.dim, ctx))
         elif node.target is aten.slice.Tensor and isinstance(out, Shard):
@@ -83,7 +84,9 @@ def _signature(gm: GraphModule, ctx: CompileContext) -> ProgramSignature:
     return ProgramSignature(tuple(params), tuple(inputs), tuple(ctx.adapter.token_inputs))
 
 
-def _local_view_sizes(node: Node, sizes: list[object], dim: int, tp: int) -> list[object]:
+def _local_view_sizes(
+    node: Node, sizes: list[object], dim: int, tp: int, ctx: CompileContext
+) -> list[object]:
     # A static sharded dim gets its local size written out, and so does a -1 beside it whose
     # global size is static: a view keeps at most one -1, on a dim whose neighbours are never
     # 0 (with T = 0 tokens a -1 next to a T dim would be ambiguous).
@@ -94,7 +97,7 @@ def _local_view_sizes(node: Node, sizes: list[object], dim: int, tp: int) -> lis
         if size % tp:
             raise ValueError(
                 f"{describe(node)} splits a dim of size {size} that is sharded over tp={tp}; "
-                f"choose a tp that divides it (for attention: n_heads and o_groups)"
+                f"{ctx.adapter.tp_advice(size)}"
             )
         sizes[dim] = size // tp
     elif -1 not in sizes:

@@ -13,6 +13,7 @@ otherwise the op has no rule: `NotImplementedError` naming node, op, placements 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,21 +21,26 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import describe, is_tensor
 from dsv41_compile.core.placements import format_placement
+from dsv41_compile.core.registry import Registry
 from dsv41_compile.core.strategy import RuleFn, Strategy
 from dsv41_compile.core.symbols import hint, hint_shape
 from dsv41_compile.spmd.dtensor_adapter import PlacedTensor, propagate
 
-__all__ = ["rule", "strategy_for"]
+__all__ = ["RULES", "RuleAnswers", "rule", "rule_answers", "strategy_for"]
 
-_RULES: dict[object, RuleFn] = {}
+RULES: Registry[RuleFn] = Registry("sharding rule")
+"""Our rules of ATen ops, by op."""
 
 
 def rule(*ops: object) -> Callable[[RuleFn], RuleFn]:
+    """Register the decorated function as the rule of `ops` (one rule per op)."""
+
     def register(fn: RuleFn) -> RuleFn:
         for op in ops:
-            _RULES[op] = fn
+            RULES.add(op, fn)
         return fn
 
     return register
@@ -75,17 +81,37 @@ def _embedding(node: Node, given: Sequence[Placement]) -> Strategy | None:
     return None
 
 
+@dataclass(frozen=True)
+class RuleAnswers:
+    """DTensor's answers asked in one compile, by question (`dtensor_adapter.propagate`'s
+    memo): the layers of a kind ask the same ones."""
+
+    by_question: dict[object, object] = field(default_factory=dict)
+
+
+def rule_answers(ctx: CompileContext) -> dict[object, object]:
+    """This compile's memo of DTensor's answers (made on first use)."""
+    answers = ctx.get(RuleAnswers, None)
+    if answers is None:
+        answers = RuleAnswers()
+        ctx.put(answers)
+    return answers.by_question
+
+
 def strategy_for(
     node: Node,
     given: Sequence[Placement],
     mesh: DeviceMesh,
     model_rules: Mapping[object, RuleFn] | None = None,
+    answers: dict[object, object] | None = None,
 ) -> tuple[Strategy, str]:
     """The strategy of `node` given its tensor inputs' placements, and which rule gave it;
-    `model_rules` are the model adapter's (`spmd.annotate` passes them)."""
-    for table in (model_rules or {}, _RULES):
-        if node.target in table:
-            strategy = table[node.target](node, given)
+    `model_rules` are the model adapter's (`spmd.annotate` passes them), `answers` the
+    compile's memo of DTensor's answers (`rule_answers`)."""
+    for table in (model_rules or {}, RULES):
+        fn = table.get(node.target)
+        if fn is not None:
+            strategy = fn(node, given)
             if strategy is not None:
                 return strategy, "dsv41"
     if all(p == Replicate() for p in given):
@@ -105,7 +131,7 @@ def strategy_for(
         raise NotImplementedError(f"{describe(node)}: tensor keyword arguments have no rule")
     placements = ", ".join(format_placement(p) for p in given)
     try:
-        return propagate(node.target, args, mesh, dict(node.kwargs)), "dtensor"
+        return propagate(node.target, args, mesh, dict(node.kwargs), answers), "dtensor"
     except NotImplementedError:  # (before RuntimeError, its base class)
         raise NotImplementedError(
             f"no sharding rule for {describe(node)} with input placements ({placements}); add a "

@@ -36,8 +36,9 @@ from torch.fx import Graph, Node
 from dsv41_compile.core.adapter import ModelAdapter
 from dsv41_compile.core.meta import OUT, REASON, REGION, SYMBOL, describe
 from dsv41_compile.core.placements import format_placement
+from dsv41_compile.core.registry import Registry
 
-__all__ = ["TokenSizes", "Transition", "redistribute", "transition"]
+__all__ = ["TRANSITIONS", "TokenSizes", "Transition", "redistribute", "transition"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -99,17 +100,21 @@ Transition = Callable[[Graph, Node, Placement, Placement, TokenSizes, int], list
 """`emit(graph, value, src, dst, sizes, fill) -> nodes`: the nodes turning `value` (placed
 `src`) into `dst`, the last one the new value; padding rows are `fill`."""
 
-_TRANSITIONS: list[tuple[Callable[[Placement, Placement], bool], Transition]] = []
+TRANSITIONS: Registry[tuple[Callable[[Placement, Placement], bool], Transition]] = Registry(
+    "transition"
+)
+"""(applies, emit) by the emitting function's qualified name, in registration order."""
 
 
 def transition(
     applies: Callable[[Placement, Placement], bool],
 ) -> Callable[[Transition], Transition]:
     """Register a transition for the placement changes `applies(src, dst)` accepts; the first
-    registered one that applies is used (docs/architecture.md, "Adding a transition")."""
+    registered one that applies is used (docs/architecture.md, "Adding a transition"). One
+    registration per function (by its module and qualified name)."""
 
     def register(emit: Transition) -> Transition:
-        _TRANSITIONS.append((applies, emit))
+        TRANSITIONS.add(f"{emit.__module__}.{emit.__qualname__}", (applies, emit))
         return emit
 
     return register
@@ -216,7 +221,7 @@ def redistribute(
     adapter's cut), is added to its collectives' reason. Returns the new value."""
     if src == dst:
         return value
-    emit = next((emit for applies, emit in _TRANSITIONS if applies(src, dst)), None)
+    emit = next((emit for applies, emit in TRANSITIONS.values() if applies(src, dst)), None)
     if emit is None:
         raise NotImplementedError(_no_transition(value, src, dst, why))
     nodes = emit(graph, value, src, dst, sizes, fill)

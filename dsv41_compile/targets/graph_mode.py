@@ -30,13 +30,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch._dispatch.python import enable_python_dispatcher
 from torch.fx import Graph, GraphModule, Node, Proxy
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.emitter import Emitter
 from dsv41_compile.core.meta import replace_node
+from dsv41_compile.core.torch_private import enable_python_dispatcher
 
 __all__ = ["graph_mode", "rewrite_for_graph_mode"]
 

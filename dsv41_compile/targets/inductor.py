@@ -15,13 +15,12 @@ from typing import Any
 
 from torch.fx import GraphModule
 
+from dsv41_compile.core.torch_private import compile_fx
 from dsv41_compile.runtime.host_cache import host_lock
 
 __all__ = ["compile_inductor"]
 
 
 def compile_inductor(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    from torch._inductor.compile_fx import compile_fx
-
     with host_lock("inductor"):
         return compile_fx(gm, example_inputs)

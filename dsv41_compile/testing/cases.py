@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._dynamo
-from torch._dynamo.utils import counters
 
 from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.hooks import Hooks, installed
+from dsv41_compile.core.torch_private import dynamo_counters as counters
 from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
 from dsv41_compile.model.validate import validate_batch
 from dsv41_compile.runtime import weights
@@ -209,7 +208,7 @@ def _run_mode(
     if mode not in MODES:
         raise ValueError(f"unknown compile mode {mode!r}; the modes are {MODES}")
     start = time.perf_counter()
-    torch._dynamo.reset()  # each mode compiles afresh (and Dynamo's recompile limit is per mode)
+    torch.compiler.reset()  # each mode compiles afresh (and Dynamo's recompile limit is per mode)
     dynamic = {"dynamic": True, "static": False}.get(mode)
     compiled = torch.compile(model, backend="dsv41_sp", options=options, dynamic=dynamic)
     cache = model.new_cache(spec.num_slots, spec.max_len)

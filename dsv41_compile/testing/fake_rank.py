@@ -15,12 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch._dynamo
 from torch.fx import GraphModule
 
 import dsv41_compile
 from dsv41_compile.core.context import CompileContext
-from dsv41_compile.core.mesh import clear_mesh_cache
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
@@ -118,18 +116,14 @@ def _compiled_call(
 ) -> Any:
     """`compile_model_on_fake_rank`'s compile and call, nothing watching the pipeline (eager
     lowering unless `options` say otherwise): the output."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     with fake_process_group(world_size=world_size, rank=rank):
-        clear_mesh_cache()
         if token_inputs:
             dsv41_compile.mark_token_dim(*token_inputs)
         compiled = torch.compile(
             model, backend="dsv41_sp", options={"lowering": "eager", **options}, fullgraph=True
         )
-        try:
-            return compiled(*args)
-        finally:
-            clear_mesh_cache()
+        return compiled(*args)
 
 
 def layer_text(gm: GraphModule, ctx: CompileContext, region: str) -> str:

@@ -6,9 +6,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph, GraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from dsv41_compile.core.torch_private import FakeTensorMode
 
 __all__ = ["one_op_graph", "rewritten_for_graph_mode"]
 

@@ -135,12 +135,11 @@ def _pool_child(
 
 def _clean_compile_state() -> None:
     """What one run of a pool leaves that the next must not see."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
 
+    from dsv41_compile.core.torch_private import dynamo_counters as counters
     from dsv41_compile.runtime.host_cache import STATS
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     counters.clear()
     STATS.clear()
 

@@ -28,10 +28,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch.fx import GraphModule
 from torch.library import Library
 
+from dsv41_compile.core.torch_private import OpOverload, aot_module_simplified, make_boxed_func
 from dsv41_compile.runtime.host_cache import load_graph, program_key, save_graph, shared
 
 __all__ = [
@@ -82,7 +82,7 @@ class TorchairStandIn:
 def op_name(target: object) -> str:
     """The name torchair registers `target`'s converter under: `torch.ops.aten.mm.default`,
     `operator.add` (read by tools/torchair_coverage.py)."""
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"
     module = getattr(target, "__module__", "") or ""
     return f"{module.removeprefix('_')}.{getattr(target, '__name__', target)}"

@@ -4,6 +4,7 @@ and reduce-scattered), a head. About 80 nodes per graph, compiled in a second.
 
     with toy_family():
         gm, ctx, _ = compile_model_on_fake_rank(ToyLM(), (tokens,), {"tp": 4})
+        gm, ctx, _ = plan_rank(ToyConfig(), {"tp": 4}, world_size=8)  # on meta tensors
 
 docs/architecture.md builds the same family step by step."""
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +23,15 @@ from dsv41_compile import models
 from dsv41_compile.core.adapter import LayerCollectives, ModelAdapter, Site
 from dsv41_compile.core.plan import ShardingPlan
 
-__all__ = ["ToyAdapter", "ToyLM", "toy_family"]
+__all__ = ["ToyAdapter", "ToyConfig", "ToyLM", "toy_family"]
+
+
+@dataclass(frozen=True)
+class ToyConfig:
+    vocab: int = 64
+    dim: int = 16
+    hidden: int = 32
+    n_layers: int = 2
 
 
 class _MLP(nn.Module):
@@ -87,6 +98,14 @@ class ToyAdapter(ModelAdapter):
         hidden = param_shapes["blocks.0.mlp.up.weight"][0]
         if hidden % options.tp:
             raise ValueError(f"tp={options.tp} does not divide the MLP's {hidden} hidden units")
+
+    def planning_example(self, config: Any, *, tokens: int = 5) -> Any:
+        if not isinstance(config, ToyConfig):
+            return None
+        with torch.device("meta"):
+            model = ToyLM(config.vocab, config.dim, config.hidden, config.n_layers)
+            ids = torch.zeros(tokens, dtype=torch.int64)
+        return model, (ids,), (ids,)
 
 
 @contextmanager

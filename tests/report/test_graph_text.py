@@ -9,8 +9,8 @@ import re
 import pytest
 from torch.distributed.tensor import Replicate
 
-from dsv41_compile.core.meta import OUT
-from dsv41_compile.report.dump import _layer, graph_text
+from dsv41_compile.core.meta import OUT, REGION
+from dsv41_compile.report.dump import graph_text, layer_module
 from dsv41_compile.testing.presets import compile_config
 
 
@@ -23,7 +23,11 @@ def planned(plan_once):
 
 
 def _nodes_of(gm, ctx, layer: str):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and _layer(n, ctx) == layer]
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and layer_module(n.meta.get(REGION, ""), ctx) == layer
+    ]
 
 
 def test_a_layer_planned_like_an_earlier_one_is_one_call(planned):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -21,7 +22,12 @@ from dsv41_compile.core.adapter import (
     WeightInput,
 )
 from dsv41_compile.core.plan import ShardingPlan
-from dsv41_compile.model import ops  # noqa: F401  (registers dsv41::routed_experts)
+from dsv41_compile.model import (
+    DeepseekV41,
+    ModelConfig,
+    ops,  # noqa: F401  (registers dsv41::routed_experts)
+)
+from dsv41_compile.model.batches import Request, pack
 from dsv41_compile.model.checkpoint import read_weights
 from dsv41_compile.models.deepseek_v41.graph_mode import routed_experts_grouped
 from dsv41_compile.models.deepseek_v41.plan import deepseek_v41_plan
@@ -35,6 +41,8 @@ _ATTENTION = ("hc_attn", "attn_norm", "attn")
 _MOE = ("hc_ffn", "ffn_norm", "ffn")
 _TOP_LEVEL = ("embed", "layers", "norm", "head")
 ROUTED_EXPERTS = RoutedExperts(torch.ops.dsv41.routed_experts.default)
+_REQUESTS = (Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0))
+"""`plan_rank`'s example batch: two requests of 3 and 2 tokens."""
 
 
 class DeepseekV41Adapter(ModelAdapter):
@@ -45,6 +53,7 @@ class DeepseekV41Adapter(ModelAdapter):
     routed_experts = (ROUTED_EXPERTS,)
     rules = {ROUTED_EXPERTS.op: routed_experts_rule(ROUTED_EXPERTS)}
     graph_mode_rewrites = {ROUTED_EXPERTS.op: routed_experts_grouped}
+    tp_divides = "n_heads and o_groups"
 
     def matches(self, param_fqns: Iterable[str], inputs: Iterable[str]) -> bool:
         # By its parameters: a piece of the model (a graph break) is then refused as such.
@@ -114,6 +123,11 @@ class DeepseekV41Adapter(ModelAdapter):
         return Site(layer, "layer")
 
     def check(self, options: BackendOptions, param_shapes: Mapping[str, Sequence[int]]) -> None:
+        if options.attn_exit == "all_to_all" and options.layout != "sp":
+            raise ValueError(
+                f"attn_exit='all_to_all' is a cut of the sp layout; layout={options.layout!r} "
+                "all-reduces attention's output (use attn_exit='auto' or 'reduce_scatter')"
+            )
         # Attention shards its heads and output groups over tp (the plan): read H and G from
         # layer 0's weights -- sink [H], wq_b [H*d, q_lora], wo_a [G*o_lora, H/G*d].
         sink = param_shapes.get("layers.0.attn.attn_sink")
@@ -129,6 +143,23 @@ class DeepseekV41Adapter(ModelAdapter):
                 f"tp={tp} does not divide this model's attention: it shards its {heads} heads "
                 f"and {groups} output groups over tp; choose tp in {fits}"
             )
+
+    def planning_example(
+        self,
+        config: Any,
+        *,
+        requests: Sequence[Request] = _REQUESTS,
+        max_len: int = 64,
+    ) -> tuple[torch.nn.Module, tuple[Any, ...], tuple[torch.Tensor, ...]] | None:
+        """A meta model of `config`, a batch of `requests` (one slot each) and a cache of
+        `max_len` positions per request."""
+        if not isinstance(config, ModelConfig):
+            return None
+        with torch.device("meta"):
+            model = DeepseekV41(config)
+            cache = model.new_cache(num_slots=len(requests), max_len=max_len)
+        ids, positions, slots = (t.to("meta") for t in pack(list(requests)))
+        return model, (ids, positions, slots, cache), (ids, positions, slots)
 
     def read_weights(
         self, path: str, weights: Sequence[WeightInput], *, skip_unimplemented_parts: bool
