@@ -51,6 +51,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return SharedCompiles(config, log)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that reads torchair's source needs the package registry (`torchair_registry`
+    downloads the torch_npu wheel once): marked `registry`, and skipped, with pip's reason,
+    where the registry cannot be reached."""
+    for item in items:
+        if "torchair_registry" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.registry)
+
+
 def _load_tool(name: str) -> Any:
     """`tools/{name}.py` as a module (the tools are scripts, not a package)."""
     path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"

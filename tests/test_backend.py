@@ -21,7 +21,12 @@ from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 from dsv41_compile.spmd.entry_cut import entry_cuts
 from dsv41_compile.testing.batches import Request, pack
-from dsv41_compile.testing.fake_rank import compile_on_fake_rank, layer_text
+from dsv41_compile.testing.fake_rank import (
+    collective_windows,
+    compile_on_fake_rank,
+    layer_text,
+    placement_counts,
+)
 from dsv41_compile.testing.presets import ONE_LAYER, WIDE, compile_config
 from dsv41_compile.testing.torch_shims import fake_process_group
 
@@ -289,204 +294,39 @@ class TestLayerSnapshot(expecttest.TestCase):
         """The attention block of one decoder layer (D = 128) under the default cuts: q and kv
         latents made on the token shard and gathered (the entry cut), head-sharded queries, sink
         and output groups, replicated window and cache, wo_b's input moved to its tokens' ranks
-        by the exit all-to-all and projected there by the whole wo_b. (The rest of the layer --
-        mHC with its Sinkhorn iterations, norms, MoE -- is ~400 token-sharded pointwise nodes;
-        the counts tests above pin its collectives.)"""
+        by the exit all-to-all and projected there by the whole wo_b. The snapshot is each
+        collective with the lines around it; the block's other ops are pinned by how many
+        have each placement. (The rest of the layer -- mHC with its Sinkhorn iterations,
+        norms, MoE -- is ~400 token-sharded pointwise nodes; the counts tests above pin its
+        collectives.)"""
         cfg = compile_config("tiny-swa", ONE_LAYER, WIDE)
         gm, ctx, _ = compile_on_fake_rank(1, {"tp": 4}, cfg=cfg)
+        text = layer_text(gm, ctx, "layers.0.attn")
         self.assertExpectedInline(
-            layer_text(gm, ctx, "layers.0.attn"),
+            collective_windows(text),
             """\
-v0 = t(layers.0.attn.wq_a.weight)  # R f32[128, 32]
-v1 = mm(in0, v0)  # S(0) f32[((T+3)//4), 32]
-v2 = pow(v1, 2)  # S(0) f32[((T+3)//4), 32]
-v3 = mean(v2, [-1], True)  # S(0) f32[((T+3)//4), 1]
-v4 = add(v3, 1e-06)  # S(0) f32[((T+3)//4), 1]
-v5 = rsqrt(v4)  # S(0) f32[((T+3)//4), 1]
-v6 = mul(v1, v5)  # S(0) f32[((T+3)//4), 32]
 v7 = mul(layers.0.attn.q_norm.weight, v6)  # S(0) f32[((T+3)//4), 32]
 v8 = t(layers.0.attn.wq_b.weight)  # S(1) f32[32, 64]
 v9 = _c10d_functional.all_gather_into_tensor(v7, 4, 'tp')  # f32[4*(((T+3)//4)), 32]  <- S(0) -> R: v13 in layers.0.attn needs v7 as R (dtensor (R, S(1)) -> S(1)); attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input
 v10 = _c10d_functional.wait_tensor(v9)  # f32[4*(((T+3)//4)), 32]  <- S(0) -> R: v13 in layers.0.attn needs v7 as R (dtensor (R, S(1)) -> S(1)); attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input
 v11 = split_with_sizes(v10, [in1, in2])  # (f32[T, 32], f32[-T+4*(((T+3)//4)), 32])
 v12 = getitem(v11, 0)  # R f32[T, 32]
-v13 = mm(v12, v8)  # S(1) f32[T, 64]
-v14 = view(v13, [positions.size()[0], 2, 32])  # S(1) f32[T, 2, 32]
-v15 = _to_copy(positions, dtype=f32)  # R f32[T]
-v16 = slice(v15, 0, 0, end)  # R f32[T]
-v17 = unsqueeze(v16, 1)  # R f32[T, 1]
-v18 = unsqueeze(layers.0.attn.rope_inv_freq, 0)  # R f32[1, 4]
-v19 = mul(v17, v18)  # R f32[T, 4]
-v20 = view(v19, [positions.size()[0], 1, 4])  # R f32[T, 1, 4]
-v21 = cos(v20)  # R f32[T, 1, 4]
-v22 = sin(v20)  # R f32[T, 1, 4]
-v23 = slice(v14, 2, -8, end)  # S(1) f32[T, 2, 8]
-v24 = view(v23, [positions.size()[0], 2, 4, 2])  # S(1) f32[T, 2, 4, 2]
-v25 = unbind(v24, -1)  # (S(1), S(1)) (f32[T, 2, 4], f32[T, 2, 4])
-v26 = getitem(v25, 0)  # S(1) f32[T, 2, 4]
-v27 = getitem(v25, 1)  # S(1) f32[T, 2, 4]
-v28 = mul(v26, v21)  # S(1) f32[T, 2, 4]
-v29 = mul(v27, v22)  # S(1) f32[T, 2, 4]
-v30 = sub(v28, v29)  # S(1) f32[T, 2, 4]
-v31 = mul(v26, v22)  # S(1) f32[T, 2, 4]
-v32 = mul(v27, v21)  # S(1) f32[T, 2, 4]
-v33 = add(v31, v32)  # S(1) f32[T, 2, 4]
-v34 = stack([v30, v33], -1)  # S(1) f32[T, 2, 4, 2]
-v35 = view(v34, [positions.size()[0], 2, 8])  # S(1) f32[T, 2, 8]
-v36 = slice(v14, 2, 0, -8)  # S(1) f32[T, 2, 24]
-v37 = cat([v36, v35], -1)  # S(1) f32[T, 2, 32]
-v38 = t(layers.0.attn.wkv.weight)  # R f32[128, 32]
-v39 = mm(in0, v38)  # S(0) f32[((T+3)//4), 32]
-v40 = pow(v39, 2)  # S(0) f32[((T+3)//4), 32]
-v41 = mean(v40, [-1], True)  # S(0) f32[((T+3)//4), 1]
-v42 = add(v41, 1e-06)  # S(0) f32[((T+3)//4), 1]
-v43 = rsqrt(v42)  # S(0) f32[((T+3)//4), 1]
-v44 = mul(v39, v43)  # S(0) f32[((T+3)//4), 32]
-v45 = mul(layers.0.attn.kv_norm.weight, v44)  # S(0) f32[((T+3)//4), 32]
-v46 = _to_copy(positions, dtype=f32)  # R f32[T]
-v47 = slice(v46, 0, 0, end)  # R f32[T]
-v48 = unsqueeze(v47, 1)  # R f32[T, 1]
-v49 = unsqueeze(layers.0.attn.rope_inv_freq, 0)  # R f32[1, 4]
-v50 = mul(v48, v49)  # R f32[T, 4]
-v51 = view(v50, [positions.size()[0], 4])  # R f32[T, 4]
+...
 v52 = cos(v51)  # R f32[T, 4]
 v53 = sin(v51)  # R f32[T, 4]
 v54 = _c10d_functional.all_gather_into_tensor(v45, 4, 'tp')  # f32[4*(((T+3)//4)), 32]  <- S(0) -> R: v58 in layers.0.attn needs v45 as R; attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input
 v55 = _c10d_functional.wait_tensor(v54)  # f32[4*(((T+3)//4)), 32]  <- S(0) -> R: v58 in layers.0.attn needs v45 as R; attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input
 v56 = split_with_sizes(v55, [in1, in2])  # (f32[T, 32], f32[-T+4*(((T+3)//4)), 32])
 v57 = getitem(v56, 0)  # R f32[T, 32]
-v58 = slice(v57, 1, -8, end)  # R f32[T, 8]
-v59 = view(v58, [positions.size()[0], 4, 2])  # R f32[T, 4, 2]
-v60 = unbind(v59, -1)  # (R, R) (f32[T, 4], f32[T, 4])
-v61 = getitem(v60, 0)  # R f32[T, 4]
-v62 = getitem(v60, 1)  # R f32[T, 4]
-v63 = mul(v61, v52)  # R f32[T, 4]
-v64 = mul(v62, v53)  # R f32[T, 4]
-v65 = sub(v63, v64)  # R f32[T, 4]
-v66 = mul(v61, v53)  # R f32[T, 4]
-v67 = mul(v62, v52)  # R f32[T, 4]
-v68 = add(v66, v67)  # R f32[T, 4]
-v69 = stack([v65, v68], -1)  # R f32[T, 4, 2]
-v70 = view(v69, [positions.size()[0], 8])  # R f32[T, 8]
-v71 = slice(v57, 1, 0, -8)  # R f32[T, 24]
-v72 = cat([v71, v70], -1)  # R f32[T, 32]
-v73 = eq(in3, 4)  # R b8[T]
-v74 = clamp(in3, None, 3)  # R i64[T]
-v75 = index(cache.lengths, [v74])  # R i64[T]
-v76 = where(v73, positions, v75)  # R i64[T]
-v77 = arange(4, pin_memory=False)  # R i64[4]
-v78 = sub(v77, 3)  # R i64[4]
-v79 = slice(positions, 0, 0, end)  # R i64[T]
-v80 = unsqueeze(v79, 1)  # R i64[T, 1]
-v81 = add(v80, v78)  # R i64[T, 4]
-v82 = arange(positions.size()[0], pin_memory=False)  # R i64[T]
-v83 = slice(v82, 0, 0, end)  # R i64[T]
-v84 = unsqueeze(v83, 1)  # R i64[T, 1]
-v85 = add(v84, v78)  # R i64[T, 4]
-v86 = clamp(v85, 0)  # R i64[T, 4]
-v87 = slice(in3, 0, 0, end)  # R i64[T]
-v88 = unsqueeze(v87, 1)  # R i64[T, 1]
-v89 = clamp(v81, 0)  # R i64[T, 4]
-v90 = remainder(v89, 4)  # R i64[T, 4]
-v91 = index(cache.window_kv[0], [v88, v90])  # R f32[T, 4, 32]
-v92 = slice(v76, 0, 0, end)  # R i64[T]
-v93 = unsqueeze(v92, 1)  # R i64[T, 1]
-v94 = ge(v81, v93)  # R b8[T, 4]
-v95 = unsqueeze(v94, 2)  # R b8[T, 4, 1]
-v96 = index(v72, [v86])  # R f32[T, 4, 32]
-v97 = where(v95, v96, v91)  # R f32[T, 4, 32]
-v98 = ge(v81, 0)  # R b8[T, 4]
-v99 = constant_pad_nd(in3, [0, 4], -1.0)  # R i64[T+4]
-v100 = slice(v99, 0, 4, end)  # R i64[T]
-v101 = ne(v100, in3)  # R b8[T]
-v102 = scalar_tensor(4, dtype=i64, layout=torch.strided)  # R i64[]
-v103 = where(v101, in3, v102)  # R i64[T]
-v104 = remainder(positions, 4)  # R i64[T]
-v105 = scalar_tensor(0, dtype=i64, layout=torch.strided)  # R i64[]
-v106 = where(v101, v104, v105)  # R i64[T]
-v107 = index_put(cache.window_kv[0], [v103, v106], v72)  # R f32[5, 4, 32]
-v108 = unsqueeze(v37, 3)  # S(1) f32[T, 2, 32, 1]
-v109 = permute(v108, [0, 1, 3, 2])  # S(1) f32[T, 2, 1, 32]
-v110 = unsqueeze(v97, 3)  # R f32[T, 4, 32, 1]
-v111 = permute(v110, [0, 3, 1, 2])  # R f32[T, 1, 4, 32]
-v112 = permute(v109, [0, 1, 3, 2])  # S(1) f32[T, 2, 32, 1]
-v113 = view(v112, [positions.size()[0], 2, 32])  # S(1) f32[T, 2, 32]
-v114 = permute(v111, [0, 3, 2, 1])  # R f32[T, 32, 4, 1]
-v115 = view(v114, [positions.size()[0], 32, 4])  # R f32[T, 32, 4]
-v116 = bmm(v113, v115)  # S(1) f32[T, 2, 4]
-v117 = view(v116, [positions.size()[0], 2, 1, 4])  # S(1) f32[T, 2, 1, 4]
-v118 = permute(v117, [0, 1, 3, 2])  # S(1) f32[T, 2, 4, 1]
-v119 = view(v118, [positions.size()[0], 2, 4])  # S(1) f32[T, 2, 4]
-v120 = mul(v119, 0.1767766952966369)  # S(1) f32[T, 2, 4]
-v121 = slice(v98, 0, 0, end)  # R b8[T, 4]
-v122 = unsqueeze(v121, 1)  # R b8[T, 1, 4]
-v123 = bitwise_not(v122)  # R b8[T, 1, 4]
-v124 = masked_fill(v120, v123, -inf)  # S(1) f32[T, 2, 4]
-v125 = unsqueeze(layers.0.attn.attn_sink, 0)  # S(1) f32[1, 2]
-v126 = unsqueeze(v125, 2)  # S(1) f32[1, 2, 1]
-v127 = expand(v126, [positions.size()[0], -1, 1])  # S(1) f32[T, 2, 1]
-v128 = cat([v124, v127], -1)  # S(1) f32[T, 2, 5]
-v129 = _softmax(v128, -1, False)  # S(1) f32[T, 2, 5]
-v130 = slice(v129, 2, 0, -1)  # S(1) f32[T, 2, 4]
-v131 = unsqueeze(v130, 3)  # S(1) f32[T, 2, 4, 1]
-v132 = permute(v131, [0, 1, 3, 2])  # S(1) f32[T, 2, 1, 4]
-v133 = unsqueeze(v97, 3)  # R f32[T, 4, 32, 1]
-v134 = permute(v133, [0, 3, 2, 1])  # R f32[T, 1, 32, 4]
-v135 = permute(v132, [0, 1, 3, 2])  # S(1) f32[T, 2, 4, 1]
-v136 = view(v135, [positions.size()[0], 2, 4])  # S(1) f32[T, 2, 4]
-v137 = permute(v134, [0, 3, 2, 1])  # R f32[T, 4, 32, 1]
-v138 = view(v137, [positions.size()[0], 4, 32])  # R f32[T, 4, 32]
-v139 = bmm(v136, v138)  # S(1) f32[T, 2, 32]
-v140 = view(v139, [positions.size()[0], 2, 1, 32])  # S(1) f32[T, 2, 1, 32]
-v141 = permute(v140, [0, 1, 3, 2])  # S(1) f32[T, 2, 32, 1]
-v142 = view(v141, [positions.size()[0], 2, 32])  # S(1) f32[T, 2, 32]
-v143 = _to_copy(positions, dtype=f32)  # R f32[T]
-v144 = slice(v143, 0, 0, end)  # R f32[T]
-v145 = unsqueeze(v144, 1)  # R f32[T, 1]
-v146 = unsqueeze(layers.0.attn.rope_inv_freq, 0)  # R f32[1, 4]
-v147 = mul(v145, v146)  # R f32[T, 4]
-v148 = view(v147, [positions.size()[0], 1, 4])  # R f32[T, 1, 4]
-v149 = cos(v148)  # R f32[T, 1, 4]
-v150 = sin(v148)  # R f32[T, 1, 4]
-v151 = neg(v150)  # R f32[T, 1, 4]
-v152 = slice(v142, 2, -8, end)  # S(1) f32[T, 2, 8]
-v153 = view(v152, [positions.size()[0], 2, 4, 2])  # S(1) f32[T, 2, 4, 2]
-v154 = unbind(v153, -1)  # (S(1), S(1)) (f32[T, 2, 4], f32[T, 2, 4])
-v155 = getitem(v154, 0)  # S(1) f32[T, 2, 4]
-v156 = getitem(v154, 1)  # S(1) f32[T, 2, 4]
-v157 = mul(v155, v149)  # S(1) f32[T, 2, 4]
-v158 = mul(v156, v151)  # S(1) f32[T, 2, 4]
-v159 = sub(v157, v158)  # S(1) f32[T, 2, 4]
-v160 = mul(v155, v151)  # S(1) f32[T, 2, 4]
-v161 = mul(v156, v149)  # S(1) f32[T, 2, 4]
-v162 = add(v160, v161)  # S(1) f32[T, 2, 4]
-v163 = stack([v159, v162], -1)  # S(1) f32[T, 2, 4, 2]
-v164 = view(v163, [positions.size()[0], 2, 8])  # S(1) f32[T, 2, 8]
-v165 = slice(v142, 2, 0, -8)  # S(1) f32[T, 2, 24]
-v166 = cat([v165, v164], -1)  # S(1) f32[T, 2, 32]
-v167 = view(layers.0.attn.wo_a.weight, [1, 16, 64])  # S(0) f32[1, 16, 64]
-v168 = view(v166, [positions.size()[0], 1, 64])  # S(1) f32[T, 1, 64]
-v169 = unsqueeze(v168, 3)  # S(1) f32[T, 1, 64, 1]
-v170 = permute(v169, [0, 1, 3, 2])  # S(1) f32[T, 1, 1, 64]
-v171 = unsqueeze(v167, 3)  # S(0) f32[1, 16, 64, 1]
-v172 = permute(v171, [3, 0, 1, 2])  # S(1) f32[1, 1, 16, 64]
-v173 = permute(v170, [1, 0, 3, 2])  # S(0) f32[1, T, 64, 1]
-v174 = view(v173, [1, positions.size()[0], 64])  # S(0) f32[1, T, 64]
-v175 = permute(v172, [1, 3, 2, 0])  # S(0) f32[1, 64, 16, 1]
-v176 = view(v175, [1, 64, 16])  # S(0) f32[1, 64, 16]
-v177 = bmm(v174, v176)  # S(0) f32[1, T, 16]
-v178 = view(v177, [1, positions.size()[0], 1, 16])  # S(0) f32[1, T, 1, 16]
-v179 = permute(v178, [1, 0, 3, 2])  # S(1) f32[T, 1, 16, 1]
-v180 = view(v179, [positions.size()[0], 1, 16])  # S(1) f32[T, 1, 16]
-v181 = clone(v180, memory_format=torch.contiguous_format)  # S(1) f32[T, 1, 16]
-v182 = _unsafe_view(v181, [positions.size()[0], 16])  # S(1) f32[T, 16]
+...
 v183 = t(layers.0.attn.wo_b.weight)  # R f32[64, 128]
 v184 = constant_pad_nd(v182, [0, 0, 0, in2], 0)  # f32[4*(((T+3)//4)), 16]
 v185 = _c10d_functional.all_to_all_single(v184, [in4, in4, in4, in4], [in4, in4, in4, in4], 'tp')  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v191 in layers.0.attn.wo_b needs v182 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 48 B per token against 384 B reduce_scatter; wo_b replicated: +24,576 B of weights per rank
 v186 = _c10d_functional.wait_tensor(v185)  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v191 in layers.0.attn.wo_b needs v182 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 48 B per token against 384 B reduce_scatter; wo_b replicated: +24,576 B of weights per rank
 v187 = unflatten(v186, 0, [4, in4])  # f32[4, ((T+3)//4), 16]
-v188 = permute(v187, [1, 0, 2])  # f32[((T+3)//4), 4, 16]
-v189 = clone(v188, memory_format=torch.contiguous_format)  # f32[((T+3)//4), 4, 16]
-v190 = view(v189, [-1, 64])  # S(0) f32[((T+3)//4), 64]
-v191 = mm(v190, v183)  # S(0) f32[((T+3)//4), 128]""",
+v188 = permute(v187, [1, 0, 2])  # f32[((T+3)//4), 4, 16]""",
+        )
+        self.assertExpectedInline(
+            str(placement_counts(gm, "layers.0.attn")),
+            """{'(R, R)': 1, '(S(1), S(1))': 2, '-': 12, 'R': 90, 'S(0)': 24, 'S(1)': 63}""",
         )

@@ -24,6 +24,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import EP_SOURCE, IN, OUT, REASON, REGION
+from dsv41_compile.testing.cases import layer_collectives
 from dsv41_compile.testing.fake_rank import compile_on_fake_rank
 from dsv41_compile.testing.presets import compile_config
 from dsv41_compile.verify import _OnceProp, verify
@@ -87,9 +88,20 @@ def add(gm: GraphModule, before: Node, target, args, out, **kwargs) -> Node:
     return node
 
 
-def test_valid_graph_passes(rewritten):
+def test_valid_graph_passes_and_its_collectives_are_recorded(rewritten):
+    """The control of the seeded bugs below: the untouched copy passes, every node gets its
+    local value again, and the records are the seed layout's, per layer."""
     gm, ctx = rewritten
-    verify(copied(gm), ctx=dataclasses.replace(ctx, comm=[]))
+    copy, fresh = copied(gm), dataclasses.replace(ctx, comm=[])
+    valued = [n for n in copy.graph.nodes if n.op == "call_function" and "val" in n.meta]
+    for node in valued:
+        del node.meta["val"]
+    verify(copy, ctx=fresh)
+    assert len(valued) > 900 and all("val" in n.meta for n in valued)
+    ep = ["all_to_all(ep)"] * 3  # padded dispatch: rows, routes, combine (sorted by kind)
+    assert layer_collectives(fresh.comm) == {
+        layer: ["all_gather(tp)", *ep, "reduce_scatter(tp)"] for layer in (0, 1)
+    }
 
 
 def test_a_partial_used_before_its_reduction(rewritten):

@@ -19,6 +19,8 @@ from torch.fx import GraphModule
 
 import dsv41_compile
 from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.meta import OUT, REGION
+from dsv41_compile.core.placements import format_placement
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
@@ -31,7 +33,9 @@ __all__ = [
     "REQUESTS",
     "compile_model_on_fake_rank",
     "compile_on_fake_rank",
+    "collective_windows",
     "layer_text",
+    "placement_counts",
     "run_on_fake_rank",
 ]
 
@@ -130,3 +134,40 @@ def layer_text(gm: GraphModule, ctx: CompileContext, region: str) -> str:
     """One region of the graph (e.g. "layers.1.attn") as snapshot text: stable names."""
     labels, groups = graph_labels(ctx)
     return format_graph(gm, labels=labels, groups=groups, region=region, stable_names=True)
+
+
+def collective_windows(text: str, context: int = 2) -> str:
+    """The lines of a region's snapshot text (`layer_text`) around each collective: `context`
+    lines either side, windows that overlap merged, `...` between them. What a snapshot pins
+    of a block: where it talks, and what it hands over; `placement_counts` pins the rest."""
+    lines = text.splitlines()
+    keep: set[int] = set()
+    for i, line in enumerate(lines):
+        if "_c10d_functional." in line.split("#")[0] and "wait_tensor" not in line.split("#")[0]:
+            keep.update(range(max(0, i - context), min(len(lines), i + context + 2)))
+    out: list[str] = []
+    for i in sorted(keep):
+        if out and i - 1 not in keep:
+            out.append("...")
+        out.append(lines[i])
+    return "\n".join(out)
+
+
+def placement_counts(gm: GraphModule, region: str) -> dict[str, int]:
+    """How many ops of `region` (and its submodules, as `layer_text` selects them) have each
+    output placement, e.g. `{"R": 20, "S(0)": 31, "-": 12}` ("-": no tensor placement, as on
+    the nodes a rewrite inserted after localize)."""
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        node_region = node.meta.get(REGION, "")
+        if node.op != "call_function" or not (
+            node_region == region or node_region.startswith(region + ".")
+        ):
+            continue
+        out = node.meta.get(OUT)
+        if isinstance(out, tuple):
+            key = "(" + ", ".join(format_placement(p) for p in out) + ")"
+        else:
+            key = format_placement(out)
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))

@@ -1,10 +1,13 @@
 """tools/torchair_coverage.py against torch-npu 2.13.0's torchair source (downloaded once into
 ~/.cache, never installed; skipped with pip's reason when the package registry cannot be
-reached). The graphs of the tiny presets that the torchair runs of the suite hand over are
-checked where they are made: tests/targets/test_torchair.py (tiny-swa, sp, ep=8 padded) and
+reached: the tests that read it are marked `registry`).
+
+Each graph the suite hands torchair is checked against its converters once, where it is made:
+tests/targets/test_torchair.py (tiny-swa, sp, ep=8 padded, one fake rank),
 tests/distributed/test_numerics.py (tiny on one rank, every attention mode; tiny-swa
-replicated, ep=8 padded on 8 ranks); here, the tool's own pipeline on one layer of tiny-swa and
-its reading of the registry."""
+replicated, ep=8 padded on 8 ranks); here, the tool's own pipeline on the one configuration no
+run hands over (sp, ep=1: the routed experts whole on every rank, through the grouped matmul),
+and its reading of the registry."""
 
 from __future__ import annotations
 
@@ -37,5 +40,5 @@ def test_unsupported_lists_what_torchair_cannot_lower(torchair_registry):
 def test_tool_plans_rewrites_and_checks_a_graph(torchair_registry):
     tool, registry = torchair_registry
     models = {"tiny-swa": compile_config("tiny-swa", ONE_LAYER)}
-    report = tool.check(models, registry, ["replicated ep=8 padded"])
-    assert report == {"tiny-swa replicated ep=8 padded": {}}
+    report = tool.check(models, registry, ["sp ep=1"])
+    assert report == {"tiny-swa sp ep=1": {}}
