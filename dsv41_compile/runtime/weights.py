@@ -5,13 +5,14 @@ A rank reads only what its program takes: its slice of every sharded parameter (
 rows or columns, an EP rank's experts) and all of every replicated one, decoded to the
 parameter's dtype (the model family's `ModelAdapter.read_weights`). The program then runs on
 these tensors and ignores the model's own parameters, which may have no memory behind them
-(`storage.has_no_weights`). The tensors are kept for the life of the process and shared by every
-program compiled from the same checkpoint (a recompile reads nothing).
+(`storage.has_no_weights`). The tensors are shared by every program compiled from the same
+checkpoint (a recompile reads nothing) and live as long as one of those programs does.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -22,7 +23,10 @@ from dsv41_compile.core.torch_private import unset_fake_temporarily
 
 __all__ = ["READ", "rank_weights", "weight_inputs"]
 
-_LOADED: dict[tuple[str, WeightInput], torch.Tensor] = {}
+_LOADED: weakref.WeakValueDictionary[tuple[str, WeightInput], torch.Tensor] = (
+    weakref.WeakValueDictionary()
+)
+"""(checkpoint, weight) -> the tensor a program of this process holds."""
 READ: dict[str, int] = {}
 """Bytes this process read per checkpoint tensor (scales included)."""
 
@@ -49,7 +53,8 @@ def rank_weights(
     """Input index -> this rank's tensor of that parameter, read from `path` unless this
     process already did."""
     root = os.path.realpath(path)
-    if any((root, w) not in _LOADED for w in wanted.values()):
+    held = {w: _LOADED.get((root, w)) for w in wanted.values()}
+    if any(t is None for t in held.values()):
         weights = list(wanted.values())
         with unset_fake_temporarily():  # built during a compile, under its fake mode
             tensors, read = adapter.read_weights(
@@ -59,5 +64,5 @@ def rank_weights(
             READ[name] = READ.get(name, 0) + n
         for w, tensor in zip(weights, tensors):
             with unset_fake_temporarily():
-                _LOADED[root, w] = tensor.to(device_type)
-    return {index: _LOADED[root, w] for index, w in wanted.items()}
+                held[w] = _LOADED[root, w] = tensor.to(device_type)
+    return {index: held[w] for index, w in wanted.items()}
