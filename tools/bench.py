@@ -172,6 +172,9 @@ def main() -> None:
     parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
     parser.add_argument("--dispatch", choices=("both", "exact", "padded"), default="both")
     args = parser.parse_args()
+    from dsv41_compile.report.provenance import provenance
+
+    print(provenance(), flush=True)  # the docs/benchmarks.md block's header
     cfg = model_config(args)
     configs_ = configs(args)
     print(

@@ -67,6 +67,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lowering", choices=("eager", "inductor"), default="inductor")
     args = parser.parse_args()
+    from dsv41_compile.report.provenance import provenance
+
+    print(provenance(), flush=True)  # the docs/benchmarks.md block's header
 
     from dsv41_compile.testing.multirank import run_ranks
 

@@ -31,6 +31,7 @@ import dsv41_compile
 from dsv41_compile.core.hooks import Hooks, installed
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.pipeline import PASS_NAMES
+from dsv41_compile.report.provenance import provenance
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.torch_shims import fake_process_group
 
@@ -138,6 +139,7 @@ def main() -> None:
         help="the EP lowering flash is planned with (padded: torchair's graph mode)",
     )  # fmt: skip
     args = parser.parse_args()
+    print(provenance(), flush=True)  # the docs/benchmarks.md block's header
     if args.flash_planning:
         flash_planning(args.ep_dispatch)
         return

@@ -23,6 +23,7 @@ import torch
 
 from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
 from dsv41_compile.model.checkpoint import read_weights
+from dsv41_compile.report.provenance import provenance
 from dsv41_compile.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint
 
 
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, help="per-rank loading: the tp group size")
     parser.add_argument("--ep", type=int, default=1, help="per-rank loading: 1 or the world")
     args = parser.parse_args()
+    print(provenance(), flush=True)  # the docs/benchmarks.md block's header
     sizes = {"dim": args.dim, "moe_inter_dim": args.inter}
     cfg = ModelConfig.from_name(
         args.preset, dtype=args.dtype, **{k: v for k, v in sizes.items() if v}

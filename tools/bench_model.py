@@ -20,6 +20,7 @@ from torch import Tensor
 
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.model.cache import KVCache
+from dsv41_compile.report.provenance import provenance
 from dsv41_compile.testing.batches import Request, pack
 
 Forward = Callable[[Tensor, Tensor, Tensor, KVCache], Tensor]
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--decode-prefix", type=int, default=16)
     parser.add_argument("--decode-steps", type=int, default=32)
     args = parser.parse_args()
+    print(provenance(), flush=True)  # the docs/benchmarks.md block's header
 
     cfg = dataclasses.replace(ModelConfig.from_name(args.preset), dtype=args.dtype)
     torch.manual_seed(0)

@@ -31,6 +31,7 @@ from dsv41_compile.model import ModelConfig
 from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.accounting import graph_costs, per_layer_formulas, summarize
+from dsv41_compile.report.provenance import provenance
 
 SCENARIOS = (("decode", 4, 1), ("dspark", 16, 5), ("prefill", 2, 2048))
 MAX_LEN = 4096  # cache positions per request: sizes the compressed attention over the cache
@@ -228,6 +229,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the report as JSON here")
     parser.add_argument("--plot", help="draw bytes per collective kind per layer (PNG) here")
     args = parser.parse_args()
+    print(provenance(), flush=True)  # the docs/benchmarks.md block's header
     doc = report(args)
     print_tables(doc)
     if args.json:

@@ -20,6 +20,7 @@ import torch
 
 from dsv41_compile.model import ModelConfig
 from dsv41_compile.planning import plan_rank
+from dsv41_compile.report.provenance import provenance
 from dsv41_compile.testing.batches import Request
 
 _FIXED = ("cache.window_kv", "cache.pair_state")
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=4096, help="positions per request")
     parser.add_argument("--slots", type=int, default=4, help="requests the cache holds")
     args = parser.parse_args()
+    print(provenance(), flush=True)  # the docs/benchmarks.md block's header
     options = {"tp": args.tp, "ep": args.ep, "layout": args.layout, "attn_exit": args.attn_exit}
     cfg = ModelConfig.from_name(args.preset)
     gm, ctx = plan(cfg, options, world_size=args.world, max_len=args.max_len, num_slots=args.slots)
