@@ -14,7 +14,7 @@ a real request is touched and no write needs a data-dependent shape.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from torch import Tensor
@@ -53,6 +53,11 @@ class KVCache:
     pair_state: dict[int, Tensor]
     """Per ratio-2 kv-source layer, fp32 [num_slots + 1, 2 * head_dim]: the kv and gate
     projections of a request's last token when it opened a pair that is not yet complete."""
+    ngram: list[Tensor] = field(default_factory=list)
+    """With Engram layers, `engram_max_ngram_size - 1` int64 [num_slots + 1]: entry j holds each
+    request's compressed id j + 1 positions before its next token (`model.engram`); the n-grams
+    of its next tokens reach back into them. (Separate tensors rather than one with a width of
+    J: under `dynamic=True`, Dynamo would give that width a symbol it may share with T.)"""
 
     @property
     def scratch_slot(self) -> int:
@@ -75,4 +80,4 @@ class KVCache:
         out = [self.lengths, *self.window_kv]
         for table in (self.compressed_kv, self.index_k, self.pair_state):
             out += [table[k] for k in sorted(table)]
-        return out
+        return [*out, *self.ngram]

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
+from dsv41_compile.model.ngram import compressed_token_map
 from dsv41_compile.model.quant import BLOCK, CODECS
 from dsv41_compile.storage import has_no_weights
 
@@ -73,13 +74,23 @@ class WantedWeight(NamedTuple):
 
 
 _FP8 = re.compile(
-    r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_expert\.w[123])"
-    r"\.weight"
+    r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_expert\.w[123]"
+    r"|engram\.wkv)\.weight"
 )
 _FP32 = re.compile(r"layers\.\d+\.(hc_(attn|ffn)\.(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias)")
 _EXPERTS = re.compile(r"(layers\.\d+\.ffn\.experts)\.(w[123])")
-_UNIMPLEMENTED = re.compile(r"^(mtp\.|vision\.|aligner\.|image_)|\.engram\.|\.ffn\.gate\.bias_vl$")
-_STORED = {"fp8": torch.float8_e4m3fn, "fp4": torch.int8, "fp32": torch.float32}
+_TABLE = re.compile(r"layers\.\d+\.engram\.embed\.(weight|scale)")
+_UNIMPLEMENTED = re.compile(r"^(mtp\.|vision\.|aligner\.|image_)|\.ffn\.gate\.bias_vl$")
+_STORED = {
+    "fp8": torch.float8_e4m3fn,
+    "fp4": torch.int8,
+    "fp32": torch.float32,
+    "e4m3": torch.float8_e4m3fn,
+    "e8m0": torch.float8_e8m0fnu,
+}
+TOKEN_MAP = "engram_hash.token_map"
+"""The parameter read from the checkpoint's tokenizer, not from its tensors."""
+TOKENIZER = "tokenizer.json"
 
 
 @dataclass(frozen=True)
@@ -89,7 +100,8 @@ class CheckpointEntry:
 
     param: str
     fmt: str
-    """"fp8", "fp4" (each with a `.scale` sibling), "fp32" or "bf16"."""
+    """"fp8", "fp4" (each with a `.scale` sibling: decoded to the parameter's dtype), "fp32",
+    "bf16", or "e4m3" / "e8m0" (an Engram table's rows and their scales, kept as stored)."""
     expert: int | None = None
 
     @property
@@ -124,7 +136,12 @@ def checkpoint_layout(
         else model
     )
     for param, shape in shapes.items():
-        if match := _EXPERTS.fullmatch(param):
+        if param == TOKEN_MAP:
+            continue  # from the tokenizer (`token_map`)
+        if _TABLE.fullmatch(param):
+            fmt = "e4m3" if param.endswith(".weight") else "e8m0"
+            layout[param] = CheckpointEntry(param, fmt)
+        elif match := _EXPERTS.fullmatch(param):
             for e in range(shape[0]):
                 name = f"{match[1]}.{e}.{match[2]}.weight"
                 layout[name] = CheckpointEntry(param, "fp4", e)
@@ -171,7 +188,68 @@ def write_checkpoint(model: nn.Module, path: str | Path, *, files: int = 3) -> l
         shards.append(shard)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (root / INDEX).write_text(json.dumps(index, indent=2))
+    if TOKEN_MAP in state:
+        write_tokenizer(state[TOKEN_MAP], root / TOKENIZER)
     return shards
+
+
+def write_tokenizer(token_map: torch.Tensor, path: str | Path) -> None:
+    """A `tokenizer.json` (a `tokenizers` word-level vocabulary) whose compressed token map
+    (`model.ngram.compressed_token_map`) is `token_map`: class c's first id is the token
+    `t{c}`, its later ids `t{c}` behind one, two, ... spaces, which normalise to it. The map
+    must number its classes in order of first appearance, as a map read from a tokenizer does."""
+    from tokenizers import Tokenizer, models
+
+    classes = token_map.tolist()
+    seen: dict[int, int] = {}
+    vocab = {}
+    for token_id, c in enumerate(classes):
+        if c not in seen and c != len(seen):
+            raise ValueError(
+                f"token map: id {token_id} opens class {c} before class {len(seen)}: a map "
+                "read from a tokenizer numbers its classes in order of first appearance"
+            )
+        vocab[" " * seen.get(c, 0) + f"t{c}"] = token_id
+        seen[c] = seen.get(c, 0) + 1
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path))
+
+
+def token_map(path: str | Path, vocab_size: int, classes: int) -> torch.Tensor:
+    """The compressed token map of the checkpoint at `path`, from its `tokenizer.json`
+    (`model.ngram.compressed_token_map`), as int64 [vocab_size]: the tokenizer must have no more
+    ids than the model and exactly `classes` classes (`engram_compressed_vocab_size`). Ids the
+    tokenizer does not have (a vocabulary padded for the embedding) map to class 0: no text
+    tokenizes to them."""
+    file = Path(path) / TOKENIZER
+    if not file.exists():
+        raise FileNotFoundError(
+            f"{file}: missing; the Engram layers hash token ids through the checkpoint's "
+            "tokenizer (its compressed token map)"
+        )
+    mapped = compressed_token_map(file)
+    if len(mapped) > vocab_size:
+        raise ValueError(f"{file}: {len(mapped)} token ids, more than the model's {vocab_size}")
+    found = max(mapped, default=-1) + 1
+    if found != classes:
+        raise ValueError(
+            f"{file}: the tokenizer's compressed token map has {found} classes; the config's "
+            f"engram_compressed_vocab_size is {classes}: another tokenizer than the model's"
+        )
+    out = torch.zeros(vocab_size, dtype=torch.int64)
+    out[: len(mapped)] = torch.tensor(mapped, dtype=torch.int64)
+    return out
+
+
+def _config_classes(root: Path) -> int:
+    """`engram_compressed_vocab_size` of the checkpoint's `config.json`."""
+    file = root / "config.json"
+    if not file.exists():
+        raise FileNotFoundError(
+            f"{file}: missing; reading the Engram token map checks its class count against "
+            "the config's engram_compressed_vocab_size"
+        )
+    config = json.loads(file.read_text())
+    return int(config.get("text_config", config)["engram_compressed_vocab_size"])
 
 
 def _index(root: Path) -> dict[str, str]:
@@ -223,7 +301,7 @@ class _Checkpoint:
         if parts and not skip_unimplemented_parts:
             raise ValueError(
                 f"{where}: {len(parts)} tensors of parts this model does not implement "
-                f"(Engram, DSpark draft blocks, vision), e.g. {parts[:3]}. Its outputs would "
+                f"(DSpark draft blocks, vision), e.g. {parts[:3]}. Its outputs would "
                 "differ from the released model's. Pass skip_unimplemented_parts=True to load "
                 "without them"
             )
@@ -320,6 +398,7 @@ def read_weights(
     *,
     skip_unimplemented_parts: bool = False,
     into: Sequence[torch.Tensor] | None = None,
+    token_classes: int | None = None,
 ) -> tuple[list[torch.Tensor], dict[str, int]]:
     """Each of `weights` read from the checkpoint directory `path`: only its slice (a tp shard
     reads those rows or columns, an EP rank the files of its experts), decoded block by block
@@ -328,9 +407,11 @@ def read_weights(
 
     The checkpoint must hold exactly the tensors of a model with these parameters (see
     `load_checkpoint` for what is refused), and every weight is checked against its file's
-    header before a byte of it is read."""
+    header before a byte of it is read. The Engram token map comes from its tokenizer, its
+    class count checked against `token_classes` (default: the checkpoint's `config.json`)."""
     checkpoint = _Checkpoint(path)
-    return _read(checkpoint, weights, skip_unimplemented_parts, into), checkpoint.read
+    local = _read(checkpoint, weights, skip_unimplemented_parts, into, token_classes)
+    return local, checkpoint.read
 
 
 def _read(
@@ -338,6 +419,7 @@ def _read(
     weights: Sequence[WantedWeight],
     skip_unimplemented_parts: bool,
     into: Sequence[torch.Tensor] | None,
+    token_classes: int | None = None,
 ) -> list[torch.Tensor]:
     shapes = {w.fqn: w.shape for w in weights}
     layout = checkpoint_layout(shapes)
@@ -371,6 +453,12 @@ def _read(
             checkpoint.fill(name, entry, target, shape, part)
             filled[entry.param] += 1
     checkpoint.close()
+    if TOKEN_MAP in by_fqn:
+        classes = token_classes or _config_classes(checkpoint.root)
+        w = weights[by_fqn[TOKEN_MAP]]
+        local[by_fqn[TOKEN_MAP]].copy_(token_map(checkpoint.root, w.shape[0], classes))
+        checkpoint.read[TOKENIZER] = (checkpoint.root / TOKENIZER).stat().st_size
+        filled[TOKEN_MAP] += 1
     unfilled = sorted(fqn for fqn, n in filled.items() if not n)
     if unfilled:  # a parameter no checkpoint name maps to: a bug of the layout
         raise AssertionError(f"checkpoint_layout left parameters unfilled: {unfilled}")
@@ -386,9 +474,10 @@ def load_checkpoint(
     A model built on the meta device or by `DeepseekV41.without_weights` gets its parameters
     allocated here, on the CPU. Loading is strict: a missing tensor, a wrong dtype or shape, a
     scale that does not fit its weight or a NaN scale is an error naming the tensor and its
-    file; tensors of the parts this model lacks (Engram, the DSpark draft blocks, the vision
-    tower) are refused unless `skip_unimplemented_parts=True`, and any other tensor the model
-    does not know is an error."""
+    file; tensors of the parts this model lacks (the DSpark draft blocks, the vision tower) are
+    refused unless `skip_unimplemented_parts=True`, and any other tensor the model does not
+    know is an error. The Engram token map is built from the checkpoint's `tokenizer.json`,
+    its class count checked against the model's config."""
     params = dict(model.named_parameters())
     for fqn, param in params.items():
         if has_no_weights(param):
@@ -398,9 +487,10 @@ def load_checkpoint(
             setattr(model.get_submodule(module_name), attr, params[fqn])
     weights = [WantedWeight(fqn, tuple(p.shape), p.dtype) for fqn, p in params.items()]
     checkpoint = _Checkpoint(path)
-    _read(checkpoint, weights, skip_unimplemented_parts, list(params.values()))
+    classes = getattr(getattr(model, "cfg", None), "engram_compressed_vocab_size", None)
+    _read(checkpoint, weights, skip_unimplemented_parts, list(params.values()), classes)
     per_file: dict[str, int] = {}
     for name, n in checkpoint.read.items():
-        file = checkpoint.weight_map[name]
+        file = checkpoint.weight_map.get(name, name)  # the tokenizer is a file of its own
         per_file[file] = per_file.get(file, 0) + n
     return per_file

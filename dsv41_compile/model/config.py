@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dsv41_compile.model.hf_config import fields_from_hf
+from dsv41_compile.model.ngram import hash_primes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -99,6 +100,26 @@ class ModelConfig:
     beta_slow: float = 1.0
     """YaRN correction range: rotations at the low-frequency end."""
 
+    # --- Engram (see `model.engram`, `model.ngram`) ------------------------------------------
+    engram_layer_ids: tuple[int, ...] = ()
+    """Layers whose residual streams get an n-gram memory lookup (Engram) before the block."""
+    engram_vocab_size: int = 0
+    """Each hash column's table range is the next unused prime above `engram_vocab_size - 1`."""
+    engram_num_embeddings: tuple[int, ...] = ()
+    """Rows of each Engram layer's table: the sum of its columns' primes (checked)."""
+    engram_max_ngram_size: int = 4
+    """N-grams of orders 2 .. this are hashed (the token and up to this many minus one before
+    it, of the same request)."""
+    engram_n_heads: int = 8
+    """Hash heads per n-gram order: one table column each."""
+    engram_head_dim: int = 256
+    """Width of one table row (FP8, one e8m0 scale per 32)."""
+    engram_pad_id: int = 2
+    """The token whose compressed id stands in where an n-gram reaches before the request."""
+    engram_compressed_vocab_size: int = 0
+    """Classes of the compressed token map (the tokenizer's ids that normalise alike share one):
+    the hash multipliers' bound; a tokenizer that gives another count is refused."""
+
     def __post_init__(self) -> None:
         positive = (
             "vocab_size dim n_layers n_heads head_dim rope_head_dim q_lora_rank o_groups "
@@ -128,6 +149,47 @@ class ModelConfig:
         if self.swiglu_limit < 0:
             raise ValueError(f"swiglu_limit must be >= 0 (0 disables it), got {self.swiglu_limit}")
         layer_plan(self)  # raises ValueError on an inconsistent compressed-attention schedule
+        if self.engram_layer_ids:
+            self._check_engram()
+
+    def _check_engram(self) -> None:
+        ids = self.engram_layer_ids
+        if list(ids) != sorted(set(ids)) or any(not 0 <= i < self.n_layers for i in ids):
+            raise ValueError(f"engram_layer_ids must be sorted, unique layer ids, got {ids}")
+        for name in ("engram_vocab_size", "engram_n_heads", "engram_compressed_vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive with Engram layers")
+        if self.engram_max_ngram_size < 2:
+            raise ValueError("engram_max_ngram_size must be >= 2 (orders 2 .. it are hashed)")
+        if self.engram_head_dim <= 0 or self.engram_head_dim % 32:
+            raise ValueError(
+                f"engram_head_dim must be a multiple of 32 (one scale per 32), got "
+                f"{self.engram_head_dim}"
+            )
+        if not 0 <= self.engram_pad_id < self.vocab_size:
+            raise ValueError(f"engram_pad_id {self.engram_pad_id} is not a token id")
+        rows = tuple(sum(p) for p in self.engram_primes)
+        if self.engram_num_embeddings != rows:
+            raise ValueError(
+                f"engram_num_embeddings {self.engram_num_embeddings} do not match the tables "
+                f"the hash primes make, {rows} (engram_vocab_size {self.engram_vocab_size}, "
+                f"{self.engram_n_heads} heads, orders 2..{self.engram_max_ngram_size})"
+            )
+
+    @property
+    def engram_columns(self) -> int:
+        """Table columns (rows looked up per token) of an Engram layer."""
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    @property
+    def engram_primes(self) -> tuple[tuple[int, ...], ...]:
+        """Per Engram layer, its columns' primes (`model.ngram.hash_primes`)."""
+        return hash_primes(
+            self.engram_layer_ids,
+            self.engram_max_ngram_size,
+            self.engram_n_heads,
+            self.engram_vocab_size,
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -289,6 +351,13 @@ PRESETS: dict[str, ModelConfig] = {
         index_n_heads=2,
         index_head_dim=16,
         index_topk=4,
+        # Engram before layer 1: 6 columns (orders 2..4, 2 heads) of 32 wide rows, 384 in all
+        engram_layer_ids=(1,),
+        engram_vocab_size=50,
+        engram_num_embeddings=(384,),
+        engram_n_heads=2,
+        engram_head_dim=32,
+        engram_compressed_vocab_size=300,
     ),
     # DeepSeek-V4.1-Flash text config, as released (config.json text_config).
     "flash": ModelConfig(
@@ -318,6 +387,10 @@ PRESETS: dict[str, ModelConfig] = {
         index_n_heads=32,
         index_head_dim=128,
         index_topk=512,
+        engram_layer_ids=(1, 14),
+        engram_vocab_size=16000000,
+        engram_num_embeddings=(384006168, 384016682),
+        engram_compressed_vocab_size=99092,
     ),
 }
 # Window-only variant of "tiny" for fast tests of everything that is not compressed attention.
@@ -327,4 +400,6 @@ PRESETS["tiny-swa"] = PRESETS["tiny"].replace(
     kv_source_layer_ids=(),
     index_source_layer_ids=(),
     candidate_source_layer_id=-1,
+    engram_layer_ids=(),
+    engram_num_embeddings=(),
 )

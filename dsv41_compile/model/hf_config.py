@@ -4,10 +4,9 @@ Every key of `text_config` is accounted for, in one of four tables below: a `Mod
 (`FIELDS`, plus `compress_ratios` and `rope_scaling`, which need reshaping), a constant the model
 hard-codes and the file must agree with (`FIXED`), a key that does not change what the model
 computes (`IGNORED`, each with the reason), or a part of the released model this one does not
-implement (`PARTS`: Engram, the DSpark draft blocks, the vision tower). A part is refused unless
-the caller passes `skip_unimplemented_parts=True`: Engram adds to the residual stream of its
-layers, so without it the logits differ from the released model's. Any other key is an error
-naming it: a key nobody has read could change the maths.
+implement (`PARTS`: the DSpark draft blocks, the vision tower). A part is refused unless the
+caller passes `skip_unimplemented_parts=True`. Any other key is an error naming it: a key nobody
+has read could change the maths.
 """
 
 from __future__ import annotations
@@ -49,6 +48,15 @@ FIELDS = {
     "index_head_dim": "index_head_dim",
     "index_topk": "index_topk",
     "compress_rope_theta": "compress_rope_theta",
+    "engram_layer_ids": "engram_layer_ids",
+    "engram_vocab_size": "engram_vocab_size",
+    "engram_num_embeddings": "engram_num_embeddings",
+    "engram_max_ngram_size": "engram_max_ngram_size",
+    "engram_n_heads": "engram_n_heads",
+    "engram_head_dim": "engram_head_dim",
+    "engram_pad_token_id": "engram_pad_id",
+    "engram_pad_id": "engram_pad_id",  # the official inference code's name for it
+    "engram_compressed_vocab_size": "engram_compressed_vocab_size",
 }
 """text_config key -> `ModelConfig` field."""
 
@@ -92,7 +100,6 @@ IGNORED = {
 """Keys that do not change what the model computes, with why."""
 
 PARTS = {
-    "engram": "Engram (n-gram memory added to the residual stream of its layers)",
     "dspark": "the DSpark draft blocks (speculative decoding)",
     "vision": "the vision tower",
 }
@@ -112,8 +119,6 @@ _TOP_LEVEL = {"text_config", "quantization_config", "vision_config", "image_toke
 
 
 def _part(key: str) -> str | None:
-    if key.startswith("engram_"):
-        return "engram"
     if key.startswith("dspark_") or key == "num_nextn_predict_layers":
         return "dspark"
     return None
@@ -175,8 +180,6 @@ def fields_from_hf(
         parts.setdefault("vision", []).extend(
             k for k in top if k in ("vision_config", "image_token_id")
         )
-    if not text.get("engram_layer_ids"):
-        parts.pop("engram", None)  # the keys are there, no layer has one
     if not text.get("num_nextn_predict_layers"):
         parts.pop("dspark", None)
     if parts and not skip_unimplemented_parts:
@@ -227,7 +230,11 @@ def config_to_hf(cfg: Any) -> dict[str, Any]:
     Engram, DSpark or vision): what `ModelConfig.from_hf` reads back as `cfg` (with `dtype`
     bfloat16)."""
     text: dict[str, Any] = {"model_type": "deepseek_v41_text"}
+    written = set()
     for key, field in FIELDS.items():
+        if field in written:  # a second name for a field (the official code's)
+            continue
+        written.add(field)
         value = getattr(cfg, field)
         text[key] = list(value) if isinstance(value, tuple) else value
     text["compress_ratios"] = list(cfg.compress_ratios)  # empty: every layer window-only

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from dsv41_compile.model.attention import Attention, rope_frequencies
 from dsv41_compile.model.cache import KVCache, LayerCache
 from dsv41_compile.model.config import LayerRole, ModelConfig, layer_plan
+from dsv41_compile.model.engram import Engram, EngramHash, EngramTable
 from dsv41_compile.model.layers import (
     Embedding,
     HyperConnection,
@@ -24,6 +25,7 @@ from dsv41_compile.model.layers import (
     hc_expand,
 )
 from dsv41_compile.model.moe import MoE
+from dsv41_compile.model.quant import quantize_fp8
 from dsv41_compile.storage import has_no_weights
 
 # Distinct layer kinds `torch.compile` may keep (nested_compile_region's reuse entries, each a
@@ -46,6 +48,8 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, role: LayerRole) -> None:
         super().__init__()
         self.layer_id = layer_id
+        if layer_id in cfg.engram_layer_ids:
+            self.engram = Engram(cfg, cfg.engram_primes[cfg.engram_layer_ids.index(layer_id)])
         self.hc_attn = HyperConnection(cfg)
         self.attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer_id, role)
@@ -70,9 +74,12 @@ class Block(nn.Module):
         idx_TK: Tensor | None,
         picked_TK: Tensor | None,
         candidates_TC: Tensor | None,
+        engram_rows_TC: Tensor | None,
     ) -> tuple[Tensor, ...]:
         """`(x_TND, pre_TN, *made)`: the streams, the FFN site's pre, and what the attention
-        makes for later layers (`Attention.forward`).
+        makes for later layers (`Attention.forward`). An Engram layer first adds its n-gram
+        memory to the incoming streams (`engram_rows_TC`: its table rows per token); the
+        attention input still mixes them with the previous layer's `pre_TN`.
 
         `num_slots` .. `pair_state` are the layer's `LayerCache`; `idx_TK, picked_TK` the
         top-k a REUSE layer reuses, `candidates_TC` the mask a candidate-filtered layer reads
@@ -81,6 +88,8 @@ class Block(nn.Module):
         pytree to flatten a structure and guard the compiled model on pytree's registry."""
         kv = LayerCache(num_slots, lengths, window, compressed, index_k, pair_state)
         topk = None if idx_TK is None or picked_TK is None else (idx_TK, picked_TK)
+        if engram_rows_TC is not None:
+            x_TND = self.engram(x_TND, engram_rows_TC)
         attn_pre_TN, attn_post_TN, attn_comb_TNN = self.hc_attn(x_TND)
         attn_in_TD = self.attn_norm(hc_collapse(x_TND, pre_TN))
         attn_out_TD, made = self.attn(
@@ -109,6 +118,8 @@ class DeepseekV41(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.dim, dtype=cfg.torch_dtype)
+        if cfg.engram_layer_ids:
+            self.engram_hash = EngramHash(cfg)
         self.plan = layer_plan(cfg)
         self.layers = nn.ModuleList(Block(cfg, i, role) for i, role in enumerate(self.plan))
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
@@ -133,6 +144,9 @@ class DeepseekV41(nn.Module):
                 setattr(module, name, nn.Parameter(empty, requires_grad=False))
         for layer in model.layers:  # the buffers: computed from the config, on the CPU
             layer.attn.rope_inv_freq = rope_frequencies(cfg, layer.attn.role)
+        if cfg.engram_layer_ids:
+            for name, buffer in EngramHash(cfg).named_buffers():
+                setattr(model.engram_hash, name, buffer)
         return model
 
     @torch.no_grad()
@@ -150,6 +164,9 @@ class DeepseekV41(nn.Module):
                 nn.init.uniform_(module.scale, 0.5, 1.5)
             elif isinstance(module, Attention):
                 nn.init.normal_(module.attn_sink)
+            elif isinstance(module, EngramTable) and not module.weight.is_meta:
+                rows = torch.randn(module.weight.shape) * 2.0 ** torch.randint(-4, 2, (1,))
+                module.weight.data, module.scale.data = quantize_fp8(rows, rows=1)
             elif isinstance(module, MoE):
                 experts = module.experts
                 for w in (experts.w1, experts.w3, experts.w2):
@@ -184,6 +201,10 @@ class DeepseekV41(nn.Module):
                 for i, r in sources.items()
                 if r == 2
             },
+            ngram=[
+                zeros(rows, dtype=torch.int64)
+                for _ in range(cfg.engram_max_ngram_size - 1 if cfg.engram_layer_ids else 0)
+            ],
         )
 
     def forward(
@@ -208,9 +229,15 @@ class DeepseekV41(nn.Module):
         x_TND = h_TD[:, None, :].expand(-1, self.cfg.hc_mult, -1)
         # One-hot incoming pre: layer 0's attention input is exactly the embedding.
         pre_TN = F.one_hot(torch.zeros_like(input_ids), self.cfg.hc_mult).float()
+        engram_LTC = None
+        if self.cfg.engram_layer_ids:
+            engram_LTC = self.engram_hash(input_ids, positions, slots, cache_slot_T, cache.ngram)
         topk: dict[int, tuple[Tensor, Tensor]] = {}  # each index source's, this batch only
         candidates_TC = None
         for layer, role in zip(self.layers, self.plan):
+            engram_TC = None
+            if layer.layer_id in self.cfg.engram_layer_ids:
+                engram_TC = engram_LTC[self.cfg.engram_layer_ids.index(layer.layer_id)]
             topk_TK = topk[role.topk_source] if role.mode == "reuse" else (None, None)
             x_TND, pre_TN, *made = layer(
                 x_TND,
@@ -221,6 +248,7 @@ class DeepseekV41(nn.Module):
                 *cache.layer(layer.layer_id, role.kv_source),
                 *topk_TK,
                 candidates_TC if role.candidate_filtered else None,
+                engram_TC,
             )
             if made:
                 topk[layer.layer_id] = (made[0], made[1])

@@ -1,4 +1,5 @@
-"""Custom ops of the model: the routed experts as one opaque node `dsv41::routed_experts`.
+"""Custom ops of the model: the routed experts as one opaque node `dsv41::routed_experts`,
+and an Engram table's lookup, `dsv41::engram_lookup` (at the end).
 
 The compiler sees one node with a declared sharding rule instead of a data-dependent loop over
 experts. Contract (global, single-device view):
@@ -94,3 +95,31 @@ def _(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit):
     torch._check(w1.shape[2] == x.shape[1], lambda: "w1 must be [E, I, D]")
     torch._check(w2.shape[1] == x.shape[1], lambda: "w2 must be [E, D, I]")
     return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv41::engram_lookup", mutates_args=())
+def engram_lookup(
+    table: Tensor, scale: Tensor, rows: Tensor, columns: list[int], dtype: torch.dtype
+) -> Tensor:
+    """Rows of an Engram table, dequantised (one opaque node, so the compiler places the table
+    by a declared rule instead of an `index` it cannot shard):
+
+        engram_lookup(table float8_e4m3fn [N, W], scale float8_e8m0fnu [N, W/32],
+                      rows int64 [..., C], columns [C + 1], dtype) -> dtype [..., C, W]
+
+    `out[..., c, :] = table[rows[..., c]] * 2^(scale byte - 127)` per block of 32, in fp32, then
+    `dtype` (exact: an e4m3 value times a power of two is a bf16 value). `columns` are the
+    table's column bounds: column c's rows are `[columns[c], columns[c + 1])`, and `rows[..., c]`
+    is one of them (what lets the compiler split the table by columns)."""
+    codes = table.view(torch.uint8)[rows].view(torch.float8_e4m3fn).float()
+    exponents = scale.view(torch.uint8)[rows].float() - 127.0
+    values = codes.unflatten(-1, (-1, 32)) * torch.exp2(exponents)[..., None]
+    return values.flatten(-2).to(dtype)
+
+
+@engram_lookup.register_fake
+def _(table, scale, rows, columns, dtype):
+    torch._check(scale.shape[0] == table.shape[0], lambda: "scale must have one row per row")
+    torch._check(scale.shape[1] * 32 == table.shape[1], lambda: "one scale per 32 of a row")
+    torch._check(len(columns) == rows.shape[-1] + 1, lambda: "one bound per column, and the end")
+    return rows.new_empty((*rows.shape, table.shape[1]), dtype=dtype)

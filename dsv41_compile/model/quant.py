@@ -155,12 +155,13 @@ def _per_block_amax(w: torch.Tensor, rows: int) -> torch.Tensor:
     return padded.unflatten(0, (-1, rows)).unflatten(-1, (-1, BLOCK)).amax((1, 3))
 
 
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`w [out, in]` as the released FP8 pair: (float8_e4m3fn weight, e8m0 scale per 32 x 32
-    block), each block scaled so its largest magnitude fits e4m3."""
+def quantize_fp8(w: torch.Tensor, rows: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w [out, in]` as the released FP8 pair: (float8_e4m3fn weight, e8m0 scale per `rows` x
+    32 block: 32 x 32 for a linear's weight, 1 x 32 for an Engram table's rows), each block
+    scaled so its largest magnitude fits e4m3."""
     w = w.float()
-    scale = _block_exponents(_per_block_amax(w, BLOCK), _E4M3_MAX).view(torch.float8_e8m0fnu)
-    s = _per_element(e8m0_values(scale, "scale"), w.shape, BLOCK)
+    scale = _block_exponents(_per_block_amax(w, rows), _E4M3_MAX).view(torch.float8_e8m0fnu)
+    s = _per_element(e8m0_values(scale, "scale"), w.shape, rows)
     return (w / s).to(torch.float8_e4m3fn), scale
 
 

@@ -45,6 +45,7 @@ def test_the_released_names_formats_and_files(written):
         "model-00002-of-00003.safetensors",
         "model-00003-of-00003.safetensors",
         INDEX,
+        "tokenizer.json",
     ]
     weight_map = json.loads((out / INDEX).read_text())["weight_map"]
     tensors = {}
@@ -64,6 +65,13 @@ def test_the_released_names_formats_and_files(written):
         "layers.2.attn.compressor.wgate.weight": (torch.bfloat16, [32, 64]),
         "layers.2.attn.indexer.wq_b.scale": (torch.float8_e8m0fnu, [1, 1]),
         "head.weight": (torch.bfloat16, [512, 64]),
+        # Engram before layer 1: the table as stored (FP8 rows, an e8m0 scale per 32)
+        "layers.1.engram.embed.weight": (torch.float8_e4m3fn, [384, 32]),
+        "layers.1.engram.embed.scale": (torch.float8_e8m0fnu, [384, 1]),
+        "layers.1.engram.wkv.weight": (torch.float8_e4m3fn, [320, 192]),
+        "layers.1.engram.wkv.scale": (torch.float8_e8m0fnu, [10, 6]),
+        "layers.1.engram.q_weight": (torch.bfloat16, [4, 64]),
+        "layers.1.engram.k_weight": (torch.bfloat16, [4, 64]),
     }
     for name, (dtype, shape) in expect.items():
         assert (tensors[name].dtype, list(tensors[name].shape)) == (dtype, shape), name
@@ -78,8 +86,10 @@ def test_the_loaded_model_is_the_written_one_within_the_quantisation_error(writt
     loaded = DeepseekV41(CFG)
     read = load_checkpoint(loaded, out)
     total = json.loads((out / INDEX).read_text())["metadata"]["total_size"]
+    assert read.pop("tokenizer.json") == (out / "tokenizer.json").stat().st_size
     assert sum(read.values()) == total  # every tensor read once
     want, got = original.state_dict(), loaded.state_dict()
+    assert torch.equal(got["engram_hash.token_map"], want["engram_hash.token_map"])
     for name, entry in checkpoint_layout(original).items():
         w, v = entry.part_of(want[entry.param]), entry.part_of(got[entry.param])
         if entry.quantized:
@@ -89,13 +99,15 @@ def test_the_loaded_model_is_the_written_one_within_the_quantisation_error(writt
             assert ((v - w).abs() <= codec.error_bound(w, scale)).all(), name
         elif entry.fmt == "bf16":
             assert torch.equal(v, w.to(torch.bfloat16).float()), name  # one bf16 rounding
+        elif entry.fmt in ("e4m3", "e8m0"):  # the Engram table, as stored
+            assert torch.equal(v.view(torch.uint8), w.view(torch.uint8)), name
         else:
             assert torch.equal(v, w), name
 
 
 def test_unimplemented_parts_are_refused_unless_skipped_by_name(written, tmp_path):
     root = copy_of(written, tmp_path)
-    extra = {"layers.1.engram.wkv.weight": torch.zeros(4, 4), "mtp.0.norm.weight": torch.ones(4)}
+    extra = {"vision.patch.weight": torch.zeros(4, 4), "mtp.0.norm.weight": torch.ones(4)}
     save_file(extra, str(root / "extra.safetensors"))
     index = json.loads((root / INDEX).read_text())
     index["weight_map"] |= dict.fromkeys(extra, "extra.safetensors")
@@ -103,10 +115,10 @@ def test_unimplemented_parts_are_refused_unless_skipped_by_name(written, tmp_pat
     with pytest.raises(ValueError) as error:
         load_checkpoint(DeepseekV41(CFG), root)
     assert str(error.value) == (
-        f"{root / INDEX}: 2 tensors of parts this model does not implement (Engram, DSpark "
-        "draft blocks, vision), e.g. ['layers.1.engram.wkv.weight', 'mtp.0.norm.weight']. Its "
-        "outputs would differ from the released model's. Pass skip_unimplemented_parts=True to "
-        "load without them"
+        f"{root / INDEX}: 2 tensors of parts this model does not implement (DSpark draft "
+        "blocks, vision), e.g. ['mtp.0.norm.weight', 'vision.patch.weight']. Its outputs would "
+        "differ from the released model's. Pass skip_unimplemented_parts=True to load without "
+        "them"
     )
     assert "extra.safetensors" not in load_checkpoint(
         DeepseekV41(CFG), root, skip_unimplemented_parts=True

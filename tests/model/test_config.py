@@ -66,4 +66,10 @@ def test_flash_on_meta_parameter_count() -> None:
     reindex = indexer_query
     compressed = 3 * ratio2_full + 1 * ratio1_full + 4 * reindex  # layers 2,8,14 / 20 / 24..36
     assert compressed == 61_868_544
-    assert count == backbone + compressed == 551_566_165_104
+
+    # Engram before layers 1 and 14: a table of FP8 rows of 256 with an e8m0 scale per 32
+    # (the primes' sums), wkv 24 x 256 -> 5 x 5120, q and k weights [4, 5120]; the token map.
+    rows = 384_006_168 + 384_016_682
+    engram = rows * (256 + 8) + 2 * (24 * 256 * 5 * 5120 + 2 * 4 * 5120) + 129280
+    assert engram == 203_072_816_400
+    assert count == backbone + compressed + engram == 754_638_981_504

@@ -33,11 +33,8 @@ def test_the_parts_this_model_lacks_are_refused_unless_skipped_by_name(tmp_path)
     with pytest.raises(ValueError) as error:
         ModelConfig.from_hf(tmp_path)
     assert str(error.value) == (
-        f"{tmp_path / 'config.json'} describes parts this model does not implement: Engram "
-        "(n-gram memory added to the residual stream of its layers) (engram_layer_ids, "
-        "engram_num_embeddings, engram_max_ngram_size, engram_vocab_size, engram_n_heads, "
-        "engram_head_dim, engram_pad_token_id, engram_compressed_vocab_size); the DSpark draft "
-        "blocks (speculative decoding) (num_nextn_predict_layers, dspark_block_size, "
+        f"{tmp_path / 'config.json'} describes parts this model does not implement: the "
+        "DSpark draft blocks (speculative decoding) (num_nextn_predict_layers, dspark_block_size, "
         "dspark_noise_token_id, dspark_target_layer_ids, dspark_markov_rank, "
         "dspark_n_routed_experts, dspark_num_experts_per_tok); the vision tower (image_token_id, "
         "vision_config). Its outputs would differ from the released model's. Pass "

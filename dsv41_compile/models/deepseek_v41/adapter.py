@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.fx import Node
 
 from dsv41_compile.core.adapter import (
     LayerCollectives,
@@ -22,6 +24,7 @@ from dsv41_compile.core.adapter import (
     WeightInput,
 )
 from dsv41_compile.core.plan import ShardingPlan
+from dsv41_compile.core.strategy import Strategy
 from dsv41_compile.model import (
     DeepseekV41,
     ModelConfig,
@@ -41,6 +44,18 @@ _ATTENTION = ("hc_attn", "attn_norm", "attn")
 _MOE = ("hc_ffn", "ffn_norm", "ffn")
 _TOP_LEVEL = ("embed", "layers", "norm", "head")
 ROUTED_EXPERTS = RoutedExperts(torch.ops.dsv41.routed_experts.default)
+ENGRAM_LOOKUP = torch.ops.dsv41.engram_lookup.default
+
+
+def engram_lookup_rule(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    """Replicated tables: each row is looked up where its token is (the rows' placement,
+    token-sharded or replicated, is the output's)."""
+    table, scale, rows = given
+    if table == scale == Replicate() and isinstance(rows, (Shard, Replicate)):
+        return Strategy(inputs=(table, scale, rows), outputs=(rows,))
+    return None
+
+
 _REQUESTS = (Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0))
 """`plan_rank`'s example batch: two requests of 3 and 2 tokens."""
 
@@ -51,7 +66,10 @@ class DeepseekV41Adapter(ModelAdapter):
     layouts = ("sp", "replicated")
     whole_model_modules = ("embed", "head")
     routed_experts = (ROUTED_EXPERTS,)
-    rules = {ROUTED_EXPERTS.op: routed_experts_rule(ROUTED_EXPERTS)}
+    rules = {
+        ROUTED_EXPERTS.op: routed_experts_rule(ROUTED_EXPERTS),
+        ENGRAM_LOOKUP: engram_lookup_rule,
+    }
     graph_mode_rewrites = {ROUTED_EXPERTS.op: routed_experts_grouped}
     tp_divides = "n_heads and o_groups"
 
