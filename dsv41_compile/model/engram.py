@@ -104,11 +104,11 @@ def ngram_window(
     j + 1 positions before this batch, gathered per token). From this batch where the request's
     earlier tokens are in it (contiguous, positions one apart), else from the history; `pad`
     where the n-gram would reach before position 0."""
-    T = compressed_T.shape[0]
     J = len(history)
     columns, same = [compressed_T], []
     for k in range(1, J + 1):
-        earlier = [F.pad(v, (k, 0), value=-1)[:T] for v in (compressed_T, slots_T, positions_T)]
+        # shifted k rows down; `[:-k]`, not `[:T]`: a trace at a static T keeps no T in a slice
+        earlier = [F.pad(v, (k, 0), value=-1)[:-k] for v in (compressed_T, slots_T, positions_T)]
         same.append((earlier[1] == slots_T) & (earlier[2] == positions_T - k))
         columns.append(earlier[0])
     in_batch_T = torch.stack(same, 1).sum(1)  # earlier tokens of the request in this batch
