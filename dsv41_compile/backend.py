@@ -54,7 +54,7 @@ from dsv41_compile.runtime.host_cache import (
     shared,
 )
 from dsv41_compile.runtime.program import ProgramSpec, ShardedProgram
-from dsv41_compile.runtime.weights import rank_weights, weight_inputs
+from dsv41_compile.runtime.weights import rank_weights
 from dsv41_compile.targets import TARGETS, Handoff, Target
 from dsv41_compile.targets.torchair import import_torchair
 
@@ -247,8 +247,8 @@ def _bind(
     weights = None
     if opts.checkpoint is not None:
         weights = rank_weights(
-            captured.adapter, opts.checkpoint, weight_inputs(spec.signature, mesh),
-            device_type=mesh.device_type, skip_unimplemented_parts=opts.skip_unimplemented_parts,
+            captured.adapter, opts.checkpoint, spec.signature, mesh,
+            skip_unimplemented_parts=opts.skip_unimplemented_parts,
         )  # fmt: skip
     on_ep_stats = None
     if opts.dump_dir is not None:

@@ -15,6 +15,7 @@ _EP_DISPATCH = ("exact", "padded")
 _EP_ROWS = ("auto", "per_rank", "per_assignment")
 _ATTN_EXITS = ("auto", "reduce_scatter", "all_to_all")
 _ATTN_ENTRIES = ("auto", "input")
+_ENGRAM = ("auto", "replicated", "sharded", "host")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +54,15 @@ class BackendOptions:
     sum, exact, but the projection's weight is replicated on every TP rank). "auto": the one
     with fewer bytes, unless the replicated weights exceed `extra_weight_bytes`. The model
     family decides what the projection is (DeepSeek V4.1: `wo_b`)."""
+    engram: str = "auto"
+    """Where DeepSeek V4.1's Engram tables live: "replicated" (whole on every rank),
+    "sharded" (split by their hash columns over the world, ep = world: each rank holds about
+    1/world of the rows, and each Engram layer sends every token's row ids to the ranks holding
+    their columns and gets the rows back in FP8 with their scales, two all-to-alls), "host"
+    (sharded, each rank's rows in host memory, looked up there), or "auto": sharded when ep is
+    the world and replicating the tables would hold more than 1 GiB per rank (or more than
+    `extra_weight_bytes`), else replicated. The choice, its memory and its bytes are in graph.py,
+    comm.json and tools/explain.py."""
     extra_weight_bytes: int | None = None
     """The most bytes of weights per rank the cuts may replicate beyond the layout's own
     shards (None: no limit; 0: none, so "auto" never replicates a weight)."""
@@ -105,6 +115,7 @@ class BackendOptions:
             ("ep_rows", _EP_ROWS),
             ("attn_exit", _ATTN_EXITS),
             ("attn_entry", _ATTN_ENTRIES),
+            ("engram", _ENGRAM),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(

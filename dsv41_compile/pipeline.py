@@ -17,6 +17,7 @@ from dsv41_compile.spmd.entry_cut import entry_cut
 from dsv41_compile.spmd.insert import insert_collectives
 from dsv41_compile.spmd.localize import localize
 from dsv41_compile.spmd.token_sizes import token_sizes
+from dsv41_compile.tables.exchange import table_exchange
 from dsv41_compile.targets import TARGETS, Target
 from dsv41_compile.verify import verify
 
@@ -30,6 +31,7 @@ REWRITES: tuple[Pass, ...] = (
     Pass("insert", insert_collectives),  # the transition table at every mismatch
     Pass("localize", localize),  # global shapes -> per-rank shapes, the program's signature
     Pass("expert_parallel", expert_parallel, enabled=lambda ctx: ctx.mesh.ep > 1),
+    Pass("tables", table_exchange, enabled=lambda ctx: ctx.mesh.ep > 1),  # column-split tables
 )
 VERIFY = Pass("verify", verify)  # fake re-propagation, local shapes, the layout's invariants
 

@@ -45,7 +45,7 @@ from dsv41_compile.core.meta import (
     metadata_key,
     tensor_inputs,
 )
-from dsv41_compile.core.placements import ExpertShard, format_placement
+from dsv41_compile.core.placements import ColumnShard, ExpertShard, format_placement
 from dsv41_compile.core.symbols import hint_shape, new_unbacked_symbols
 from dsv41_compile.core.torch_private import (
     FakeTensorMode,
@@ -56,6 +56,7 @@ from dsv41_compile.core.torch_private import (
 from dsv41_compile.moe.stats import ALL_TO_ALLS, ep_layers
 from dsv41_compile.report.comm import comm_records
 from dsv41_compile.spmd.entry_cut import entry_cuts
+from dsv41_compile.tables.exchange import TableRegions
 
 __all__ = ["verify"]
 
@@ -220,13 +221,17 @@ def _mismatch(have: object, need: object) -> str:
 
 
 def _check_local_shapes(gm: GraphModule, ctx: CompileContext) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    shards = {placeholders[i].name: s for i, s in ctx.signature.param_shards.items()}
     for node in gm.graph.nodes:
         global_val, placement = node.meta.get(GLOBAL_VAL), node.meta.get(OUT)
         val = node.meta.get("val")
         if not isinstance(global_val, torch.Tensor) or not isinstance(val, torch.Tensor):
             continue
         expected = list(hint_shape(global_val))
-        if isinstance(placement, (Shard, ExpertShard)):
+        if isinstance(placement, ColumnShard):  # a table split by columns: its longest range
+            expected = shards[node.name].local_shape(expected)
+        elif isinstance(placement, (Shard, ExpertShard)):
             parts = ctx.mesh.ep if isinstance(placement, ExpertShard) else ctx.mesh.tp
             expected[placement.dim] = -(-expected[placement.dim] // parts)  # padded chunks
         actual = list(hint_shape(val))
@@ -243,6 +248,7 @@ def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
     promise = ctx.adapter.expected_collectives(ctx.options)
     tp_by_layer: dict[int, dict[bool, list[Node]]] = defaultdict(lambda: {False: [], True: []})
     ep_by_region: dict[str, int] = defaultdict(int)
+    tables = set(ctx.get(TableRegions, TableRegions()))
     for node in gm.graph.nodes:
         kind = collective_kind(node)
         if kind is None:
@@ -255,9 +261,10 @@ def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
                 node,
             )
         if collective_axis(node, ctx.mesh) == "ep":
-            if kind != "all_to_all" or site.part != "moe":
-                raise InternalError(f"an EP {kind} outside a MoE half", node)
-            ep_by_region[node.meta[REGION]] += 1
+            lookup = node.meta[REGION] in tables
+            if kind != "all_to_all" or (site.part != "moe" and not lookup):
+                raise InternalError(f"an EP {kind} outside a MoE half or a table lookup", node)
+            ep_by_region[node.meta[REGION]] += site.part == "moe"
         elif site.layer is not None:
             tp_by_layer[site.layer][site.part == "moe"].append(node)
     cuts = {ctx.adapter.site(region).layer: cut for region, cut in entry_cuts(ctx).items()}

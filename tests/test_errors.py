@@ -15,7 +15,7 @@ from dsv41_compile.model import DeepseekV41
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.fake_rank import compile_model_on_fake_rank
-from dsv41_compile.testing.presets import ONE_LAYER, compile_config
+from dsv41_compile.testing.presets import ENGRAM_0, ONE_LAYER, compile_config
 from dsv41_compile.testing.torch_shims import fake_process_group
 from dsv41_compile.testing.toy import ToyLM, toy_family
 
@@ -256,7 +256,7 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
         (
             {"tp": 4, "pipeline": 2},
             "unknown dsv41_sp option(s) ['pipeline']; the options are ['attn_entry', 'attn_exit', "
-            "'check_inputs', 'checkpoint', 'dump_after', 'dump_dir', 'embedding', 'ep', "
+            "'check_inputs', 'checkpoint', 'dump_after', 'dump_dir', 'embedding', 'engram', 'ep', "
             "'ep_dispatch', 'ep_rows', 'extra_weight_bytes', 'layout', "
             "'lowering', 'share_compile', 'skip_unimplemented_parts', 'tp']",
         ),
@@ -296,7 +296,7 @@ def test_bad_options(options, message):
             {"tp": 4, "dump_after": ["insert", "lower"]},
             "dump_after names no pass: ['lower']; the passes are ('inline_regions', "
             "'token_sizes', 'annotate', 'entry_cut', 'insert', 'localize', 'expert_parallel', "
-            "'graph_mode', 'verify')",
+            "'tables', 'graph_mode', 'verify')",
         ),
         (
             {"tp": 4, "layout": "replicated"},
@@ -317,6 +317,17 @@ def test_the_attention_exit_all_to_all_is_a_cut_of_the_sp_layout():
         ValueError,
         "attn_exit='all_to_all' is a cut of the sp layout; layout='replicated' all-reduces "
         "attention's output (use attn_exit='auto' or 'reduce_scatter')",
+    )
+
+
+def test_a_split_engram_table_needs_experts_over_the_world():
+    cfg = compile_config("tiny-swa", ONE_LAYER, ENGRAM_0)
+    assert_error(
+        raised(lambda: compile_and_run({"tp": 4, "engram": "sharded"}, cfg=cfg)),
+        ValueError,
+        "engram='sharded' splits the Engram tables over the world, which the EP group is: it "
+        "needs ep = the world size and layout='sp' (got ep=1, layout='sp'); use "
+        "engram='replicated'",
     )
 
 

@@ -27,7 +27,9 @@ __all__ = [
     "ModelAdapter",
     "RoutedExperts",
     "Site",
+    "TableLookup",
     "WeightInput",
+    "WeightRange",
     "WeightSlice",
 ]
 
@@ -70,6 +72,26 @@ class RoutedExperts:
 
 
 @dataclass(frozen=True)
+class TableLookup:
+    """A table-lookup op of the model, with the contract the `tables` pass relies on:
+
+        op(table [N, W], scale [N, S], rows int64 [T, C], columns [C + 1], *constants)
+            -> [T, C, W'] = dequantize(table[rows], scale[rows], *constants)
+
+    Column c's rows are `[columns[c], columns[c + 1])` and `rows[:, c]` is one of them: a table
+    split by its columns (`placements.ColumnShard`) sends each row id to the rank holding its
+    column. `dequantize(codes, scales, *constants)` turns looked-up rows (`table`'s and
+    `scale`'s, as their bytes: uint8) into the op's values; it is written with ATen ops, so
+    that a pass can call it on FX proxies."""
+
+    op: OpOverload
+    dequantize: Callable[..., Any]
+
+    TABLE_ARGS = (0, 1)
+    ROWS, COLUMNS = 2, 3
+
+
+@dataclass(frozen=True)
 class LayerCollectives:
     """What a layout promises for each decoder layer: the TP collectives outside its MoE half
     and in it (collective kinds, sorted), and the number of dims of every value gathered over
@@ -98,6 +120,18 @@ class WeightSlice(NamedTuple):
         return self.index * step, (self.index + 1) * step
 
 
+class WeightRange(NamedTuple):
+    """Elements `[start, stop)` of dim `dim` of a parameter: the rows of the columns a rank
+    holds of a column-split table."""
+
+    dim: int
+    start: int
+    stop: int
+
+    def bounds(self, size: int) -> tuple[int, int]:
+        return self.start, self.stop
+
+
 class WeightInput(NamedTuple):
     """A parameter a per-rank program takes: its FQN, global shape and dtype, and the slice of
     it this rank holds (None: all of it)."""
@@ -105,7 +139,7 @@ class WeightInput(NamedTuple):
     fqn: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    slice: WeightSlice | None
+    slice: WeightSlice | WeightRange | None
 
 
 class ModelAdapter(abc.ABC):
@@ -119,6 +153,8 @@ class ModelAdapter(abc.ABC):
     piece of the model: Dynamo split it at a graph break)."""
     routed_experts: tuple[RoutedExperts, ...] = ()
     """The model's routed-experts ops: `moe.expert_parallel` lowers them over the EP group."""
+    table_lookups: tuple[TableLookup, ...] = ()
+    """The model's table-lookup ops: `tables` lowers those of column-split tables."""
     rules: Mapping[OpOverload, Callable[..., Any]] = {}
     """Sharding rules of the model's custom ops (`spmd.rules.RuleFn`), asked first."""
     graph_mode_rewrites: Mapping[OpOverload, GraphModeRewrite] = {}
@@ -184,6 +220,9 @@ class ModelAdapter(abc.ABC):
         arguments of one example call (meta tensors; `example` says what the family accepts)
         and the token inputs among them; None when `config` is not a config of this family."""
         return None
+
+    def table_lookup_op(self, op: object) -> TableLookup | None:
+        return next((t for t in self.table_lookups if t.op is op), None)
 
     def routed_experts_op(self, op: object) -> RoutedExperts | None:
         return next((r for r in self.routed_experts if r.op is op), None)

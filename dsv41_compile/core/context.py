@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from torch.fx import GraphModule
+import torch
+from torch.fx import GraphModule, Node
 
 from dsv41_compile.core.adapter import ModelAdapter
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.mesh import Mesh
-from dsv41_compile.core.meta import EP_TOKENS, GLOBAL_VAL
+from dsv41_compile.core.meta import EP_TOKENS, GLOBAL_VAL, OUT, REASON, SYMBOL
 from dsv41_compile.core.plan import ShardingPlan
 from dsv41_compile.core.signature import ProgramSignature
 from dsv41_compile.core.torch_private import FakeTensorMode
@@ -72,6 +73,27 @@ class CompileContext:
         ep_tokens = next((n.meta["val"] for n in placeholders if n.name == EP_TOKENS), None)
         loaded = self.options.checkpoint is not None
         return self.signature.local_fakes(model, self.fake_mode, loaded=loaded, ep_tokens=ep_tokens)
+
+    def ep_tokens_input(self, gm: GraphModule) -> Node:
+        """The graph's `ep_tokens` input (made on first use, after the last placeholder, and
+        added to the signature): the largest token-shard length over the EP group (Tl_max),
+        which the runtime agrees on before each call -- what sizes a static exchange between
+        DP groups whose token counts differ."""
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        found = next((n for n in placeholders if n.name == EP_TOKENS), None)
+        if found is not None:
+            return found
+        with gm.graph.inserting_after(placeholders[-1]):
+            node = gm.graph.placeholder(EP_TOKENS)
+        # A size only the runtime knows: a fresh unbacked symbol (>= 1) for fake propagation.
+        shape_env = self.fake_mode.shape_env
+        with shape_env.ignore_fresh_unbacked_symbols():  # an input, not an op's output
+            value = shape_env.create_unbacked_symint()
+        torch._check(value >= 1)
+        node.meta.update({"val": value, OUT: None, SYMBOL: "Tl_max"})
+        node.meta[REASON] = "max token-shard length over the EP group (agreed before the call)"
+        self.signature = self.signature.with_ep_tokens()
+        return node
 
     def put(self, result: object) -> None:
         """Keep a pass's finding, by its type (one per type: a later `put` replaces it)."""

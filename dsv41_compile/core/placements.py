@@ -1,5 +1,6 @@
 """Placements on a mesh axis: DTensor's `Shard` / `Replicate` / `Partial`, plus `ExpertShard`
-for expert weights, and their short printed forms (`S(0)`, `R`, `P`, `E(0)`)."""
+for expert weights and `ColumnShard` for lookup tables split by their columns, and their short
+printed forms (`S(0)`, `R`, `P`, `E(0)`, `C`, `C(host)`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-__all__ = ["ExpertShard", "format_placement"]
+__all__ = ["ColumnShard", "ExpertShard", "format_placement"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,24 @@ class ExpertShard(Placement):
 
     def __reduce__(self) -> tuple:  # Placement is a C++ class: pickle by constructor
         return ExpertShard, (self.dim,)
+
+
+@dataclass(frozen=True)
+class ColumnShard(Placement):
+    """A lookup table split by its columns over the ep axis (the whole world): with C columns
+    and ep ranks, rank r holds the rows of columns `[r*k, (r+1)*k)`, k = ceil(C/ep), padded to
+    the longest such range (`core.signature.ParamShard.ranges`). Only a table-lookup op
+    (`core.adapter.TableLookup`) consumes such a table; the `tables` pass turns it into an
+    exchange of row ids and rows. `host`: the rank's rows live in host memory, and are looked up
+    there."""
+
+    host: bool = False
+
+    def __repr__(self) -> str:
+        return "C(host)" if self.host else "C"
+
+    def __reduce__(self) -> tuple:  # Placement is a C++ class: pickle by constructor
+        return ColumnShard, (self.host,)
 
 
 def format_placement(placement: Placement | None) -> str:

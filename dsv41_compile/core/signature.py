@@ -25,18 +25,57 @@ __all__ = ["ParamInput", "ParamShard", "ProgramSignature"]
 @dataclass(frozen=True)
 class ParamShard:
     """A parameter the graph receives as a local shard: chunk `mesh.axis_rank(axis)` of `parts`
-    on `dim` (a tp shard by `tp_rank`, an expert shard by the world rank)."""
+    on `dim` (a tp shard by `tp_rank`, an expert shard by the world rank) -- equal chunks, or
+    with `ranges` the given `[start, stop)` of each part, padded to the longest (a table split
+    by its columns)."""
 
     fqn: str
     placement: Placement
     dim: int
     parts: int
     axis: str
+    ranges: tuple[tuple[int, int], ...] | None = None
+    dtype: torch.dtype | None = None
+    """The dtype the program holds the shard in, its bytes reinterpreted (a table's FP8 codes and
+    e8m0 scales as uint8: what its exchange moves); None: the parameter's own."""
+
+    @property
+    def host(self) -> bool:
+        """The shard lives in host memory (a table placed `ColumnShard(host=True)`)."""
+        return bool(getattr(self.placement, "host", False))
 
     def local_shape(self, shape: Sequence[int]) -> list[int]:
         shape = list(shape)
-        shape[self.dim] //= self.parts
+        if self.ranges is None:
+            shape[self.dim] //= self.parts
+        else:
+            shape[self.dim] = max(stop - start for start, stop in self.ranges)
         return shape
+
+    def bounds(self, part: int, size: int) -> tuple[int, int]:
+        """Part `part`'s `[start, stop)` of a dim of `size`."""
+        if self.ranges is not None:
+            return self.ranges[part]
+        step = size // self.parts
+        return part * step, (part + 1) * step
+
+    def take(self, full: torch.Tensor, part: int) -> torch.Tensor:
+        """Part `part` of `full`, contiguous, zero-padded to the local length."""
+        start, stop = self.bounds(part, full.shape[self.dim])
+        return self.padded(full.narrow(self.dim, start, stop - start))
+
+    def padded(self, part: torch.Tensor) -> torch.Tensor:
+        """A part (its own rows only) as the program holds it: zero-padded to the local length
+        (the longest range), in `dtype`."""
+        if self.dtype is not None:
+            part = part.view(self.dtype)
+        if self.ranges is not None:
+            short = max(stop - start for start, stop in self.ranges) - part.shape[self.dim]
+            if short:
+                pad = list(part.shape)
+                pad[self.dim] = short
+                part = torch.cat([part, torch.zeros(pad, dtype=part.dtype)], self.dim)
+        return part.contiguous()
 
 
 @dataclass(frozen=True)
@@ -99,6 +138,13 @@ class ProgramSignature:
     def with_ep_tokens(self) -> ProgramSignature:
         return dataclasses.replace(self, ep_tokens=True)
 
+    def with_shard(self, index: int, shard: ParamShard) -> ProgramSignature:
+        """The signature with the parameter at position `index` taken as `shard`."""
+        params = tuple(
+            dataclasses.replace(p, shard=shard) if p.index == index else p for p in self.params
+        )
+        return dataclasses.replace(self, params=params)
+
     def local_fakes(
         self, model_fakes: Sequence[Any], fake_mode: Any, *, loaded: bool, ep_tokens: Any = None
     ) -> list[Any]:
@@ -112,8 +158,10 @@ class ProgramSignature:
             if p.shard is None and (p.buffer or not loaded):
                 continue
             shape = list(p.shape) if p.shard is None else p.shard.local_shape(p.shape)
+            dtype = p.dtype if p.shard is None or p.shard.dtype is None else p.shard.dtype
+            device = torch.device("cpu") if p.shard and p.shard.host else fakes[p.index].device
             with fake_mode:
-                fakes[p.index] = torch.empty(shape, dtype=p.dtype, device=fakes[p.index].device)
+                fakes[p.index] = torch.empty(shape, dtype=dtype, device=device)
         with fake_mode:
             fakes.append(torch.zeros((), dtype=torch.int64))
         if self.ep_tokens:

@@ -5,7 +5,9 @@ layout (the official inference names, no `model.` prefix), with the parameter it
 format:
 
 - `"fp8"`: `X.weight` float8_e4m3fn plus `X.scale` (the attention projections `wq_a`, `wq_b`,
-  `wkv`, `wo_a`, `wo_b`, the indexer's `wq_b`, the shared expert, there `shared_experts`);
+  `wkv`, `wo_a`, `wo_b`, the indexer's `wq_b`, the shared expert, there `shared_experts`,
+  Engram's `wkv`);
+- `"e4m3"` / `"e8m0"`: an Engram table's rows and their scales, kept as stored;
 - `"fp4"`: the routed experts, one `ffn.experts.{e}.w{1,2,3}.weight` + `.scale` per expert,
   stacked here into `ffn.experts.w{1,2,3}[e]`;
 - `"fp32"`: the mHC parameters (`hc_attn_fn` is this model's `hc_attn.fn`), the sink, the
@@ -16,9 +18,10 @@ format:
 (`model.safetensors.index.json` and its shards), decoding FP8 / FP4 to each parameter's dtype;
 `write_checkpoint(model, path)` writes one (tools/make_checkpoint.py). Loading is strict: a
 missing tensor, a wrong dtype or shape, a scale that does not fit its weight or a NaN scale is
-an error naming the tensor and its file; tensors of the parts this model lacks (Engram, the
-DSpark draft blocks, the vision tower) are refused unless `skip_unimplemented_parts=True`, and
-any other tensor the model does not know is an error.
+an error naming the tensor and its file; tensors of the parts this model lacks (the DSpark
+draft blocks, the vision tower) are refused unless `skip_unimplemented_parts=True`, and any other
+tensor the model does not know is an error. Engram's token map is read from the checkpoint's
+`tokenizer.json` (`token_map`).
 
 `read_weights(path, weights)` reads only the given slices of the given parameters (what the
 backend's `checkpoint` option reads on each rank).

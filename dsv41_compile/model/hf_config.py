@@ -227,7 +227,7 @@ def _check_fixed(key: str, value: Any, where: str) -> None:
 
 def config_to_hf(cfg: Any) -> dict[str, Any]:
     """The `config.json` of a checkpoint of `cfg` (a `ModelConfig`) in the released layout (no
-    Engram, DSpark or vision): what `ModelConfig.from_hf` reads back as `cfg` (with `dtype`
+    DSpark or vision): what `ModelConfig.from_hf` reads back as `cfg` (with `dtype`
     bfloat16)."""
     text: dict[str, Any] = {"model_type": "deepseek_v41_text"}
     written = set()

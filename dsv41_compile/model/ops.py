@@ -111,10 +111,21 @@ def engram_lookup(
     `dtype` (exact: an e4m3 value times a power of two is a bf16 value). `columns` are the
     table's column bounds: column c's rows are `[columns[c], columns[c + 1])`, and `rows[..., c]`
     is one of them (what lets the compiler split the table by columns)."""
-    codes = table.view(torch.uint8)[rows].view(torch.float8_e4m3fn).float()
-    exponents = scale.view(torch.uint8)[rows].float() - 127.0
-    values = codes.unflatten(-1, (-1, 32)) * torch.exp2(exponents)[..., None]
-    return values.flatten(-2).to(dtype)
+    codes = table.view(torch.uint8)[rows]
+    return engram_dequantize(codes, scale.view(torch.uint8)[rows], dtype)
+
+
+def engram_dequantize(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """Looked-up Engram rows from their bytes: `codes` uint8 [..., W] (e4m3), `scales` uint8
+    [..., W/32] (e8m0): `e4m3(code) * 2^(scale - 127)` per block of 32, in fp32, as `dtype`.
+    Written with ATen ops, so that the compiler builds the same arithmetic into a graph where
+    the rows arrive from other ranks (`core.adapter.TableLookup`)."""
+    values = aten._to_copy.default(aten.view.dtype(codes, torch.float8_e4m3fn), dtype=torch.float32)
+    exponents = aten.sub.Tensor(aten._to_copy.default(scales, dtype=torch.float32), 127.0)
+    blocks = aten.unflatten.int(values, -1, [-1, 32])
+    powers = aten.pow.Scalar(2.0, exponents)  # exact: the exponents are integers
+    scaled = aten.mul.Tensor(blocks, aten.unsqueeze.default(powers, -1))
+    return aten._to_copy.default(aten.flatten.using_ints(scaled, -2), dtype=dtype)
 
 
 @engram_lookup.register_fake

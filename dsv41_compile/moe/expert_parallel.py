@@ -53,13 +53,10 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.emitter import Emitter, cast
 from dsv41_compile.core.meta import (
     EP_SOURCE,
-    EP_TOKENS,
     GLOBAL_VAL,
     IN,
-    OUT,
     REASON,
     REGION,
-    SYMBOL,
     replace_node,
 )
 from dsv41_compile.core.placements import ExpertShard
@@ -93,14 +90,11 @@ def _dispatched(value: Proxy) -> Proxy:
 def expert_parallel(gm: GraphModule, *, ctx: CompileContext) -> None:
     graph = gm.graph
     targets = sharded_routed_experts(gm, ctx)
-    ep_tokens = (
-        _ep_tokens_input(graph, ctx) if targets and ctx.options.ep_dispatch == "padded" else None
-    )
+    padded = targets and ctx.options.ep_dispatch == "padded"
+    ep_tokens = ctx.ep_tokens_input(gm) if padded else None
     rewritten = [_rewrite(graph, node, spec, ctx, ep_tokens) for node, spec in targets]
     stats = [node for node, _ in rewritten]
     ctx.put(EpLayers(tuple(info for _, info in rewritten)))
-    if ep_tokens is not None:
-        ctx.signature = ctx.signature.with_ep_tokens()
     if stats and ctx.options.ep_dispatch == "exact":
         # The split sizes are read on the host: fake propagation (validate, inductor) must give
         # them unbacked symbols rather than refuse.
@@ -195,22 +189,6 @@ def _choose_rows(info: EpLayer, option: str) -> EpLayer:
         f"({expected}, dispatch + combine) against {cost[other]:,.0f} B {other}"
     )
     return dataclasses.replace(forms[chosen], why=why)
-
-
-def _ep_tokens_input(graph: Graph, ctx: CompileContext) -> Node:
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    with graph.inserting_after(last):
-        node = graph.placeholder(EP_TOKENS)
-    # A size only the runtime knows: a fresh unbacked symbol (>= 1) for fake propagation.
-    shape_env = ctx.fake_mode.shape_env
-    with shape_env.ignore_fresh_unbacked_symbols():  # an input, not an op's output
-        value = shape_env.create_unbacked_symint()
-    torch._check(value >= 1)
-    node.meta["val"] = value
-    node.meta[OUT] = None
-    node.meta[SYMBOL] = "Tl_max"
-    node.meta[REASON] = "max token-shard length over the EP group (agreed before the call)"
-    return node
 
 
 def _exact(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, Proxy]:

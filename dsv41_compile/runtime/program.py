@@ -98,8 +98,9 @@ class ShardedProgram:
         if cached is not None and cached[0] is full and cached[1] == full._version:
             return cached[2]
         shard = self.signature.param_shards[index]
-        part = self.tp_rank if shard.axis == "tp" else self.rank
-        local = full.chunk(shard.parts, shard.dim)[part].contiguous()
+        local = shard.take(full, self.tp_rank if shard.axis == "tp" else self.rank)
+        if shard.host:
+            local = local.cpu()  # a table in host memory: looked up on the host
         self._shards[index] = (full, full._version, local)
         return local
 
@@ -135,16 +136,19 @@ class ShardedProgram:
         if self.tp_rank_tensor is None:
             self.tp_rank_tensor = torch.tensor(self.tp_rank, dtype=torch.int64)
         args.append(self.tp_rank_tensor)
-        ep_tokens = -(-tokens // self.tp)
+        own = agreed = -(-tokens // self.tp)
         if self.signature.ep_tokens:
-            ep_tokens = self.agree_ep_tokens(tokens)
-            args.append(ep_tokens)
-        self.ep_tokens = ep_tokens
+            agreed = self.agree_ep_tokens(tokens)
+            args.append(agreed)
+        # The EP lowering's rows per rank: the agreed Tl_max when padded, else the rank's own Tl
+        # (an exact EP lowering beside a column-split table's exchange still sends its own rows).
+        layers = self.spec.ep_layers
+        self.ep_tokens = agreed if layers and layers[0].dispatch == "padded" else own
         outputs = self.compiled(*args)
-        n_stats = len(self.spec.ep_layers)
+        n_stats = len(layers)
         if not n_stats:
             return outputs
         self.ep_stats = list(outputs[-n_stats:])
         if self.on_ep_stats is not None:
-            self.on_ep_stats(self.ep_stats, ep_tokens)
+            self.on_ep_stats(self.ep_stats, self.ep_tokens)
         return type(outputs)(outputs[:-n_stats])

@@ -16,9 +16,9 @@ import weakref
 
 import torch
 
-from dsv41_compile.core.adapter import ModelAdapter, WeightInput, WeightSlice
+from dsv41_compile.core.adapter import ModelAdapter, WeightInput, WeightRange, WeightSlice
 from dsv41_compile.core.mesh import Mesh
-from dsv41_compile.core.signature import ProgramSignature
+from dsv41_compile.core.signature import ParamShard, ProgramSignature
 from dsv41_compile.core.torch_private import unset_fake_temporarily
 
 __all__ = ["READ", "rank_weights", "weight_inputs"]
@@ -36,7 +36,10 @@ def weight_inputs(signature: ProgramSignature, mesh: Mesh) -> dict[int, WeightIn
     out = {}
     for p in signature.weights:
         part = None
-        if p.shard is not None:
+        if p.shard is not None and p.shard.ranges is not None:
+            start, stop = p.shard.ranges[mesh.axis_rank(p.shard.axis)]
+            part = WeightRange(p.shard.dim, start, stop)
+        elif p.shard is not None:
             part = WeightSlice(p.shard.dim, mesh.axis_rank(p.shard.axis), p.shard.parts)
         out[p.index] = WeightInput(p.fqn, p.shape, p.dtype, part)
     return out
@@ -45,13 +48,28 @@ def weight_inputs(signature: ProgramSignature, mesh: Mesh) -> dict[int, WeightIn
 def rank_weights(
     adapter: ModelAdapter,
     path: str,
-    wanted: dict[int, WeightInput],
+    signature: ProgramSignature,
+    mesh: Mesh,
     *,
-    device_type: str,
     skip_unimplemented_parts: bool,
 ) -> dict[int, torch.Tensor]:
-    """Input index -> this rank's tensor of that parameter, read from `path` unless this
-    process already did."""
+    """Input index -> this rank's tensor of that parameter (`weight_inputs`; a range shorter
+    than the shard's longest zero-padded to it), read from `path` unless this process already
+    did; on the mesh's device, or in host memory for a host-resident table."""
+    wanted = weight_inputs(signature, mesh)
+    shards = signature.param_shards
+    loaded = _read(adapter, path, wanted, mesh.device_type, skip_unimplemented_parts, shards)
+    return loaded
+
+
+def _read(
+    adapter: ModelAdapter,
+    path: str,
+    wanted: dict[int, WeightInput],
+    device_type: str,
+    skip_unimplemented_parts: bool,
+    shards: dict[int, ParamShard],
+) -> dict[int, torch.Tensor]:
     root = os.path.realpath(path)
     held = {w: _LOADED.get((root, w)) for w in wanted.values()}
     if any(t is None for t in held.values()):
@@ -62,7 +80,13 @@ def rank_weights(
             )
         for name, n in read.items():
             READ[name] = READ.get(name, 0) + n
-        for w, tensor in zip(weights, tensors):
+        for index, w in wanted.items():
+            if held[w] is not None:
+                continue
+            tensor, shard = tensors[weights.index(w)], shards.get(index)
             with unset_fake_temporarily():
-                held[w] = _LOADED[root, w] = tensor.to(device_type)
+                if shard is not None and shard.ranges is not None:
+                    tensor = shard.padded(tensor)
+                host = shard.host if shard is not None else False
+                held[w] = _LOADED[root, w] = tensor if host else tensor.to(device_type)
     return {index: held[w] for index, w in wanted.items()}

@@ -18,13 +18,15 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from dsv41_compile.core.adapter import TableLookup
 from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import GLOBAL_VAL, OUT, REASON, describe
-from dsv41_compile.core.placements import ExpertShard
+from dsv41_compile.core.placements import ColumnShard, ExpertShard
 from dsv41_compile.core.signature import ParamInput, ParamShard, ProgramSignature
 from dsv41_compile.spmd.transitions import TokenSizes
 
-__all__ = ["localize"]
+__all__ = ["column_ranges", "localize"]
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
@@ -78,10 +80,31 @@ def _signature(gm: GraphModule, ctx: CompileContext) -> ProgramSignature:
             shard = ParamShard(fqn, placement, placement.dim, ctx.mesh.tp, "tp")
         elif isinstance(placement, ExpertShard):
             shard = ParamShard(fqn, placement, placement.dim, ctx.mesh.ep, "ep")
+        elif isinstance(placement, ColumnShard):
+            ranges = column_ranges(node, ctx)
+            shard = ParamShard(fqn, placement, 0, ctx.mesh.world_size, "ep", ranges)
         buffer = node.name in ctx.buffers
         shape = tuple(int(s) for s in val.shape)
         params.append(ParamInput(index, fqn, shape, val.dtype, buffer, shard))
     return ProgramSignature(tuple(params), tuple(inputs), tuple(ctx.adapter.token_inputs))
+
+
+def column_ranges(table: Node, ctx: CompileContext) -> tuple[tuple[int, int], ...]:
+    """The rows each rank holds of a column-split table (`placements.ColumnShard`): with C
+    columns (bounds from the table-lookup op that reads it) over the world's W ranks, rank r
+    holds columns `[r*k, (r+1)*k)`, k = ceil(C/W): their rows, `[bounds[r*k], bounds[...]]`
+    (none for a rank past the last column)."""
+    lookup = next((u for u in table.users if ctx.adapter.table_lookup_op(u.target)), None)
+    if lookup is None:
+        raise InternalError(
+            "a column-split table is read by no table-lookup op of the model family", table
+        )
+    bounds = list(lookup.args[TableLookup.COLUMNS])
+    columns, world = len(bounds) - 1, ctx.mesh.world_size
+    k = -(-columns // world)
+    return tuple(
+        (bounds[min(r * k, columns)], bounds[min((r + 1) * k, columns)]) for r in range(world)
+    )
 
 
 def _local_view_sizes(

@@ -14,6 +14,8 @@ replaces (`tests/targets/test_graph_mode.py`; whole graphs, run on CPU through
     scatter_reduce(a, 0, i, v, "amax"|"amin", include_self)
                                   max|min over the rows of where(one_hot(i), v, a), with a
     unflatten(x, d, sizes)        view(x, shape)
+    bitwise_xor(a, b)             (a | b) & ~(a & b)
+    copysign(a, b)                where(1/b < 0, -|a|, |a|)
     amax(x, dims)                 max over one dim at a time
     roll(x, s, d)                 cat(x[-s:], x[:-s]) along d   (|s| = 1 when d's size is symbolic)
     _assert_scalar, _assert_async, runtime asserts of symbolic sizes the graph guarantees by
@@ -176,6 +178,19 @@ _END = 2**63 - 1
 """A slice's `end` meaning "to the end" (what ATen records for `x[a:]`)."""
 
 
+def _bitwise_xor(emit, val, a, b):
+    """`a ^ b` of integers as `(a | b) & ~(a & b)`."""
+    both = aten.bitwise_and.Tensor(a, b)
+    return aten.bitwise_and.Tensor(aten.bitwise_or.Tensor(a, b), aten.bitwise_not.default(both))
+
+
+def _copysign(emit, val, a, b):
+    """`|a|` with the sign of `b`, the sign read as `1/b < 0` (which tells -0.0 from 0.0)."""
+    magnitude = aten.abs.default(a)
+    negative = aten.lt.Scalar(aten.reciprocal.default(b), 0)
+    return aten.where.self(negative, aten.neg.default(magnitude), magnitude)
+
+
 def _unflatten(emit, val, x, dim, sizes):
     return aten.view.default(x, _view_shape(val))
 
@@ -198,4 +213,6 @@ _REWRITES: dict[Any, Callable[..., Proxy]] = {
     aten.unflatten.int: _unflatten,
     aten.amax.default: _amax,
     aten.roll.default: _roll,
+    aten.bitwise_xor.Tensor: _bitwise_xor,
+    aten.copysign.Tensor: _copysign,
 }

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Shard
 
-from dsv41_compile.core.adapter import WeightInput, WeightSlice
-from dsv41_compile.core.placements import ExpertShard
+from dsv41_compile.core.adapter import WeightInput, WeightRange, WeightSlice
+from dsv41_compile.core.placements import ColumnShard, ExpertShard
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.model.checkpoint import (
     checkpoint_layout,
@@ -58,6 +58,11 @@ def rank_weight_inputs(cfg: ModelConfig, options: dict[str, Any], rank: int) -> 
         placement, part = plan.param_placement(fqn), None
         if isinstance(placement, ExpertShard):
             part = WeightSlice(placement.dim, rank, opts.ep)
+        elif isinstance(placement, ColumnShard):  # the rows of this rank's columns
+            bounds = model.get_submodule(fqn.rpartition(".")[0]).columns
+            k = -(-(len(bounds) - 1) // opts.ep)
+            first, last = (min(r * k, len(bounds) - 1) for r in (rank, rank + 1))
+            part = WeightRange(0, bounds[first], bounds[last])
         elif isinstance(placement, Shard):
             part = WeightSlice(placement.dim, rank % opts.tp, opts.tp)
         inputs.append(WeightInput(fqn, tuple(p.shape), p.dtype, part))

@@ -18,7 +18,15 @@ from typing import Any
 
 from dsv41_compile.model import ModelConfig
 
-__all__ = ["EVERY_MODE_5", "EVERY_MODE_6", "ONE_LAYER", "SINKHORN_3", "WIDE", "compile_config"]
+__all__ = [
+    "ENGRAM_0",
+    "EVERY_MODE_5",
+    "EVERY_MODE_6",
+    "ONE_LAYER",
+    "SINKHORN_3",
+    "WIDE",
+    "compile_config",
+]
 
 SINKHORN_3: tuple[tuple[str, Any], ...] = (("hc_sinkhorn_iters", 3),)
 """3 Sinkhorn iterations instead of 20: the same code, about a third shorter to trace."""
@@ -45,6 +53,13 @@ and 5 (`regions` copies it in at both)."""
 
 ONE_LAYER: tuple[tuple[str, Any], ...] = (("n_layers", 1),)
 """One decoder layer (of tiny-swa: window-only); the boundary between layers is not in it."""
+
+ENGRAM_0: tuple[tuple[str, Any], ...] = (
+    ("engram_layer_ids", (0,)),
+    ("engram_num_embeddings", (384,)),
+)
+"""An Engram layer before layer 0 (tiny's tables: 6 columns of 32-wide rows), for the
+window-only configurations, which have none (tiny has one before layer 1)."""
 
 WIDE: tuple[tuple[str, Any], ...] = (("dim", 128),)
 """tiny at twice its hidden width: attention's q and kv latents (32 + 32) are then narrower

@@ -39,7 +39,7 @@ from dsv41_compile.testing.batches import Request
 from dsv41_compile.testing.cases import CaseSpec, compare_on_rank, model_config
 from dsv41_compile.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint
 from dsv41_compile.testing.multirank import RankPool
-from dsv41_compile.testing.presets import ONE_LAYER, SINKHORN_3, WIDE
+from dsv41_compile.testing.presets import ENGRAM_0, ONE_LAYER, SINKHORN_3, WIDE
 
 pytestmark = pytest.mark.slow
 
@@ -65,14 +65,22 @@ COMPILES = {
 # replicated run has three: layers 1 and 2 are one kind, which Dynamo traces once -- at a
 # static T, then at a symbolic one -- and calls twice (`regions`).
 MODEL = {"preset": "tiny-swa", "overrides": (("n_layers", 3), *SINKHORN_3)}
-WIDE_MODEL = {"preset": "tiny-swa", "overrides": (*ONE_LAYER, *SINKHORN_3, *WIDE)}
+WIDE_MODEL = {"preset": "tiny-swa", "overrides": (*ONE_LAYER, *SINKHORN_3, *WIDE, *ENGRAM_0)}
 _CHECKPOINT = tempfile.TemporaryDirectory(prefix="dsv41_ckpt_")
 RUNS = {
     # sp, experts over the world, padded dispatch: the all-to-alls need the idle group's ranks
-    # and the model without weights: each rank reads its slices of a synthetic checkpoint
+    # and the model without weights: each rank reads its slices of a synthetic checkpoint; its
+    # Engram tables split by columns over the world in host memory (the exchange needs the
+    # idle group's ranks too)
     "sp-ep8-padded": CaseSpec(
         steps=STEPS,
-        options=(("tp", TP), ("ep", 8), ("ep_dispatch", "padded"), ("lowering", "eager")),
+        options=(
+            ("tp", TP),
+            ("ep", 8),
+            ("ep_dispatch", "padded"),
+            ("lowering", "eager"),
+            ("engram", "host"),
+        ),  # fmt: skip
         group_modes=("unmarked", "dynamic"),
         checkpoint=_CHECKPOINT.name,
         **WIDE_MODEL,
@@ -88,7 +96,8 @@ RUNS = {
 LAYOUT = {
     # the default cuts: the q and kv latents gathered (attn_entry), wo_b's input moved to its
     # tokens (attn_exit), one EP row per rank
-    "sp-ep8-padded": [*["all_gather(tp)"] * 2, *["all_to_all(ep)"] * 3, "all_to_all(tp)"],
+    # (and the Engram exchange's two all-to-alls: row ids out, rows back)
+    "sp-ep8-padded": [*["all_gather(tp)"] * 2, *["all_to_all(ep)"] * 5, "all_to_all(tp)"],
     "replicated-ep1": ["all_reduce(tp)"],
 }
 
@@ -143,11 +152,13 @@ def test_recompiles_are_dynamos_and_counted(run):
 def test_every_program_of_a_rank_ran_on_one_read_of_its_slices():
     """The sp run compiled `DeepseekV41.without_weights` with the `checkpoint` option in both
     modes: each rank's three programs share one read of its slices, the bytes a direct read of
-    that rank's slices takes (its quarter of the tp-sharded weights, its two experts)."""
+    that rank's slices takes (its quarter of the tp-sharded weights, its two experts, the table
+    rows of its Engram column)."""
     case = RUNS["sp-ep8-padded"]
     _, results = run_of("sp-ep8-padded")
     cfg = model_config(case)
-    options = {k: v for k, v in case.options if k in ("tp", "ep")}
+    options = {k: v for k, v in case.options if k in ("tp", "ep", "engram")}
     for rank, result in enumerate(results):
         _, direct = read_weights(case.checkpoint, rank_weight_inputs(cfg, options, rank))
-        assert result["checkpoint_read"] == direct, rank
+        # (a case records the tensors it read bytes of: ranks 6 and 7 hold no Engram column)
+        assert result["checkpoint_read"] == {n: b for n, b in direct.items() if b}, rank

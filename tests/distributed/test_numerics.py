@@ -59,6 +59,7 @@ from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank
 from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 from dsv41_compile.testing.multirank import RankPool, run_ranks
 from dsv41_compile.testing.presets import (
+    ENGRAM_0,
     EVERY_MODE_5,
     EVERY_MODE_6,
     ONE_LAYER,
@@ -103,12 +104,19 @@ def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> Case
 
 
 RUNS = {
+    # tiny's Engram layer (before layer 1) with its tables split by columns over the world
     "tiny-every-mode-ep-exact-eager": spec(
-        "tiny", overrides=(*EVERY_MODE_6, *WIDE), capture=True, ep=EP, lowering="eager"
+        "tiny",
+        overrides=(*EVERY_MODE_6, *WIDE),
+        capture=True,
+        ep=EP,
+        lowering="eager",
+        engram="sharded",
     ),
+    # an Engram layer, its tables replicated (the replicated layout's)
     "tiny-swa-replicated-ep-padded-torchair": spec(
         "tiny-swa",
-        overrides=ONE_LAYER,
+        overrides=(*ONE_LAYER, *ENGRAM_0),
         layout="replicated",
         ep=EP,
         ep_dispatch="padded",
@@ -375,15 +383,21 @@ def checkpoint_headers(root: Path) -> dict[str, tuple[list[int], str]]:
     return headers
 
 
-def expected_read(headers: dict[str, tuple[list[int], str]], rank: int) -> dict[str, int]:
+def expected_read(
+    headers: dict[str, tuple[list[int], str]], rank: int, tokenizer: int
+) -> dict[str, int]:
     """The bytes rank `rank` should read of each checkpoint tensor: a quarter of a tp-sharded
     weight (and the rows or columns of its scale blocks the quarter touches), the experts of
-    its EP shard and none of the others', all of every other tensor. From the files' headers
-    (`checkpoint_headers`)."""
-    n_experts = compile_config("tiny", EVERY_MODE_5).n_routed_experts
-    mine = range(rank * n_experts // EP, (rank + 1) * n_experts // EP)
+    its EP shard and none of the others', the rows of its column of the Engram table (tiny's
+    6 columns over 8 ranks: rank r < 6 holds column r, the others none) and their scales, all
+    of every other tensor; and the tokenizer (`tokenizer` bytes), whole. From the files'
+    headers (`checkpoint_headers`)."""
+    cfg = compile_config("tiny", EVERY_MODE_5)
+    mine = range(rank * cfg.n_routed_experts // EP, (rank + 1) * cfg.n_routed_experts // EP)
     tp_rank = rank % TP
-    want = {}
+    primes = cfg.engram_primes[0]
+    column_rows = primes[rank] if rank < len(primes) else 0
+    want = {"tokenizer.json": tokenizer}
     for name, (shape, dtype) in headers.items():
         stem = name.removesuffix(".weight").removesuffix(".scale")
         numel = math.prod(shape)
@@ -391,6 +405,8 @@ def expected_read(headers: dict[str, tuple[list[int], str]], rank: int) -> dict[
         dim = next((d for s, d in TP_SHARDED.items() if stem.endswith(s)), None)
         if expert is not None:
             numel = numel if int(expert[1]) in mine else 0
+        elif ".engram.embed." in name:
+            numel = numel // shape[0] * column_rows
         elif dim is not None and name.endswith(".scale"):  # the blocks of 32 the slice touches
             full = headers[stem + ".weight"][0][dim]
             lo, hi = tp_rank * full // TP, (tp_rank + 1) * full // TP
@@ -404,18 +420,25 @@ def expected_read(headers: dict[str, tuple[list[int], str]], rank: int) -> dict[
 def test_each_rank_read_only_its_slices_of_the_checkpoint():
     """The every-mode run compiled `DeepseekV41.without_weights` with the `checkpoint` option:
     each rank read its share of every sharded tensor and nothing of the other ranks' experts,
-    counted per tensor; a tp group read each sharded weight exactly once between its ranks.
-    The single-device reference read the whole checkpoint."""
+    counted per tensor; a tp group read each sharded weight exactly once between its ranks,
+    the world each row of the Engram table exactly once. The single-device reference read the
+    whole checkpoint."""
     results = results_of(CHECKPOINT_RUN)
     root = Path(spec_of(CHECKPOINT_RUN).checkpoint)
     index = json.loads((root / INDEX).read_text())
     headers = checkpoint_headers(root)
+    tokenizer = (root / "tokenizer.json").stat().st_size
     for rank, result in enumerate(results):
-        want = expected_read(headers, rank)
+        want = expected_read(headers, rank, tokenizer)
         got = {n: result["checkpoint_read"].get(n, 0) for n in want}
         assert got == want, rank
         assert set(result["checkpoint_read"]) <= set(want)
-        assert sum(result["reference_read"].values()) == index["metadata"]["total_size"]
+        total = sum(result["reference_read"].values())
+        assert total == index["metadata"]["total_size"] + tokenizer
+    for name in ("layers.1.engram.embed.weight", "layers.1.engram.embed.scale"):
+        shape, dtype = headers[name]
+        read = sum(result["checkpoint_read"].get(name, 0) for result in results)
+        assert read == math.prod(shape) * SIZE[dtype], name
     for name, (shape, dtype) in headers.items():
         if not name.endswith(".scale") and name.removesuffix(".weight").endswith(tuple(TP_SHARDED)):
             read = sum(results[r]["checkpoint_read"][name] for r in range(TP))

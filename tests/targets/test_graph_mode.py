@@ -77,3 +77,16 @@ def test_roll_of_a_symbolic_size(shift, T):
     assert not gm.graph.find_nodes(op="call_function", target=aten.roll.default)
     x = randn(T, 3)
     torch.testing.assert_close(gm(x), torch.roll(x, shift, 0), atol=0, rtol=0)
+
+
+def test_bitwise_xor_of_hash_sized_integers():
+    """Engram's rolling hash: int64 products up to 2^63, XORed."""
+    a = torch.randint(0, 2**62, (64,), generator=g) * 2 + 1
+    b = torch.randint(-(2**62), 2**62, (64,), generator=g)
+    check(aten.bitwise_xor.Tensor, a, b)
+
+
+def test_copysign_keeps_the_sign_of_a_negative_zero():
+    check(
+        aten.copysign.Tensor, randn(8), torch.tensor([1.0, -1.0, 0.0, -0.0, 3.0, -3.0, 2.0, -2.0])
+    )

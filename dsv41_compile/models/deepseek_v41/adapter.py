@@ -21,18 +21,24 @@ from dsv41_compile.core.adapter import (
     ModelAdapter,
     RoutedExperts,
     Site,
+    TableLookup,
     WeightInput,
 )
+from dsv41_compile.core.placements import ColumnShard
 from dsv41_compile.core.plan import ShardingPlan
 from dsv41_compile.core.strategy import Strategy
 from dsv41_compile.model import (
     DeepseekV41,
     ModelConfig,
-    ops,  # noqa: F401  (registers dsv41::routed_experts)
+    ops,  # noqa: F401  (registers the model's ops)
 )
 from dsv41_compile.model.batches import Request, pack
 from dsv41_compile.model.checkpoint import read_weights
-from dsv41_compile.models.deepseek_v41.graph_mode import routed_experts_grouped
+from dsv41_compile.model.ops import engram_dequantize
+from dsv41_compile.models.deepseek_v41.graph_mode import (
+    engram_lookup_gathered,
+    routed_experts_grouped,
+)
 from dsv41_compile.models.deepseek_v41.plan import deepseek_v41_plan
 from dsv41_compile.moe.rules import routed_experts_rule
 from dsv41_compile.options import BackendOptions
@@ -49,15 +55,74 @@ ENGRAM_LOOKUP = torch.ops.dsv41.engram_lookup.default
 
 def engram_lookup_rule(node: Node, given: Sequence[Placement]) -> Strategy | None:
     """Replicated tables: each row is looked up where its token is (the rows' placement,
-    token-sharded or replicated, is the output's)."""
+    token-sharded or replicated, is the output's). Tables split by columns: each rank asks for
+    its token shard's rows (`tables.exchange` lowers it)."""
     table, scale, rows = given
     if table == scale == Replicate() and isinstance(rows, (Shard, Replicate)):
         return Strategy(inputs=(table, scale, rows), outputs=(rows,))
+    if isinstance(table, ColumnShard) and table == scale:
+        return Strategy(inputs=(table, scale, Shard(0)), outputs=(Shard(0),))
     return None
+
+
+ENGRAM = TableLookup(ENGRAM_LOOKUP, engram_dequantize)
 
 
 _REQUESTS = (Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0))
 """`plan_rank`'s example batch: two requests of 3 and 2 tokens."""
+
+
+ENGRAM_REPLICATED_LIMIT = 1 << 30
+"""`engram="auto"` replicates the Engram tables when they take at most this many bytes per
+rank (and fit `extra_weight_bytes`): below it the memory is cheaper than an exchange per
+Engram layer; the released tables take 203 GB."""
+
+
+def _resolve_engram(
+    options: BackendOptions, params: Mapping[str, torch.Tensor]
+) -> tuple[BackendOptions, dict[str, str]]:
+    """Replicated or split by columns over the world (in device or host memory): per rank, the
+    replicated tables' bytes against about a world-th of them; per token and Engram layer, the
+    sharded exchange's bytes (each of its C row ids, 8 B, out to the rank of its column, the
+    row and its scales back, (world-1)/world of them leaving the rank). Estimates: a rank holds
+    its columns' rows padded to the longest range, and C not a multiple of the world pads the
+    exchange (the graph's bytes are the accounting's, `report.accounting`)."""
+    tables = {f: v for f, v in params.items() if f.endswith(".engram.embed.weight")}
+    if not tables:
+        return dataclasses.replace(options, engram="replicated"), {}
+    scales = [v for f, v in params.items() if f.endswith(".engram.embed.scale")]
+    row = next(iter(tables.values())).shape[1] + scales[0].shape[1]  # bytes: codes + scales
+    replicated = sum(v.shape[0] for v in tables.values()) * row
+    world = options.ep
+    sharded = sum(-(-v.shape[0] // world) for v in tables.values()) * row
+    wkv = next(v for f, v in params.items() if f.endswith(".engram.wkv.weight"))
+    columns = wkv.shape[1] // next(iter(tables.values())).shape[1]
+    exchange = (world - 1) / world * columns * (8 + row)
+    chosen, can_shard = options.engram, world > 1 and options.layout == "sp"
+    limit = ENGRAM_REPLICATED_LIMIT
+    if options.extra_weight_bytes is not None:
+        limit = min(limit, options.extra_weight_bytes)
+    if chosen == "auto":
+        chosen = "sharded" if can_shard and replicated > limit else "replicated"
+    elif chosen != "replicated" and not can_shard:
+        raise ValueError(
+            f"engram={chosen!r} splits the Engram tables over the world, which the EP group "
+            f"is: it needs ep = the world size and layout='sp' (got ep={world}, "
+            f"layout={options.layout!r}); use engram='replicated'"
+        )
+    if chosen == "replicated":
+        why = f"engram={options.engram!r}: replicated, {replicated:,} B of tables per rank"
+        if can_shard:
+            why += f" against {sharded:,} B split over {world} ranks"
+        why += "; no exchange"
+    else:
+        where = " in host memory" if chosen == "host" else ""
+        why = (
+            f"engram={options.engram!r}: {chosen}, about {sharded:,} B of tables per rank{where} "
+            f"against {replicated:,} B replicated; about {exchange:,.0f} B per token and Engram "
+            "layer exchanged"
+        )
+    return dataclasses.replace(options, engram=chosen), {"layers.*.engram": why}
 
 
 class DeepseekV41Adapter(ModelAdapter):
@@ -66,11 +131,15 @@ class DeepseekV41Adapter(ModelAdapter):
     layouts = ("sp", "replicated")
     whole_model_modules = ("embed", "head")
     routed_experts = (ROUTED_EXPERTS,)
+    table_lookups = (ENGRAM,)
     rules = {
         ROUTED_EXPERTS.op: routed_experts_rule(ROUTED_EXPERTS),
         ENGRAM_LOOKUP: engram_lookup_rule,
     }
-    graph_mode_rewrites = {ROUTED_EXPERTS.op: routed_experts_grouped}
+    graph_mode_rewrites = {
+        ROUTED_EXPERTS.op: routed_experts_grouped,
+        ENGRAM_LOOKUP: engram_lookup_gathered,
+    }
     tp_divides = "n_heads and o_groups"
 
     def matches(self, param_fqns: Iterable[str], inputs: Iterable[str]) -> bool:
@@ -84,9 +153,19 @@ class DeepseekV41Adapter(ModelAdapter):
             layout=options.layout,
             attn_exit=options.attn_exit,
             attn_entry=options.attn_entry,
+            engram=options.engram,
         )
 
     def resolve(
+        self, options: BackendOptions, params: Mapping[str, torch.Tensor]
+    ) -> tuple[BackendOptions, dict[str, str]]:
+        """The attention exit (`_resolve_attn_exit`) and where the Engram tables live
+        (`_resolve_engram`), decided for a model with these parameters."""
+        options, exit_why = self._resolve_attn_exit(options, params)
+        options, engram_why = _resolve_engram(options, params)
+        return options, {**exit_why, **engram_why}
+
+    def _resolve_attn_exit(
         self, options: BackendOptions, params: Mapping[str, torch.Tensor]
     ) -> tuple[BackendOptions, dict[str, str]]:
         """The attention exit: per token and rank, the ReduceScatter of the fp32 `[T, D]`

@@ -11,9 +11,24 @@ import torch
 from torch.fx import Proxy
 
 from dsv41_compile.core.emitter import cast
-from dsv41_compile.model.ops import clamped_swiglu
+from dsv41_compile.model.ops import clamped_swiglu, engram_dequantize
 
-__all__ = ["grouped_matmul", "routed_experts_grouped"]
+__all__ = ["engram_lookup_gathered", "grouped_matmul", "routed_experts_grouped"]
+
+
+def engram_lookup_gathered(emit, val, table, scale, rows, columns, dtype):
+    """`dsv41::engram_lookup` for graph mode: the rows' bytes gathered (`index_select` of the
+    table and of its scales viewed as uint8), then the op's own dequantisation
+    (`model.ops.engram_dequantize`)."""
+    flat = aten.view.default(rows, [-1])
+    codes = aten.index_select.default(aten.view.dtype(table, torch.uint8), 0, flat)
+    scales = aten.index_select.default(aten.view.dtype(scale, torch.uint8), 0, flat)
+    shape = [-1, *rows.node.meta["val"].shape[1:]]
+    width = table.node.meta["val"].shape[1]
+    codes = aten.view.default(codes, [*shape, width])
+    scales = aten.view.default(scales, [*shape, width // 32])
+    return engram_dequantize(codes, scales, dtype)
+
 
 aten = torch.ops.aten
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from dsv41_compile.core.placements import ExpertShard
+from dsv41_compile.core.placements import ColumnShard, ExpertShard
 from dsv41_compile.core.plan import ShardingPlan
 
 __all__ = ["deepseek_v41_plan"]
@@ -18,6 +18,7 @@ def deepseek_v41_plan(
     layout: str = "sp",
     attn_exit: str = "reduce_scatter",
     attn_entry: str = "input",
+    engram: str = "replicated",
 ) -> ShardingPlan:
     """`layout="sp"` (docs/backend.md, "The layout"): heads and output groups sharded over tp, latents /
     compressor / indexer replicated, row-parallel `wo_b` (a partial sum, reduce-scattered),
@@ -36,7 +37,11 @@ def deepseek_v41_plan(
     whole `wo_b`: no partial sum, no ReduceScatter.
 
     `attn_entry="auto"` (sp only): attention's entry AllGather moves to the cheapest cut of the
-    per-token ops that read the normed input (`spmd.entry_cut`)."""
+    per-token ops that read the normed input (`spmd.entry_cut`).
+
+    `engram="sharded"` / `"host"` (sp, ep = world): the Engram tables split by their hash
+    columns over the world (`placements.ColumnShard`), in device or host memory; each rank
+    looks up its token shard's rows through an exchange (`tables.exchange`)."""
     params: list[tuple[str, Placement]] = [
         ("layers.*.attn.wq_b.weight", Shard(0)),  # [H*d, q_lora]: heads
         ("layers.*.attn.attn_sink", Shard(0)),  # [H]
@@ -49,6 +54,9 @@ def deepseek_v41_plan(
         params.append(("embed.weight", Shard(0)))
     if ep > 1:
         params += [(f"layers.*.ffn.experts.{w}", ExpertShard(0)) for w in ("w1", "w2", "w3")]
+    if engram in ("sharded", "host"):  # the tables split by their hash columns over the world
+        table = ColumnShard(host=engram == "host")
+        params += [(f"layers.*.engram.embed.{t}", table) for t in ("weight", "scale")]
     if layout == "replicated":
         return ShardingPlan(
             params=tuple(params),

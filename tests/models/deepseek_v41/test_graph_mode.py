@@ -49,3 +49,19 @@ def test_grouped_matmul_stand_in_is_the_documented_form_only():
     with pytest.raises(ValueError, match="implements one form"):
         grouped_matmul()([x], [w], group_list=counts.cumsum(0), split_item=3, group_type=0,
                          group_list_type=0)  # fmt: skip
+
+
+def test_engram_lookup_through_gathered_bytes_matches_the_op():
+    """Graph mode gathers the rows' bytes and dequantises them with the op's own arithmetic."""
+    from dsv41_compile.model.ops import engram_lookup
+    from dsv41_compile.model.quant import quantize_fp8
+
+    table, scale = quantize_fp8(randn(40, 64) * 3, rows=1)
+    rows = torch.randint(0, 40, (5, 3), generator=g)
+    columns = [0, 10, 25, 40]
+    gm, tensors = rewritten_for_graph_mode(
+        torch.ops.dsv41.engram_lookup.default, table, scale, rows, columns, torch.float32,
+        rewrites=DEEPSEEK_V41.graph_mode_rewrites,
+    )  # fmt: skip
+    expected = engram_lookup(table, scale, rows, columns, torch.float32)
+    torch.testing.assert_close(gm(*tensors), expected, atol=0, rtol=0)
