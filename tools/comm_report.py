@@ -4,7 +4,8 @@ seed layout.
 Three configurations: "sp" (layout="sp" with the cuts the options choose, `--ep-rows`, "auto"
 by default), "replicated" (the all-reduce baseline, with the same EP options: like for like)
 and "seed" (the requirement's layout exactly: sp, the wo_b partial reduce-scattered, one EP row
-per assignment). Each is planned for rank 0 of a fake world (`planning.plan_rank`: meta tensors, a
+per assignment). The Engram tables are placed by `--engram` in sp and the seed (the
+requirement predates Engram), replicated in the baseline. Each is planned for rank 0 of a fake world (`planning.plan_rank`: meta tensors, a
 `fake` process group, nothing allocated, nothing run) and costed from their rewritten graphs
 (`accounting.py`: ring all-gather / reduce-scatter / all-reduce, pairwise all-to-all; FLOPs of
 the matmul-like nodes). Scenarios give the tokens per DP group: decode (4 requests x 1 token),
@@ -41,6 +42,9 @@ CONFIGS = ("seed", "sp", "replicated")
 def config_options(config: str, args: argparse.Namespace) -> dict[str, Any]:
     """The backend options of a configuration (module docstring)."""
     options = {"tp": args.tp, "ep": args.ep, "ep_dispatch": args.ep_dispatch, "lowering": "eager"}
+    engram = getattr(args, "engram", "auto")
+    if engram != "auto":  # the backend's choice unless asked
+        options["engram"] = engram
     if config == "seed":
         return {
             **options,
@@ -51,6 +55,8 @@ def config_options(config: str, args: argparse.Namespace) -> dict[str, Any]:
         }
     # the baseline all-reduces and gathers nothing: its attention cuts are "auto" (none)
     exit, entry = (args.attn_exit, args.attn_entry) if config == "sp" else ("auto", "auto")
+    if config == "replicated" and engram != "auto":  # the baseline replicates the tables
+        options["engram"] = "replicated"
     return {
         **options, "layout": config, "ep_rows": args.ep_rows, "attn_exit": exit,
         "attn_entry": entry,
@@ -167,10 +173,29 @@ def print_tables(doc: dict) -> None:
         )
         for part in ("entry", "exit"):
             _row(f"{part} (per call)", [c["parts"][part]["bytes_sent"] for c in by])
+        _print_tables(sc, by)
         print(f"  {'FLOPs':<28}")
         _row("attention half", [c["attention_flops_per_layer_per_rank"] for c in by])
         _row("MoE half", [c["moe_flops_per_layer_per_rank"] for c in by])
         print()
+
+
+def _print_tables(sc: dict, by: list[dict]) -> None:
+    """The column-split tables' exchange (Engram) per layer that has one, beside that layer's
+    other collectives; a replicated table exchanges nothing."""
+    tokens = sc["tokens_per_dp_group"]
+    for config, cost in zip(CONFIGS, by):
+        tables = cost["tables"]
+        if not tables["layers"]:
+            print(f"  {config:<11} Engram tables replicated (or none): no exchange")
+            continue
+        sent = tables["bytes_sent_per_table_layer"]
+        print(
+            f"  {config:<11} Engram exchange per Engram layer {tables['layers']}: sent "
+            f"{_fmt(sent)}B ({_fmt(sent / tokens)}B per token of the DP group), received "
+            f"{_fmt(tables['bytes_received_per_table_layer'])}B; the layer's other collectives "
+            f"{_fmt(tables['other_bytes_sent_per_table_layer'])}B"
+        )
 
 
 def _row(label: str, values: list[float]) -> None:
@@ -225,6 +250,10 @@ def main() -> None:
     parser.add_argument(
         "--attn-exit", choices=("auto", "reduce_scatter", "all_to_all"), default="auto",
         help="sp's attention exit (the seed: reduce_scatter)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--engram", choices=("auto", "replicated", "sharded", "host"), default="auto",
+        help="the Engram tables' placement, in every configuration the layout allows it",
     )  # fmt: skip
     parser.add_argument("--json", help="write the report as JSON here")
     parser.add_argument("--plot", help="draw bytes per collective kind per layer (PNG) here")

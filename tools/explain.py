@@ -38,6 +38,9 @@ def main() -> None:
         "--embedding", choices=("replicated", "vocab_sharded"), default="replicated"
     )
     parser.add_argument("--layout", choices=("sp", "replicated"), default="sp")
+    parser.add_argument(
+        "--engram", choices=("auto", "replicated", "sharded", "host"), default="auto"
+    )
     args = parser.parse_args()
 
     cfg = ModelConfig.from_name(args.preset)
@@ -53,6 +56,7 @@ def main() -> None:
         "layout": args.layout,
         "lowering": "eager",
         "embedding": args.embedding,
+        "engram": args.engram,
     }
     start = time.perf_counter()
     gm, ctx, model = plan_rank(cfg, options, world_size=world)

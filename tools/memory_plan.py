@@ -4,15 +4,18 @@ KV cache's bytes per request and per token, read from the planned per-rank graph
     python tools/memory_plan.py --preset flash --tp 4 --ep 8 --max-len 65536
 
 It answers "does it fit on 8 devices of N GiB?" for the weights as the program holds them (the
-model's dtype: FP8 / FP4 checkpoint weights are dequantised at load) and the cache as the model
-lays it out: per request, a ring of `window` rows per layer (a fixed size) and the compressed
-caches' `max_len / ratio` entries (which grow with the length). Activations are not counted.
-Planning flash takes minutes.
+model's dtype: FP8 / FP4 checkpoint weights are dequantised at load; the Engram tables stay
+FP8 codes with e8m0 scales) and the cache as the model lays it out: per request, a ring of
+`window` rows per layer (a fixed size) and the compressed caches' `max_len / ratio` entries
+(which grow with the length). Activations are not counted. The Engram tables are counted apart,
+in device and in host memory, for the placement `--engram` asks for (`all`: each placement, one
+plan each). Planning flash takes about a minute per plan.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -23,6 +26,8 @@ from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.provenance import provenance
 from dsv41_compile.testing.batches import Request
 
+_TABLES = re.compile(r"layers\.\d+\.engram\.embed\.(weight|scale)")
+"""The Engram tables: their FP8 codes and e8m0 scales."""
 _FIXED = ("cache.window_kv", "cache.pair_state")
 """The cache tensors of a fixed size per request: the window rings and the ratio-2 pair state."""
 
@@ -51,6 +56,7 @@ def memory_plan(gm: Any, ctx: Any, *, max_len: int) -> dict[str, Any]:
     which grow with the length)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     weights: dict[str, dict[str, int]] = defaultdict(lambda: {"sharded": 0, "replicated": 0})
+    tables = {"device": 0, "host": 0}
     cache: dict[str, int] = {}
     rows = 1
     for index, node in enumerate(placeholders):
@@ -60,7 +66,12 @@ def memory_plan(gm: Any, ctx: Any, *, max_len: int) -> dict[str, Any]:
         size = value.numel() * value.element_size()
         source = ctx.input_sources.get(node.name, "")
         if node.name in ctx.param_fqns:
-            kind = "sharded" if index in ctx.signature.param_shards else "replicated"
+            shard = ctx.signature.param_shards.get(index)
+            if _TABLES.fullmatch(ctx.param_fqns[node.name]):
+                host = shard is not None and shard.host
+                tables["host" if host else "device"] += size
+                continue
+            kind = "sharded" if shard is not None else "replicated"
             weights[str(value.dtype).removeprefix("torch.")][kind] += int(size)
         elif source.startswith("cache.") and value.dim() >= 2:
             cache[source] = int(size)
@@ -69,6 +80,7 @@ def memory_plan(gm: Any, ctx: Any, *, max_len: int) -> dict[str, Any]:
     growing = sum(n for s, n in cache.items() if not s.startswith(_FIXED)) / rows
     return {
         "weights": {dtype: dict(kinds) for dtype, kinds in weights.items()},
+        "engram_tables": {k: int(v) for k, v in tables.items()},
         "cache": cache,
         "cache_per_request": fixed + growing,
         "cache_fixed_per_request": fixed,
@@ -89,10 +101,23 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--max-len", type=int, default=4096, help="positions per request")
     parser.add_argument("--slots", type=int, default=4, help="requests the cache holds")
+    parser.add_argument(
+        "--engram", default="auto", choices=("auto", "replicated", "sharded", "host", "all"),
+        help="the Engram tables' placement (all: plan each)",
+    )  # fmt: skip
     args = parser.parse_args()
     print(provenance(), flush=True)  # the docs/benchmarks.md block's header
-    options = {"tp": args.tp, "ep": args.ep, "layout": args.layout, "attn_exit": args.attn_exit}
     cfg = ModelConfig.from_name(args.preset)
+    placements = ("replicated", "sharded", "host") if args.engram == "all" else (args.engram,)
+    for engram in placements:
+        options = {
+            "tp": args.tp, "ep": args.ep, "layout": args.layout, "attn_exit": args.attn_exit,
+            "engram": engram,
+        }  # fmt: skip
+        _print(cfg, options, args)
+
+
+def _print(cfg: ModelConfig, options: dict[str, Any], args: argparse.Namespace) -> None:
     gm, ctx = plan(cfg, options, world_size=args.world, max_len=args.max_len, num_slots=args.slots)
     report = memory_plan(gm, ctx, max_len=args.max_len)
     print(f"{args.preset}, {options}, world {args.world}: rank 0 holds")
@@ -102,6 +127,10 @@ def main() -> None:
             total += size
             print(f"  weights {dtype:<9} {kind:<10} {_size(size):>12}")
     print(f"  weights total                {_size(total):>12}")
+    tables = report["engram_tables"]
+    why = next((w for k, w in ctx.choices.items() if "engram" in k), "no Engram tables")
+    print(f"  Engram tables on the device  {_size(tables['device']):>12}")
+    print(f"  Engram tables in host memory {_size(tables['host']):>12}   ({why})")
     print(
         f"  KV cache: {_size(report['cache_per_request'])} per request of {args.max_len} "
         f"positions: {_size(report['cache_fixed_per_request'])} of window rings and pair state, "

@@ -37,11 +37,12 @@ from dsv41_compile.core.adapter import PARTS
 from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
-from dsv41_compile.core.meta import module_paths
+from dsv41_compile.core.meta import REGION, module_paths
 from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols
 from dsv41_compile.core.torch_private import FloorDiv
 from dsv41_compile.moe.stats import EpLayer, ep_layers
 from dsv41_compile.report.comm import collective_bytes
+from dsv41_compile.tables.exchange import TableRegions
 
 __all__ = ["PARTS", "Cost", "graph_costs", "per_layer_formulas", "summarize"]
 
@@ -62,12 +63,15 @@ class Cost:
     bytes_sent: sympy.Expr
     bytes_received: sympy.Expr
     flops: sympy.Expr
+    table: bool = False
+    """A collective of a column-split table's exchange (`tables`: Engram's row ids and rows)."""
 
 
 def graph_costs(gm: GraphModule, ctx: CompileContext) -> list[Cost]:
     """Every collective and matmul-like node of the rewritten graph `gm`, with its part, layer,
     bytes and FLOPs as formulas in T (see the module docstring for the substitutions)."""
     names = _substitutions(gm, ctx)
+    tables = set(ctx.get(TableRegions, TableRegions()))
     costs = []
     moe_started: set[int] = set()
     seen_layer = False
@@ -96,13 +100,16 @@ def graph_costs(gm: GraphModule, ctx: CompileContext) -> list[Cost]:
             flops = _in_t(_flops(node, ctx), names, node)
         else:
             continue
-        costs.append(Cost(node.name, part, here, kind, axis, sent, received, flops))
+        table = kind != "matmul" and node.meta.get(REGION) in tables
+        costs.append(Cost(node.name, part, here, kind, axis, sent, received, flops, table))
     return costs
 
 
 def summarize(costs: list[Cost], tokens: int) -> dict[str, object]:
     """The costs at T = `tokens`: bytes sent / received and FLOPs per part, per decoder layer
-    (averaged over the layers) and per collective kind and axis (per layer)."""
+    (averaged over the layers) and per collective kind and axis (per layer); and `tables`: the
+    column-split tables' exchanges per layer that has one, next to that layer's other
+    collectives."""
     layers = sorted({c.layer for c in costs if c.layer is not None})
     n_layers = max(len(layers), 1)
 
@@ -124,6 +131,8 @@ def summarize(costs: list[Cost], tokens: int) -> dict[str, object]:
             record["bytes_sent"] += sent
             record["bytes_received"] += received
     per_layer = {p: {k: v / n_layers for k, v in parts[p].items()} for p in ("attention", "moe")}
+    table_layers = sorted({c.layer for c in costs if c.table})
+    table_costs = [c for c in costs if c.table]
     return {
         "tokens_per_dp_group": tokens,
         "bytes_per_layer_per_rank": (
@@ -138,6 +147,23 @@ def summarize(costs: list[Cost], tokens: int) -> dict[str, object]:
         },
         "parts": parts,
         "layers": n_layers,
+        "tables": {  # per layer with a column-split table's exchange (Engram's layers)
+            "layers": table_layers,
+            "bytes_sent_per_table_layer": (
+                sum(at(c.bytes_sent) for c in table_costs) / max(len(table_layers), 1)
+            ),
+            "bytes_received_per_table_layer": (
+                sum(at(c.bytes_received) for c in table_costs) / max(len(table_layers), 1)
+            ),
+            "other_bytes_sent_per_table_layer": (
+                sum(
+                    at(c.bytes_sent)
+                    for c in costs
+                    if c.layer in table_layers and c.kind != "matmul" and not c.table
+                )
+                / max(len(table_layers), 1)
+            ),
+        },
     }
 
 

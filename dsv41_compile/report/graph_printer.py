@@ -29,7 +29,8 @@ from dsv41_compile.core.torch_private import OpOverload
 __all__ = ["format_folded", "format_graph"]
 
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int64: "i64", torch.bool: "b8",
-           torch.float64: "f64", torch.int32: "i32"}  # fmt: skip
+           torch.float64: "f64", torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8",
+           torch.float8_e4m3fn: "e4m3", torch.float8_e8m0fnu: "e8m0"}  # fmt: skip
 _OPS = {operator.add: "+", operator.sub: "-", operator.mul: "*", operator.floordiv: "//"}
 _WORD = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
 

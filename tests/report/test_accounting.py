@@ -18,7 +18,7 @@ import torch
 from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.meta import REGION
 from dsv41_compile.report.accounting import graph_costs, summarize
-from dsv41_compile.testing.presets import ONE_LAYER, WIDE, compile_config
+from dsv41_compile.testing.presets import ENGRAM_0, ONE_LAYER, WIDE, compile_config
 
 WORLD, TP, EP, T = 8, 4, 8, 8
 LAYERS = 2
@@ -211,3 +211,23 @@ def test_replicated_baseline_routes_each_token_from_one_owner(plan):
     # topk_idx (-1: routed nowhere); x, topk_weight, and the shared expert's output, added to
     # the routed output on the owned rows before the MoE output is gathered back
     assert fills == [-1, 0, 0, 0]
+
+
+def test_a_split_tables_exchange_by_hand(plan_once):
+    """Engram's tables split by column over the 8 ranks (6 columns: one per rank, ranks 6 and 7
+    idle): per Engram layer a rank sends each peer Tl_max = ceil(T/tp) slots of one row id (8 B)
+    and gets back as many rows of 32 e4m3 codes and one e8m0 scale (33 B); the replicated
+    placement exchanges nothing."""
+    cfg = compile_config("tiny-swa", ONE_LAYER, ENGRAM_0)
+    options = {"tp": TP, "ep": EP, "ep_dispatch": "padded", "lowering": "eager"}
+    tables = {}
+    for engram in ("sharded", "replicated"):
+        gm, ctx, _ = plan_once(cfg, {**options, "engram": engram}, world_size=WORLD, max_len=64)
+        tables[engram] = summarize(graph_costs(gm, ctx), T)["tables"]
+    tl_max = -(-T // TP)
+    assert tables["sharded"]["layers"] == [0]
+    assert tables["sharded"]["bytes_sent_per_table_layer"] == (EP - 1) * tl_max * (8 + 33)
+    assert tables["sharded"]["bytes_received_per_table_layer"] == (EP - 1) * tl_max * (8 + 33)
+    assert tables["sharded"]["other_bytes_sent_per_table_layer"] > 0  # the layer's own
+    assert tables["replicated"]["layers"] == []
+    assert tables["replicated"]["bytes_sent_per_table_layer"] == 0

@@ -3,7 +3,7 @@ as test_accounting plans it (the same memoised plan), rank 0 of tp=4, ep=8."""
 
 from __future__ import annotations
 
-from dsv41_compile.testing.presets import compile_config
+from dsv41_compile.testing.presets import ENGRAM_0, ONE_LAYER, compile_config
 
 F32 = 4
 
@@ -46,3 +46,25 @@ def test_weight_bytes_sharded_and_replicated_and_the_window_rings(load_tool, pla
     # the length; nothing grows with it
     assert report["cache_fixed_per_request"] == cfg.n_layers * cfg.window_size * cfg.head_dim * F32
     assert report["cache_per_token"] == 0
+
+
+def test_engram_tables_on_the_device_or_in_host_memory(load_tool, plan_once):
+    """The plans of test_accounting's exchange test: tiny-swa's one layer with an Engram layer
+    (384 rows of 32 e4m3 codes and one e8m0 scale, 6 columns of a prime's rows each): replicated
+    on every rank, or one column per rank (ranks 0..5), padded to the longest, on the device or
+    in host memory."""
+    cfg = compile_config("tiny-swa", ONE_LAYER, ENGRAM_0)
+    options = {"tp": 4, "ep": 8, "ep_dispatch": "padded", "lowering": "eager"}
+    tool, row = load_tool("memory_plan"), 32 + 1
+    tables = {}
+    for engram in ("replicated", "sharded", "host"):
+        gm, ctx, model = plan_once(cfg, {**options, "engram": engram}, world_size=8, max_len=64)
+        tables[engram] = tool.memory_plan(gm, ctx, max_len=64)["engram_tables"]
+    bounds = model.layers[0].engram.embed.columns
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    assert bounds[-1] == 384 and len(bounds) == 7
+    assert tables == {
+        "replicated": {"device": 384 * row, "host": 0},
+        "sharded": {"device": longest * row, "host": 0},
+        "host": {"device": 0, "host": longest * row},
+    }
