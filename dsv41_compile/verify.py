@@ -41,6 +41,7 @@ from dsv41_compile.core.meta import (
     IN,
     OUT,
     REGION,
+    TABLE,
     Unkeyed,
     metadata_key,
     tensor_inputs,
@@ -56,7 +57,6 @@ from dsv41_compile.core.torch_private import (
 from dsv41_compile.moe.stats import ALL_TO_ALLS, ep_layers
 from dsv41_compile.report.comm import comm_records
 from dsv41_compile.spmd.entry_cut import entry_cuts
-from dsv41_compile.tables.exchange import TableRegions
 
 __all__ = ["verify"]
 
@@ -248,7 +248,6 @@ def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
     promise = ctx.adapter.expected_collectives(ctx.options)
     tp_by_layer: dict[int, dict[bool, list[Node]]] = defaultdict(lambda: {False: [], True: []})
     ep_by_region: dict[str, int] = defaultdict(int)
-    tables = set(ctx.get(TableRegions, TableRegions()))
     for node in gm.graph.nodes:
         kind = collective_kind(node)
         if kind is None:
@@ -261,7 +260,7 @@ def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
                 node,
             )
         if collective_axis(node, ctx.mesh) == "ep":
-            lookup = node.meta[REGION] in tables
+            lookup = node.meta.get(TABLE, False)
             if kind != "all_to_all" or (site.part != "moe" and not lookup):
                 raise InternalError(f"an EP {kind} outside a MoE half or a table lookup", node)
             ep_by_region[node.meta[REGION]] += site.part == "moe"

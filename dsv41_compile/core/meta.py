@@ -38,6 +38,7 @@ REASON = "dsv41_reason"  # str: on inserted nodes, why they exist
 GLOBAL_VAL = "dsv41_global_val"  # the node's value before localization (global shapes)
 SYMBOL = "dsv41_symbol"  # str: the name a size node prints as ("T", "Tl_max"); see core.symbols
 NAMED = "dsv41_named"  # bool: a pass chose the node's name (`Emitter.named`); printers keep it
+TABLE = "dsv41_table"  # bool: a collective of a column-split table's exchange (`tables`)
 EP_SOURCE = (
     "dsv41_ep_source"  # bool: the node reads what the EP dispatch sends (its first argument)
 )
