@@ -246,7 +246,8 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
         f"at {__file__}:{line}: block.forward = lambda h: "
         "forward(torch.ops.dsv41_test.mystery(h)) with input placements (S(0)); add a "
         "rule for it (dsv41_compile/spmd/rules.py, or the model adapter's `rules`: "
-        "docs/architecture.md) or change the model so this op sees replicated inputs"
+        'docs/architecture.md, "Adding an op rule") or change the model so this op sees '
+        "replicated inputs"
     )
 
 
@@ -295,8 +296,8 @@ def test_bad_options(options, message):
         (
             {"tp": 4, "dump_after": ["insert", "lower"]},
             "dump_after names no pass: ['lower']; the passes are ('inline_regions', "
-            "'token_sizes', 'annotate', 'entry_cut', 'insert', 'localize', 'expert_parallel', "
-            "'graph_mode', 'verify')",
+            "'token_sizes', 'annotate', 'token_shifts', 'entry_cut', 'insert', 'localize', "
+            "'expert_parallel', 'graph_mode', 'verify')",
         ),
         (
             {"tp": 4, "layout": "replicated"},

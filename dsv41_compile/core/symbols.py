@@ -31,6 +31,7 @@ __all__ = [
     "hint",
     "hint_shape",
     "in_named_symbols",
+    "is_token_count",
     "new_unbacked_symbols",
     "register_token_symbol",
     "size_expr",
@@ -57,6 +58,15 @@ def register_token_symbol(size: object) -> None:
         env = size.node.shape_env
         _TOKEN_SYMBOLS.setdefault(env, set()).add(size.node.expr)
         _HINTS.pop(env, None)
+
+
+def is_token_count(size: object) -> bool:
+    """Whether `size` is the token count T: a registered token symbol (`register_token_symbol`).
+    A dim of this size is a token dim; `T - 1`, `2*T` or a number are not."""
+    if not isinstance(size, torch.SymInt):
+        return False
+    expr = size.node.expr
+    return isinstance(expr, sympy.Symbol) and expr in _TOKEN_SYMBOLS.get(size.node.shape_env, ())
 
 
 def hint(size: object) -> int:

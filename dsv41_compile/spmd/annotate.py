@@ -7,10 +7,11 @@ and `meta[REGION]`.
 
 Sources of placements, in order: the plan's parameter placements; the plan's exits and anchors
 (an activation leaving a module with an exit placement takes it, then one entering an anchored
-module takes the anchor's); a partial sum is redistributed to the plan's `partial_to` before any
-use (reduce-scattered to token shards in `sp`, all-reduced in `replicated`; so the reduction
-always runs on the fp32 partial the model computed, never on a rounded or transformed copy);
-then the op rules.
+module takes the anchor's); a partial sum is redistributed before any use -- one with a token
+dim to the plan's `partial_to` (reduce-scattered to token shards in `sp`, all-reduced in
+`replicated`), one without (a sum over the tokens: a statistic) all-reduced -- so the reduction
+always runs on the partial the model computed, never on a rounded or transformed copy; then the
+op rules (`spmd.rules`, the ops along the token dim in `spmd.token_ops`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from dsv41_compile.core.meta import (
     tensor_inputs,
 )
 from dsv41_compile.core.placements import ExpertShard, format_placement
+from dsv41_compile.core.symbols import is_token_count
+from dsv41_compile.spmd import token_ops  # noqa: F401  (registers the token-dim rules)
 from dsv41_compile.spmd.rules import rule_answers, strategy_for
 
 __all__ = ["annotate", "exit_placement"]
@@ -119,7 +122,7 @@ def _annotate_call(
             if anchored is not None and anchored[0] not in module_paths(producer):
                 placement = anchored[1]
         if isinstance(placement, Partial):
-            placement = ctx.plan.partial_to
+            placement = ctx.plan.partial_to if _has_tokens(producer) else Replicate()
         given.append(placement)
 
     _check_no_size_of_shard(node, inputs)
@@ -155,6 +158,12 @@ def exit_placement(producer: Node, consumer: Node, ctx: CompileContext) -> Place
     if leaving is None or leaving[0] in module_paths(consumer):
         return None
     return leaving[1]
+
+
+def _has_tokens(node: Node) -> bool:
+    """Whether `node`'s value has the token dim first (a partial of it goes to `partial_to`)."""
+    val = node.meta.get(GLOBAL_VAL, node.meta.get("val"))
+    return isinstance(val, torch.Tensor) and val.dim() > 0 and is_token_count(val.shape[0])
 
 
 def _is_param(node: Node, ctx: CompileContext) -> bool:
