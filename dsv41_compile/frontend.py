@@ -16,6 +16,16 @@ T, and values Dynamo computed from T (`T - 1` as a number) stay as traced.
 A model's compiled regions (`regions`: a decoder layer, traced once per kind)
 stay regions, each kind traced to ATen once by the backend; a static graph's are copied in
 first, since making its token count symbolic reads every op.
+
+A token count that is a symbol must trace like an ordinary size. torch's meta kernels of
+`roll`, `cummax` and `cummin` branch on `numel() == 0` before making a shape that does not
+depend on it, which an unbacked T cannot decide: Dynamo refuses the op under `mark_token_dim`,
+and so would the generalization of a static graph. Importing this module gives them kernels
+without the branch (`SIZE_OBLIVIOUS_META`; the same output shape, dtype and layout). An op
+that truly branches on T -- its result's shape or its values depend on whether T is 0, or 1
+-- cannot serve every T from one graph: the generalization names the op, its model line and
+what to write instead (`_branches_on_tokens`), and does not send the user to `mark_token_dim`,
+where Dynamo would refuse the same op.
 """
 
 from __future__ import annotations
@@ -29,10 +39,14 @@ from typing import Any
 import sympy
 import torch
 from torch.fx import GraphModule, Interpreter, Node
-from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import (
+    GuardOnDataDependentSymNode,
+    ShapeEnv,
+    free_unbacked_symbols,
+)
 
 from dsv41_compile.core.adapter import ModelAdapter
-from dsv41_compile.core.meta import module_paths
+from dsv41_compile.core.meta import module_paths, source_line
 from dsv41_compile.core.torch_private import (
     DynamoCompileContext,
     FakeTensorMode,
@@ -40,15 +54,48 @@ from dsv41_compile.core.torch_private import (
     enable_python_dispatcher,
     is_fake,
     recompile_limit,
+    replace_meta_kernel,
 )
 from dsv41_compile.models import adapter_for
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.regions import inline_dynamo_regions
 from dsv41_compile.storage import has_no_weights
 
-__all__ = ["Captured", "GraphInputs", "capture", "read_inputs"]
+__all__ = [
+    "SIZE_OBLIVIOUS_META",
+    "Captured",
+    "GraphInputs",
+    "branches_on_tokens",
+    "capture",
+    "read_inputs",
+]
 
 _SOURCE_KEYS = re.compile(r"\['([^']+)'\]")
+aten = torch.ops.aten
+
+
+def _roll_meta(a: torch.Tensor, shifts: Any, dims: Any = ()) -> torch.Tensor:
+    # torch._refs.roll returns early for numel() == 0 (a modulo by the size follows)
+    return torch.empty_like(a, memory_format=torch.contiguous_format)
+
+
+def _cummaxmin_meta(a: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # torch's checks the dim only when numel() != 0; any valid dim gives the input's shape
+    ndim = max(a.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"Dimension out of range (expected to be in [{-ndim}, {ndim - 1}])")
+    values = torch.empty(a.shape, device=a.device, dtype=a.dtype)
+    return values, torch.empty(a.shape, device=a.device, dtype=torch.int64)
+
+
+SIZE_OBLIVIOUS_META = {
+    aten.roll.default: _roll_meta,
+    aten.cummax.default: _cummaxmin_meta,
+    aten.cummin.default: _cummaxmin_meta,
+}
+"""Ops whose meta kernels this module replaces at import (the module docstring)."""
+for _op, _kernel in SIZE_OBLIVIOUS_META.items():
+    replace_meta_kernel(_op, _kernel)
 
 
 @dataclass(frozen=True)
@@ -364,7 +411,7 @@ def _token_slots(
     for (node, slot), symbol in symbols.items():
         by_node.setdefault(node, []).append((slot, symbol))
 
-    class WithSymbols(Interpreter):
+    class WithSymbols(_Tracked):
         def run_node(self, node: Node) -> Any:
             if node not in by_node:
                 return super().run_node(node)
@@ -376,9 +423,12 @@ def _token_slots(
             finally:
                 node.args = traced
 
+    interpreter = WithSymbols(gm)
     try:
         with mode, enable_python_dispatcher():
-            WithSymbols(gm).run(*fakes)
+            interpreter.run(*fakes)
+    except GuardOnDataDependentSymNode as error:
+        raise _branching(interpreter.at, error) from error
     except Exception as error:
         raise ValueError(
             f"dsv41_sp got a graph traced with a static token count (T = {count}) and could "
@@ -389,6 +439,58 @@ def _token_slots(
     classes = _equal_symbols(shape_env)
     token_class = classes(u.node.expr)
     return [c for c, symbol in symbols.items() if classes(symbol.node.expr) == token_class]
+
+
+class _Tracked(Interpreter):
+    """An interpreter that knows the node it is running (`at`)."""
+
+    at: Node | None = None
+
+    def run_node(self, node: Node) -> Any:
+        self.at = node
+        return super().run_node(node)
+
+
+_INSTEAD = {
+    "diff": "x[1:] - x[:-1], with a cat or a pad for a row it lacks (torch.diff checks T >= 1)",
+    "chunk": ("slices or masks of a size that does not depend on T (the number of chunks does)"),
+    "split": ("slices or masks of a size that does not depend on T (the number of pieces does)"),
+}
+
+
+def _branching(node: Node | None, error: Exception) -> ValueError:
+    """The error for an op whose trace branches on the token count (the module docstring)."""
+    op = getattr(node.target, "__name__", str(node.target)) if node is not None else "an op"
+    line = source_line(node) if node is not None else ""
+    where = f"{op} at {line}" if line else op
+    # "Could not guard on data-dependent expression 1 > u0 (unhinted: ...)": the expression,
+    # in the token count's name
+    condition = re.sub(r"^.*? expression (.*?) \(unhinted.*$", r"\1", str(error).splitlines()[0])
+    condition = re.sub(r"\bu\d+\b", "T", condition)
+    instead = _INSTEAD.get(
+        op,
+        "ops whose shapes do not depend on whether T is 0 or 1: slices of constant length "
+        "(x[:-1], x[1:]), torch.cat, F.pad, and torch.where masks in place of branches",
+    )
+    return ValueError(
+        f"dsv41_sp compiles one graph for every token count T, and {where} branches on T "
+        f"({condition}): no graph can serve every T with it. Write it as {instead}"
+    )
+
+
+def branches_on_tokens(gm: GraphModule, inputs: list[Any]) -> ValueError | None:
+    """The error naming the op of `gm` whose trace branches on the token count, when `gm` run
+    on `inputs` (fakes with the token count a symbol) meets one; else None. For the errors
+    of a trace that already failed (AOTAutograd's of a graph Dynamo traced with a backed T)."""
+    interpreter = _Tracked(gm)
+    try:
+        with TracingContext.get().fake_mode, enable_python_dispatcher():
+            interpreter.run(*inputs)
+    except GuardOnDataDependentSymNode as error:
+        return _branching(interpreter.at, error)
+    except Exception:  # another failure: not this one to explain
+        return None
+    return None
 
 
 def _equal_symbols(shape_env: ShapeEnv) -> Callable[[sympy.Expr], sympy.Expr]:

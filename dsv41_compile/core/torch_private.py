@@ -70,6 +70,7 @@ __all__ = [
     "mark_unbacked",
     "recompile_limit",
     "register_backend",
+    "replace_meta_kernel",
     "register_process_group",
     "sharding_propagator",
     "tracing",
@@ -85,6 +86,18 @@ CHECKED_WITH = "2.13.0"
 
 register_process_group = _register_process_group
 unregister_process_group = _unregister_process_group
+
+
+def replace_meta_kernel(op: OpOverload, kernel: Any) -> None:
+    """Make `kernel` what fake and meta tensors run for `op`: torch's table of Python meta
+    kernels (`torch._decomp.meta_table`, which fake tensors ask before an op's decomposition)
+    and the op's Python `Meta` kernel (what the Python dispatcher runs)."""
+    from torch._decomp import meta_table
+
+    meta_table[op] = kernel
+    op.py_kernels.pop(torch._C.DispatchKey.Meta, None)
+    op._dispatch_cache.clear()
+    op.py_impl(torch._C.DispatchKey.Meta)(kernel)
 
 
 def recompile_limit() -> int:
