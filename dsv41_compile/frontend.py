@@ -47,6 +47,7 @@ from torch.fx.experimental.symbolic_shapes import (
 
 from dsv41_compile.core.adapter import ModelAdapter
 from dsv41_compile.core.meta import module_paths, source_line
+from dsv41_compile.core.symbols import same_for_every_value
 from dsv41_compile.core.torch_private import (
     DynamoCompileContext,
     FakeTensorMode,
@@ -496,28 +497,33 @@ def branches_on_tokens(gm: GraphModule, inputs: list[Any]) -> ValueError | None:
 def _equal_symbols(shape_env: ShapeEnv) -> Callable[[sympy.Expr], sympy.Expr]:
     """A function mapping a symbol to a representative of the symbols (and integers) the shape
     env found it equal to: its replacements and the equalities it deferred as runtime
-    asserts."""
+    asserts. An expression of one symbol that equals it for every value (`Max(0, u - Min(1,
+    u)) + Min(1, u)`, the rows of `x[:1]` and `x[1:]` concatenated) stands for the symbol."""
     parent: dict[sympy.Expr, sympy.Expr] = {}
 
+    def plain(x: sympy.Expr) -> sympy.Expr:
+        if x.is_Symbol or x.is_Integer or len(x.free_symbols) != 1:
+            return x
+        (symbol,) = x.free_symbols
+        return symbol if same_for_every_value(x, symbol) else x
+
     def find(x: sympy.Expr) -> sympy.Expr:
+        x = plain(x)
         while x in parent:
             x = parent[x]
         return x
 
     def union(a: sympy.Expr, b: sympy.Expr) -> None:
         a, b = find(a), find(b)
-        if a != b:
+        if a != b and (a.is_Symbol or a.is_Integer) and (b.is_Symbol or b.is_Integer):
             if a.is_Integer:
                 a, b = b, a
             parent[a] = b  # an integer, when there is one, is the representative
 
     for a, b in shape_env.replacements.items():
-        if b.is_Symbol or b.is_Integer:
-            union(a, b)
+        union(a, b)
     for asserts in shape_env.deferred_runtime_asserts.values():
         for ra in asserts:
             if isinstance(ra.expr, sympy.Eq):
-                a, b = ra.expr.args
-                if (a.is_Symbol or a.is_Integer) and (b.is_Symbol or b.is_Integer):
-                    union(a, b)
+                union(*ra.expr.args)
     return find

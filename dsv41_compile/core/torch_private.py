@@ -41,6 +41,8 @@ from torch.fx._graph_pickler import GraphPickler
 from torch.fx._graph_pickler import Options as GraphPicklerOptions
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 from torch.utils._sympy.functions import FloorDiv
+from torch.utils._sympy.functions import Max as SympyMax
+from torch.utils._sympy.functions import Min as SympyMin
 
 __all__ = [
     "CHECKED_WITH",
@@ -53,6 +55,8 @@ __all__ = [
     "GraphPicklerOptions",
     "OpOverload",
     "OpSchema",
+    "SympyMax",
+    "SympyMin",
     "TensorMeta",
     "TensorifyScalarRestartAnalysis",
     "TensorifyState",
