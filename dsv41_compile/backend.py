@@ -35,7 +35,13 @@ from dsv41_compile.core.torch_private import (
     mark_unbacked,
     register_backend,
 )
-from dsv41_compile.frontend import Captured, branches_on_tokens, capture
+from dsv41_compile.frontend import (
+    Captured,
+    branches_on_tokens,
+    capture,
+    mark_call,
+    specializes_tokens,
+)
 from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.pipeline import check_dump_after, passes
@@ -145,6 +151,14 @@ def _compile(
     def compile_rank(aten_gm: GraphModule, aten_inputs: list[Any]) -> Any:
         kinds.attach(aten_gm)
         ctx = _context(aten_gm, aten_inputs, captured, build)
+        count = aten_inputs[captured.token_index].shape[0]
+        if not isinstance(count, torch.SymInt) or count.node.expr.is_number:
+            # the token count became a number in AOTAutograd's trace: name the op
+            inputs = captured.symbolic_inputs(captured.fakes)
+            mark = mark_call(captured.adapter)
+            specialized = specializes_tokens(gm, inputs, captured.token_index, mark)
+            if specialized is not None:
+                raise specialized
         ctx.stage_seconds = {
             "generalize": generalized - start,
             "kinds": traced - generalized,

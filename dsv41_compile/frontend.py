@@ -68,7 +68,9 @@ __all__ = [
     "GraphInputs",
     "branches_on_tokens",
     "capture",
+    "mark_call",
     "read_inputs",
+    "specializes_tokens",
 ]
 
 _SOURCE_KEYS = re.compile(r"\['([^']+)'\]")
@@ -156,7 +158,7 @@ class Captured:
         if isinstance(count, int):
             inline_dynamo_regions(gm)  # the sizes to generalize are in every layer's ops
             token_indices = {self.inputs.index_of(name) for name in self.adapter.token_inputs}
-            mark = _mark_call(self.adapter)
+            mark = mark_call(self.adapter)
             tokens = _token_slots(gm, self.example_inputs, token_indices, count, mark)
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             with gm.graph.inserting_after(placeholders[-1]):
@@ -304,7 +306,7 @@ def _check_recompiles(adapter: ModelAdapter) -> None:
             f"dsv41_sp: this is Dynamo's compile {compile_id.frame_compile_id + 1} of this model "
             f"and its recompile limit is {limit}: past it, Dynamo would run the model eagerly -- "
             "unsharded, the whole model on every rank. With static token counts "
-            f"(dynamic=False) every new T is a new graph: call {_mark_call(adapter)} before "
+            f"(dynamic=False) every new T is a new graph: call {mark_call(adapter)} before "
             "each call (one graph for every T), or raise torch._dynamo.config.recompile_limit"
         )
 
@@ -370,7 +372,8 @@ def _is_size(symbol: torch.SymInt) -> None:
         torch._check_is_size(symbol)
 
 
-def _mark_call(adapter: ModelAdapter) -> str:
+def mark_call(adapter: ModelAdapter) -> str:
+    """How the user marks the token dim: `dsv41_compile.mark_token_dim(<the token inputs>)`."""
     return f"dsv41_compile.mark_token_dim({', '.join(adapter.token_inputs)})"
 
 
@@ -492,6 +495,53 @@ def branches_on_tokens(gm: GraphModule, inputs: list[Any]) -> ValueError | None:
     except Exception:  # another failure: not this one to explain
         return None
     return None
+
+
+def specializes_tokens(
+    gm: GraphModule, inputs: list[Any], token_index: int, mark: str
+) -> ValueError | None:
+    """The error naming the op of `gm` that makes the token count a number, when `gm` run on
+    `inputs` (fakes with the token count a symbol) meets one; else None. A static trace writes
+    T as the number T0 wherever the model computed a size from it (`x[:T]` with
+    `T = x.shape[0]`); a view's or a factory's such number is made T again
+    (`Captured.generalized`), but a slice bound stays, and an op that meets the slice's rows
+    against T rows then holds T equal to T0: AOTAutograd's trace would be a graph for T0 only,
+    its token dim a number, which the op rules cannot tell from any other size."""
+    count = inputs[token_index].shape[0]
+    if not isinstance(count, torch.SymInt):
+        return None
+
+    class Watched(_Tracked):
+        def run_node(self, node: Node) -> Any:
+            out = super().run_node(node)
+            if count.node.expr.is_number:
+                raise _Specialized(node, int(count.node.expr))
+            return out
+
+    interpreter = Watched(gm)
+    try:
+        with TracingContext.get().fake_mode, enable_python_dispatcher():
+            interpreter.run(*inputs)
+    except _Specialized as found:
+        op = getattr(found.node.target, "__name__", str(found.node.target))
+        line = source_line(found.node)
+        where = f"{op} at {line}" if line else op
+        return ValueError(
+            f"dsv41_sp compiles one graph for every token count T, and {where} makes T the "
+            f"number {found.value}: Dynamo traced the first call with static sizes, and this op "
+            f"meets T rows against a size {found.value} that the backend could not tell from T "
+            f"(a size given to torch.full, a slice's bound). Call {mark} before each call "
+            "(Dynamo then traces T as a symbol), or make the value from a tensor with the T "
+            "rows (torch.full_like(x[:, :1], v), x.new_full((T, 1), v))"
+        )
+    except Exception:  # another failure: not this one to explain
+        return None
+    return None
+
+
+class _Specialized(Exception):
+    def __init__(self, node: Node, value: int) -> None:
+        self.node, self.value = node, value
 
 
 def _equal_symbols(shape_env: ShapeEnv) -> Callable[[sympy.Expr], sympy.Expr]:

@@ -251,6 +251,43 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
     )
 
 
+def test_a_size_that_makes_t_a_number_names_the_op():
+    """Without `mark_token_dim` Dynamo traces the first call with T = 7 written as a number;
+    the backend makes it T again where a view's or a factory's size is T, but not in
+    `torch.full`'s size tuple: meeting that value against T rows would make the graph one for
+    T = 7 only. The error names the op and what to write instead, and `mark_token_dim` (where
+    the same model compiles) is the way out, not a way back here."""
+    model = ToyLM()
+    block = model.blocks[1]
+    base = type(block)
+
+    def forward(self, h):
+        return base.forward(self, h + torch.full((h.shape[0], 1), 0.5))
+
+    block.__class__ = type("Block", (base,), {"forward": forward})
+    tokens = torch.arange(7)
+    with toy_family():
+        error = raised(lambda: compile_model_on_fake_rank(model, (tokens,), {"tp": 4}))
+        marked = compile_model_on_fake_rank(model, (tokens,), {"tp": 4}, token_inputs=(tokens,))
+    assert marked[2].shape == (7, 64)
+    line = next(
+        i + 1
+        for i, text in enumerate(Path(__file__).read_text().splitlines())
+        if "torch.full((h.shape[0], 1), 0.5)" in text
+    )
+    assert_error(
+        error,
+        ValueError,
+        f"dsv41_sp compiles one graph for every token count T, and add at {__file__}:{line}: "
+        "return base.forward(self, h + torch.full((h.shape[0], 1), 0.5)) makes T the number 7: "
+        "Dynamo traced the first call with static sizes, and this op meets T rows against a "
+        "size 7 that the backend could not tell from T (a size given to torch.full, a slice's "
+        "bound). Call dsv41_compile.mark_token_dim(tokens) before each call (Dynamo then "
+        "traces T as a symbol), or make the value from a tensor with the T rows "
+        "(torch.full_like(x[:, :1], v), x.new_full((T, 1), v))",
+    )
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
