@@ -251,6 +251,40 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
     )
 
 
+def test_a_value_computed_from_a_sharded_parameter_is_not_gathered_per_call():
+    """A row of `down.weight.t()` (the weight is sharded on its columns, so its transpose on its
+    rows) where every rank needs the whole row: gathering it would re-gather the parameter on
+    every call, so it is the plan's error, as for the parameter itself."""
+    model = ToyLM()
+    block = model.blocks[1]
+    base = type(block)
+
+    def forward(self, h):
+        return base.forward(self, h + self.mlp.down.weight.t()[0])
+
+    block.__class__ = type("Block", (base,), {"forward": forward})
+    tokens = torch.arange(7)
+    with toy_family():
+        error = raised(
+            lambda: compile_model_on_fake_rank(model, (tokens,), {"tp": 4}, token_inputs=(tokens,))
+        )
+    line = next(
+        i + 1
+        for i, text in enumerate(Path(__file__).read_text().splitlines())
+        if "self.mlp.down.weight.t()[0])" in text
+    )
+    assert_error(
+        error,
+        ValueError,
+        "the plan places blocks.1.mlp.down.weight as S(1), but node select (aten.select.int) in "
+        f"module blocks.1 at {__file__}:{line}: return base.forward(self, h + "
+        "self.mlp.down.weight.t()[0]) needs t_2, computed from it (S(0)), as R (rule (R) -> R); "
+        "the parameter would be re-gathered on every call. If the op splits the sharded dim, "
+        "choose a tp that divides it; otherwise change the plan or the model so this op sees "
+        "the shard",
+    )
+
+
 def test_a_size_that_makes_t_a_number_names_the_op():
     """Without `mark_token_dim` Dynamo traces the first call with T = 7 written as a number;
     the backend makes it T again where a view's or a factory's size is T, but not in
