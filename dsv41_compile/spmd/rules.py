@@ -187,7 +187,7 @@ def strategy_for(
         raise NotImplementedError(
             f"DTensor's rule for {describe(node)} rejects input placements ({placements}): "
             f"{reason}. A size this op splits is not a multiple of the mesh: check that tp "
-            "divides it, or give the op a rule (docs/architecture.md)"
+            'divides it, or give the op a rule (docs/architecture.md, "Adding an op rule")'
         ) from None
     off = _off_token_layout(node, inputs, given, strategy)
     if off is None:

@@ -459,7 +459,9 @@ def _no_transition(value: Node, src: Placement, dst: Placement, why: str) -> str
     if isinstance(src, Shard) and isinstance(dst, Replicate):
         return (
             f"{describe(value)} is {format_placement(src)} and a consumer needs it replicated; "
-            f"only token shards (S(0)) are gathered in the sp layout ({why})"
+            f"only token shards (S(0)) are gathered in the sp layout ({why}). Gather it with a "
+            'transition of your own (docs/architecture.md, "Adding a transition"), or give '
+            'the consumer a rule that takes the shards ("Adding an op rule")'
         )
     if isinstance(src, Partial) and src.reduce_op not in _ALL_REDUCE_OPS:
         return f"{describe(value)}: only sum, max and min partials are reduced"
