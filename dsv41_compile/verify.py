@@ -47,6 +47,7 @@ from dsv41_compile.core.meta import (
     REAL_ROWS,
     REASON,
     REGION,
+    RULE,
     Unkeyed,
     metadata_key,
     source_line,
@@ -355,10 +356,42 @@ def _reduces_tokens(node: Node) -> bool:
 _HALVES = {"attention": "attention half", "moe": "MoE half", "layer": "between its halves"}
 
 
+def _ends(node: Node) -> tuple[Node, list[Node]]:
+    """The value a collective redistributes and the model nodes that read the result: past the
+    nodes inserted around it (pads, waits, splits: they carry a reason)."""
+    producer = node.args[0]
+    while REASON in producer.meta and producer.op == "call_function":
+        inputs = [a for a in producer.args if isinstance(a, Node)]
+        if not inputs:  # made here (an exchange's index): no model value before it
+            break
+        producer = inputs[0]
+    consumers, todo = [], list(node.users)
+    while todo:
+        user = todo.pop()
+        if REASON in user.meta and user.op == "call_function":
+            todo += list(user.users)
+        else:
+            consumers.append(user)
+    return producer, consumers
+
+
+def _layouts(node: Node) -> bool:
+    """Whether a collective is one the layout makes: a value moving into or out of an anchored
+    module (the plan's anchors and exits: attention's entry gather, its exit), or a value the
+    entry cut put on the token shard. An op's own exchange (a shift's rows, a statistic's sum)
+    and a gather its rule asks for stay inside one module."""
+    producer, consumers = _ends(node)
+    if str(producer.meta.get(RULE, "")).startswith("entry cut"):
+        return True
+    regions = {producer.meta.get(REGION, "")} | {c.meta.get(REGION, "") for c in consumers}
+    return len(regions) > 1
+
+
 def _extra_collectives(gm: GraphModule, ctx: CompileContext) -> list[ExtraCollective]:
     """Each decoder layer's TP collectives beyond the layout's (`expected_collectives`; where
     the entry cut moved the gather, one AllGather per value it gathers), in graph order: the
-    first collectives of each kind are taken as the layout's, the others are extra."""
+    collectives the layout makes (`_layouts`) are matched with its list first, kind by kind;
+    the others, and any beyond the list, are extra."""
     promise = ctx.adapter.expected_collectives(ctx.options)
     cuts = {ctx.adapter.site(region).layer: cut for region, cut in entry_cuts(ctx).items()}
     remaining: dict[tuple[int, bool], list[str]] = {}
@@ -379,7 +412,7 @@ def _extra_collectives(gm: GraphModule, ctx: CompileContext) -> list[ExtraCollec
                 expected.remove("all_gather")  # the entry gathers the cut's values instead
                 expected += ["all_gather"] * len(cut.gathered)
             remaining[key] = expected
-        if kind in remaining[key]:
+        if kind in remaining[key] and _layouts(node):
             remaining[key].remove(kind)
             continue
         half = _HALVES.get(site.part, site.part)
