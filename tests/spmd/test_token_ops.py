@@ -3,12 +3,14 @@ the toy family (`testing.toy`) with one op mixing the tokens of block 1's residu
 tokens are sharded, compiled as rank 1 of a fake world of 4 (one process, no data moves) with
 T = 7 (uneven shards, a padding row on the last rank). Per kind: the placements the rules give
 the op (after `token_shifts`, the pass that rewrites shifts) and the collectives the rewritten
-graph has for it beyond the toy's layout, each with its reason. The same ops on real ranks,
+graph has for it beyond the toy's layout, each with its reason; graph.py's list of them; and
+verify refusing a statistic whose padding rows were left unmasked. The same ops on real ranks,
 values compared with one device: tests/distributed/test_edits.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -16,13 +18,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx import Graph, GraphModule
 
+from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.hooks import Hooks, installed
 from dsv41_compile.core.meta import IN, OUT, REAL_ROWS, RULE
 from dsv41_compile.report.dump import graph_text
 from dsv41_compile.spmd.token_ops import shift_tokens
 from dsv41_compile.testing.fake_rank import compile_model_on_fake_rank
 from dsv41_compile.testing.toy import ToyLM, toy_family
+from dsv41_compile.verify import verify
 
 aten = torch.ops.aten
 R, S0 = Replicate(), Shard(0)
@@ -214,3 +219,25 @@ def test_graph_py_lists_the_exchanges_beyond_the_layout_with_the_op_that_needs_t
         f"#   layer 1, attention half: all_gather(tp) <node> at {at} <- {why}" for _, why in block
     ]
     assert len(listed) == 2
+
+
+def test_verify_refuses_a_statistic_that_reads_the_padding_rows():
+    """The seed a faulty rewrite would plant: the sum over the tokens takes the token shard
+    as it is, its padding rows unmasked (whatever the ops before left in them)."""
+    _, _, gm = compiled(lambda h: h.sum(0))
+    graph = Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    bad = GraphModule(gm, graph)
+    (reduction,) = [
+        n
+        for n in bad.graph.nodes
+        if n.target is aten.sum.dim_IntList and n.args[0].meta.get(REAL_ROWS)
+    ]
+    masked = reduction.args[0]  # where(real rows, x, 0)
+    reduction.replace_input_with(masked, masked.args[1])
+    bad.recompile()
+    with pytest.raises(InternalError) as info:
+        verify(bad, ctx=dataclasses.replace(compiled.ctx, comm=[]))
+    assert f"{reduction.name} reduces the token shards without setting their padding rows" in (
+        str(info.value)
+    )
