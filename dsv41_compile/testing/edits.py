@@ -264,10 +264,12 @@ def _mixed_forward(attn_mix: Callable | None, ffn_mix: Callable | None) -> Calla
     @torch.compiler.nested_compile_region(max_reuse_entries=_LAYER_KINDS)
     def forward(
         self, x_TND, pre_TN, positions_T, cache_slot_T, valid_T, num_slots, lengths, window,
-        compressed, index_k, pair_state, idx_TK, picked_TK, candidates_TC,
+        compressed, index_k, pair_state, idx_TK, picked_TK, candidates_TC, engram_rows_TC,
     ):  # fmt: skip
         kv = LayerCache(num_slots, lengths, window, compressed, index_k, pair_state)
         topk = None if idx_TK is None or picked_TK is None else (idx_TK, picked_TK)
+        if engram_rows_TC is not None:
+            x_TND = self.engram(x_TND, engram_rows_TC)
         attn_pre_TN, attn_post_TN, attn_comb_TNN = self.hc_attn(x_TND)
         attn_in_TD = self.attn_norm(hc_collapse(x_TND, pre_TN))
         if attn_mix is not None:
