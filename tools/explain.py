@@ -65,7 +65,8 @@ def main() -> None:
     print(
         f"{args.layout} plan for {args.preset}, tp={args.tp}, ep={ep} (unlisted parameters "
         f"are replicated; "
-        f"E(0): experts sharded over the world):"
+        f"E(0): experts sharded over the world; C / C(host): a table split by column over the "
+        f"world, in device / host memory):"
     )
     for pattern, placement in plan.params:
         print(f"  parameter {pattern:<32} {format_placement(placement)}")

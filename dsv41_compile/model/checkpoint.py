@@ -251,8 +251,14 @@ def _config_classes(root: Path) -> int:
             f"{file}: missing; reading the Engram token map checks its class count against "
             "the config's engram_compressed_vocab_size"
         )
-    config = json.loads(file.read_text())
-    return int(config.get("text_config", config)["engram_compressed_vocab_size"])
+    text = json.loads(file.read_text())
+    text = text.get("text_config", text)
+    if "engram_compressed_vocab_size" not in text:
+        raise ValueError(
+            f"{file}: no engram_compressed_vocab_size, which the Engram token map's class count "
+            "is checked against; this checkpoint's model has Engram layers"
+        )
+    return int(text["engram_compressed_vocab_size"])
 
 
 def _index(root: Path) -> dict[str, str]:

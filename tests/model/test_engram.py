@@ -180,3 +180,23 @@ def test_a_checkpoint_without_its_tokenizer_is_refused(written, tmp_path):
         f"{root / 'tokenizer.json'}: missing; the Engram layers hash token ids through the "
         "checkpoint's tokenizer (its compressed token map)"
     )
+
+
+def test_a_config_without_the_class_count_names_it(written, tmp_path):
+    """`read_weights` (the backend's per-rank read) checks the token map's class count against
+    the checkpoint's config.json: a config without it is an error naming the key."""
+    from dsv41_compile.model.checkpoint import read_weights
+    from dsv41_compile.testing.checkpoints import rank_weight_inputs
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(written, root)
+    config = json.loads((root / "config.json").read_text())
+    text = config.get("text_config", config)
+    del text["engram_compressed_vocab_size"]
+    (root / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        read_weights(root, rank_weight_inputs(TINY, {"tp": 4, "ep": 8}, 0))
+    assert str(error.value) == (
+        f"{root / 'config.json'}: no engram_compressed_vocab_size, which the Engram token map's "
+        "class count is checked against; this checkpoint's model has Engram layers"
+    )
