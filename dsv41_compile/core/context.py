@@ -5,6 +5,7 @@ module knows none of them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -15,7 +16,7 @@ from dsv41_compile.core.adapter import ModelAdapter
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.mesh import Mesh
 from dsv41_compile.core.meta import EP_TOKENS, GLOBAL_VAL, OUT, REASON, SYMBOL
-from dsv41_compile.core.plan import ShardingPlan
+from dsv41_compile.core.plan import ShardingPlan, pattern_matches
 from dsv41_compile.core.signature import ProgramSignature
 from dsv41_compile.core.torch_private import FakeTensorMode
 from dsv41_compile.options import BackendOptions
@@ -94,6 +95,15 @@ class CompileContext:
         node.meta[REASON] = "max token-shard length over the EP group (agreed before the call)"
         self.signature = self.signature.with_ep_tokens()
         return node
+
+    def choice_for(self, paths: Iterable[str]) -> str | None:
+        """The reason of the adapter's (or a pass's) choice, in `choices`, whose pattern matches
+        one of the module `paths`; None when no choice covers them."""
+        paths = tuple(paths)
+        for pattern, why in self.choices.items():
+            if any(pattern_matches(pattern, path) for path in paths):
+                return why
+        return None
 
     def put(self, result: object) -> None:
         """Keep a pass's finding, by its type (one per type: a later `put` replaces it)."""

@@ -44,7 +44,7 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import IN, OUT, REGION, RULE, module_paths, tensor_inputs
 from dsv41_compile.core.plan import pattern_matches
-from dsv41_compile.spmd.rules import rule_answers, strategy_for
+from dsv41_compile.spmd.rules import rule_answers, strategy_for, tensor_outputs
 
 __all__ = ["EntryCut", "EntryCuts", "entry_cut", "entry_cuts"]
 
@@ -171,11 +171,7 @@ def _per_token(
         return None  # no rule takes this op's inputs token-sharded (DTensor's rules assert)
     if tuple(strategy.inputs) != given:
         return None
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else (val,)
-    for out, v in zip(strategy.outputs, vals):
-        if not isinstance(v, torch.Tensor):
-            continue
+    for out, v in tensor_outputs(node, strategy):
         if out != _TOKENS or v.dim() == 0 or not statically_known_true(v.shape[0] == token_count):
             return None
     return strategy.inputs, strategy.outputs, f"entry cut: {source} {strategy}"

@@ -18,7 +18,6 @@ from torch.fx import GraphModule, Node
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REGION, RULE
 from dsv41_compile.core.placements import format_placement
-from dsv41_compile.core.plan import pattern_matches
 from dsv41_compile.core.symbols import is_token_count
 from dsv41_compile.spmd.annotate import exit_placement
 from dsv41_compile.spmd.transitions import TokenSizes, pad_value, redistribute
@@ -79,8 +78,7 @@ def _choice(value: Node, consumer: Node, dst: Placement, ctx: CompileContext) ->
     scattered = dst == Shard(0) and (isinstance(src, Partial) or src == Shard(1))
     if not tokens or not (gathered or scattered):
         return None
-    region = consumer.meta.get(REGION, "")
-    return next((why for p, why in ctx.choices.items() if pattern_matches(p, region)), None)
+    return ctx.choice_for((consumer.meta.get(REGION, ""),))
 
 
 def _global_shape(value: Node) -> tuple:

@@ -25,7 +25,7 @@ cost, and a rule is a few lines (docs/architecture.md, "Adding an op rule").
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +50,7 @@ __all__ = [
     "rule",
     "rule_answers",
     "strategy_for",
+    "tensor_outputs",
 ]
 
 RULES: Registry[RuleFn] = Registry("sharding rule")
@@ -136,6 +137,15 @@ def rule_answers(ctx: CompileContext) -> dict[object, object]:
     return answers.by_question
 
 
+def tensor_outputs(node: Node, strategy: Strategy) -> Iterator[tuple[Placement, torch.Tensor]]:
+    """`(placement, value)` of each tensor output of `node` under `strategy`."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    for out, v in zip(strategy.outputs, vals):
+        if isinstance(v, torch.Tensor):
+            yield out, v
+
+
 def strategy_for(
     node: Node,
     given: Sequence[Placement],
@@ -220,11 +230,7 @@ def _off_token_layout(
             return f"splits dim {need.dim} of {producer.name}, of size {size}"
     if not sharded:
         return None
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else (val,)
-    for out, v in zip(strategy.outputs, vals):
-        if not isinstance(v, torch.Tensor):
-            continue
+    for out, v in tensor_outputs(node, strategy):
         if isinstance(out, Shard):
             size = v.shape[out.dim]
             if is_token_count(size) and out.dim != 0:

@@ -39,7 +39,6 @@ from dsv41_compile.core.emitter import Emitter
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import GLOBAL_VAL, IN, REASON, TABLE, module_paths, replace_node
 from dsv41_compile.core.placements import ColumnShard
-from dsv41_compile.core.plan import pattern_matches
 
 __all__ = ["table_exchange"]
 
@@ -62,15 +61,6 @@ def table_exchange(gm: GraphModule, *, ctx: CompileContext) -> None:
     gm.recompile()
 
 
-def _why(ctx: CompileContext, node: Node) -> str:
-    """The adapter's choice behind the placement, for a module enclosing `node`."""
-    paths = module_paths(node)
-    for pattern, why in ctx.choices.items():
-        if any(pattern_matches(pattern, path) for path in paths):
-            return f" ({why})"
-    return ""
-
-
 def _rewrite(
     gm: GraphModule, node: Node, spec: TableLookup, ctx: CompileContext, ep_tokens: Node
 ) -> None:
@@ -86,7 +76,8 @@ def _rewrite(
     host = node.meta[IN][0].host
     width, scales = (v.meta[GLOBAL_VAL].shape[1] for v in (table, scale))
     row = width + scales  # bytes a row moves: its e4m3 codes and e8m0 scales
-    group, why = ctx.mesh.ep_group_name, _why(ctx, node)
+    choice = ctx.choice_for(module_paths(node))  # the adapter's, behind the placement
+    group, why = ctx.mesh.ep_group_name, f" ({choice})" if choice else ""
     device = rows.meta[GLOBAL_VAL].device
     emit = Emitter(gm.graph)
     with emit.inserting_before(node) as added:
