@@ -64,7 +64,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base of the sliding-window-only layers (no YaRN)."""
     dtype: str = "float32"
-    """Weights and activations: "float32" or "bfloat16". mHC, router, norms and sink stay fp32."""
+    """Weights and activations: "float32" or "bfloat16". mHC, router, norms, sink and head stay
+    fp32."""
 
     # --- compressed attention (see `layer_plan`) ---------------------------------------------
     compress_ratios: tuple[int, ...] = ()

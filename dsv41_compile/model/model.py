@@ -18,6 +18,7 @@ from dsv41_compile.model.cache import KVCache, LayerCache
 from dsv41_compile.model.config import LayerRole, ModelConfig, layer_plan
 from dsv41_compile.model.layers import (
     Embedding,
+    Fp32Linear,
     HyperConnection,
     RMSNorm,
     hc_collapse,
@@ -112,7 +113,8 @@ class DeepseekV41(nn.Module):
         self.plan = layer_plan(cfg)
         self.layers = nn.ModuleList(Block(cfg, i, role) for i, role in enumerate(self.plan))
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=cfg.torch_dtype)
+        # fp32 weight and logits, as the official head (bf16 in the checkpoint)
+        self.head = Fp32Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=torch.float32)
         self.reset_parameters()
         # Inference-only: the routed-experts op has no autograd formula, and AOT would otherwise
         # trace a joint forward/backward graph whenever the caller forgets `no_grad`.
@@ -229,7 +231,7 @@ class DeepseekV41(nn.Module):
 
         # The last FFN site's pre collapses the streams (V4.1 has no learned hc_head).
         y_TD = self.norm(hc_collapse(x_TND, pre_TN))
-        logits_TV = self.head(y_TD).float().masked_fill(~valid_T[:, None], 0.0)
+        logits_TV = self.head(y_TD).masked_fill(~valid_T[:, None], 0.0)
 
         held = torch.where(valid_T, positions + 1, 0)
         cache.lengths.scatter_reduce_(0, cache_slot_T.clamp(max=cache.num_slots - 1), held, "amax")
