@@ -1,11 +1,17 @@
-"""The official numerics' FP8 / FP4 activation formats, against values computed by hand and
-against the checkpoint's own decoders."""
+"""The official numerics: the FP8 / FP4 activation formats against values computed by hand and
+against the checkpoint's own decoders, the official attention kernel's rounding, and the
+single-device model under `numerics="official"` (prefill == decode, and no step a no-op)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
+from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.model.attention import blockwise_sink_attention, sink_attention
+from dsv41_compile.model.config import Rounding
 from dsv41_compile.model.numerics import (
     act_dequant,
     act_quant,
@@ -18,7 +24,23 @@ from dsv41_compile.model.numerics import (
     from_fp4_rows,
     from_fp8_rows,
 )
+from dsv41_compile.model.ops import routed_experts
 from dsv41_compile.model.quant import dequantize_fp4, dequantize_fp8
+from dsv41_compile.testing.batches import Request, incremental_schedule, pack
+
+STEPS = [f.name for f in dataclasses.fields(Rounding)]
+COMPRESSED_STEPS = ("compressed_kv", "index_q", "index_k", "index_scores")
+"""The steps that act in compressed attention only (tiny's layers 2-7)."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """bf16 ops of tiny shapes on two threads of a shared two-core machine wait on each other
+    (milliseconds for microseconds of work): these tests run on one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def bf16(*values: float) -> torch.Tensor:
@@ -147,3 +169,206 @@ def test_the_formats_take_bf16_in_whole_blocks():
         act_quant(torch.zeros(32))
     with pytest.raises(ValueError, match="a last dim of 48 is not a whole number of 32-blocks"):
         fp4_quant(torch.zeros(48, dtype=torch.bfloat16), 32, "e8m0")
+
+
+# --- attention probabilities in bf16, as the official kernel rounds them ----------------------
+
+
+def online_sink_attention(q, kv, visible, sink):
+    """The official kernel's loop, one block of 64 keys at a time: an independent reference
+    for `blockwise_sink_attention`."""
+    T, H, d = q.shape
+    acc, total = torch.zeros(T, H, d), torch.zeros(T, H)
+    running = torch.full((T, H), -1e30)
+    for start in range(0, kv.shape[1], 64):
+        keys, seen = kv[:, start : start + 64].float(), visible[:, start : start + 64]
+        s = torch.einsum("thd,tkd->thk", q.float(), keys) * d**-0.5
+        s = s.masked_fill(~seen[:, None], float("-inf"))
+        previous, running = running, torch.maximum(running, s.amax(-1))
+        p = torch.exp(s - running[..., None])
+        total = total * torch.exp(previous - running) + p.sum(-1)
+        acc = acc * torch.exp(previous - running)[..., None] + torch.einsum(
+            "thk,tkd->thd", p.bfloat16().float(), keys
+        )
+    return acc / (total + torch.exp(sink - running))[..., None]
+
+
+def test_blockwise_attention_is_the_kernels_online_softmax_with_bf16_probabilities():
+    gen = torch.Generator().manual_seed(1)
+    T, H, S, d = 3, 4, 150, 16  # three blocks, the last one short
+    q, kv = torch.randn(T, H, d, generator=gen) * 2, torch.randn(T, S, d, generator=gen)
+    visible = torch.rand(T, S, generator=gen) > 0.2
+    visible[0, :64] = False  # a first block with nothing visible
+    sink = torch.randn(H, generator=gen)
+    got = blockwise_sink_attention(q, kv, visible, sink)
+    torch.testing.assert_close(got, online_sink_attention(q, kv, visible, sink))
+    # the bf16 probabilities move the result off the fp32 softmax, and (rounded against the
+    # running max) with the order of the keys, which the fp32 softmax ignores
+    assert not torch.allclose(got, sink_attention(q, kv, visible, sink), rtol=1e-5, atol=1e-6)
+    order = torch.arange(S - 1, -1, -1)
+    reversed_keys = blockwise_sink_attention(q, kv[:, order], visible[:, order], sink)
+    assert not torch.allclose(got, reversed_keys, rtol=1e-5, atol=1e-6)
+
+
+# --- the model under numerics="official" ------------------------------------------------------
+
+
+def official(preset: str, **overrides: object) -> ModelConfig:
+    """`preset` with the official numerics: bf16, and index heads of 32 (tiny's 16 is not a
+    whole FP4 block of the indexer)."""
+    return ModelConfig.from_name(
+        preset, dtype="bfloat16", numerics="official", index_head_dim=32, **overrides
+    )
+
+
+def test_the_config_says_what_official_needs():
+    cases = [
+        ({"numerics": "fp8"}, "numerics must be one of .'bf16', 'official'., got 'fp8'"),
+        ({"numerics": "official"}, "use dtype='bfloat16' .got 'float32'., or numerics='bf16'"),
+        (
+            {"numerics": "official", "dtype": "bfloat16"},
+            r"blocks of 32: index_head_dim \(16\) must be a multiple of 32, or use numerics='bf16'",
+        ),
+        ({"numerics_off": ("window_kv",)}, "leaves out steps of numerics='official'"),
+        (
+            {"numerics": "official", "dtype": "bfloat16", "numerics_off": ("kv",)},
+            r"unknown steps \['kv'\]",
+        ),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_name("tiny", **overrides)
+    # a window-only model has no indexer: its index_head_dim is not quantised
+    assert ModelConfig.from_name("tiny-swa", dtype="bfloat16", numerics="official").rounding == (
+        Rounding.of("official")
+    )
+    assert not any(dataclasses.astuple(ModelConfig.from_name("tiny").rounding))
+
+
+def test_the_head_is_fp32_in_both_numerics():
+    for cfg in (ModelConfig.from_name("tiny-swa", dtype="bfloat16"), official("tiny-swa")):
+        model = DeepseekV41(cfg)
+        assert model.state_dict()["head.weight"].dtype == torch.float32
+        assert model.embed.weight.dtype == torch.bfloat16
+        with torch.inference_mode():
+            logits = model(*pack([Request(0, [1, 2, 3])]), model.new_cache(1, 4))
+        assert logits.dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def tiny() -> DeepseekV41:
+    torch.manual_seed(0)
+    return DeepseekV41(official("tiny")).eval()
+
+
+def prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lengths]
+
+
+ROWS = 16
+"""Rows of every call in the prefill == decode test: the CPU BLAS computes an fp32 GEMM of
+fewer rows with other kernels, in another summation order (a few fp32 ulps), which an FP8 or
+FP4 rounding downstream can turn into a whole code step. Padding rows change nothing (the model's
+contract), and with them every call runs on the prefill's kernels: what is compared is the
+numerics, bit for bit."""
+
+
+def logits_by_token(model: DeepseekV41, cache, requests: list[Request]) -> dict:
+    rows = sum(len(r.ids) for r in requests)
+    requests = requests + [Request(-1, [0] * (ROWS - rows))] if rows < ROWS else requests
+    ids, positions, slots = pack(requests)
+    with torch.inference_mode():
+        logits = model(ids, positions, slots, cache)
+    return {(s, p): row for s, p, row in zip(slots.tolist(), positions.tolist(), logits) if s >= 0}
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-swa"])
+def test_prefill_equals_decode_and_multi_token_decode_bit_for_bit(
+    preset: str, tiny: DeepseekV41
+) -> None:
+    torch.manual_seed(0)
+    model = tiny if preset == "tiny" else DeepseekV41(official(preset)).eval()
+    # As test_compressed_attention's: top-k and candidates prune, ratio-2 pairs split across calls
+    reqs = prompts([21, 14, 18], seed=7)
+    full_cache = model.new_cache(3, 32)
+    full = logits_by_token(model, full_cache, [Request(s, p) for s, p in enumerate(reqs)])
+    for step in (1, 3):
+        cache = model.new_cache(3, 32)
+        got = {}
+        for batch in incremental_schedule(reqs, prefill=[3, 1, 6], step=step):
+            got |= logits_by_token(model, cache, batch)
+        assert got.keys() == full.keys()
+        assert all(torch.equal(got[k], full[k]) for k in full), f"step {step}"
+        # the caches hold FP8 window rows and FP4 compressed rows, the same bytes either way
+        # (pair_state keeps a stale opener where a pair closed in a later call: never read)
+        for field in ("window_kv", "compressed_kv", "index_k"):
+            held, full_held = getattr(cache, field), getattr(full_cache, field)
+            keys = range(len(held)) if isinstance(held, list) else held.keys()
+            assert all(torch.equal(held[k][:3], full_held[k][:3]) for k in keys), field
+    d = model.cfg.head_dim
+    assert full_cache.window_kv[0].dtype == torch.uint8
+    assert full_cache.window_kv[0].shape == (4, model.cfg.window_size, d + d // 32)
+    for layer, entries in full_cache.compressed_kv.items():
+        assert entries.dtype == torch.uint8 and entries.shape[-1] == d // 2 + d // 16, layer
+
+
+def test_a_request_does_not_depend_on_its_batch(tiny: DeepseekV41) -> None:
+    # the official roundings are per token: what the compiler's token sharding relies on
+    reqs = prompts([9, 7], seed=3)
+    both = logits_by_token(tiny, tiny.new_cache(2, 16), [Request(0, reqs[0]), Request(1, reqs[1])])
+    alone = logits_by_token(tiny, tiny.new_cache(2, 16), [Request(1, reqs[1])])
+    assert all(torch.equal(alone[k], both[k]) for k in alone)
+
+
+def test_routed_experts_quantise_the_hidden_activation_per_row():
+    gen = torch.Generator().manual_seed(2)
+    T, D, I, E, K = 12, 64, 32, 4, 2
+    x = act_quant_dequant(torch.randn(T, D, generator=gen).bfloat16())
+    idx = torch.randint(0, E, (T, K), generator=gen)
+    idx[:, 1] = (idx[:, 0] + 1) % E
+    weight = torch.rand(T, K, generator=gen)
+    w1, w3 = (torch.randn(E, I, D, generator=gen).bfloat16() / 8 for _ in range(2))
+    w2 = torch.randn(E, D, I, generator=gen).bfloat16() / 6
+    out = routed_experts(x, idx, weight, w1, w2, w3, 10.0, True)
+    assert not torch.equal(out, routed_experts(x, idx, weight, w1, w2, w3, 10.0))
+    # rows in other groupings (what expert parallelism sends each rank) give the same rows
+    for rows in (torch.arange(5), torch.arange(5, 12).flip(0)):
+        part = routed_experts(x[rows], idx[rows], weight[rows], w1, w2, w3, 10.0, True)
+        assert torch.equal(part, out[rows])
+
+
+def test_no_step_of_the_official_numerics_is_a_no_op(tiny: DeepseekV41) -> None:
+    # Long enough that the bf16 index scores change some top-k picks of the fp32 scores.
+    batch = [Request(s, p) for s, p in enumerate(prompts([32, 32, 32], seed=7))]
+
+    def run(cfg: ModelConfig) -> tuple[list[torch.Tensor], torch.Tensor]:
+        model = DeepseekV41(cfg).eval()
+        model.load_state_dict(tiny.state_dict())
+        streams: list[torch.Tensor] = []
+        for layer in model.layers:
+            layer.register_forward_hook(lambda m, args, out: streams.append(out[0].float()))
+        with torch.inference_mode():
+            logits = model(*pack(batch), model.new_cache(3, 32))
+        return streams, logits
+
+    def moved(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    streams, logits = run(tiny.cfg)
+    header = f"{'without':<14}" + "".join(f"{f'L{i}':>8}" for i in range(8)) + "  logits"
+    lines, first_moved, logits_moved = [header], {}, {}
+    for step in STEPS:
+        other_streams, other_logits = run(tiny.cfg.replace(numerics_off=(step,)))
+        per_layer = [moved(a, b) for a, b in zip(other_streams, streams)]
+        first_moved[step] = next((i for i, m in enumerate(per_layer) if m), None)
+        logits_moved[step] = moved(other_logits, logits)
+        line = "".join(f"{m:8.1e}" for m in per_layer)
+        lines.append(f"{step:<14}{line}  {logits_moved[step]:.1e}")
+    report = "\n".join(lines)
+    print(f"relative change of each layer's streams and of the logits:\n{report}")
+    # every step moves the logits; the compressed-attention ones not before layer 2 (the first
+    # compressed layer), the others from layer 0 on
+    assert all(logits_moved[step] > 0 for step in STEPS), report
+    assert all(first_moved[s] >= 2 for s in COMPRESSED_STEPS), report
+    assert all(first_moved[s] == 0 for s in STEPS if s not in COMPRESSED_STEPS), report
