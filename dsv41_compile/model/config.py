@@ -307,7 +307,8 @@ class Rounding:
 
     gemm_inputs: bool
     """FP8 quantise-dequantise (`numerics.act_quant`) of the input of the attention's FP8 GEMMs: `wq_a`
-    and `wkv` (their common input), `wq_b` and the indexer's `wq_b` (theirs), `wo_b`. Not of
+    and `wkv` (their common input), `wq_b` and the indexer's `wq_b` (theirs), `wo_b`; and of
+    Engram's `wkv` (its looked-up rows). Not of
     `wo_a`, the compressor's `wkv` / `wgate`, the indexer's `wk` / `weights_proj`, the router or
     the head, which are not FP8 GEMMs there."""
     expert_inputs: bool
