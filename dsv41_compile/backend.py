@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
@@ -34,7 +35,13 @@ from dsv41_compile.core.torch_private import (
     mark_unbacked,
     register_backend,
 )
-from dsv41_compile.frontend import Captured, capture
+from dsv41_compile.frontend import (
+    Captured,
+    branches_on_tokens,
+    capture,
+    mark_call,
+    specializes_tokens,
+)
 from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.pipeline import check_dump_after, passes
@@ -144,6 +151,14 @@ def _compile(
     def compile_rank(aten_gm: GraphModule, aten_inputs: list[Any]) -> Any:
         kinds.attach(aten_gm)
         ctx = _context(aten_gm, aten_inputs, captured, build)
+        count = aten_inputs[captured.token_index].shape[0]
+        if not isinstance(count, torch.SymInt) or count.node.expr.is_number:
+            # the token count became a number in AOTAutograd's trace: name the op
+            inputs = captured.symbolic_inputs(captured.fakes)
+            mark = mark_call(captured.adapter)
+            specialized = specializes_tokens(gm, inputs, captured.token_index, mark)
+            if specialized is not None:
+                raise specialized
         ctx.stage_seconds = {
             "generalize": generalized - start,
             "kinds": traced - generalized,
@@ -170,6 +185,13 @@ def _compile(
             inference_compiler=compile_rank,
             keep_inference_input_mutations=True,  # the cache writes stay in the graph
         )
+    except GuardOnDataDependentSymNode as error:
+        # Dynamo traced T as a backed size, where the op's branch on T passed; which op
+        # branches is found by running the graph again on the symbolic inputs
+        explained = branches_on_tokens(gm, captured.symbolic_inputs(captured.fakes))
+        if explained is None:
+            raise
+        raise explained from error
     finally:
         kinds.close()
 

@@ -16,6 +16,16 @@ T, and values Dynamo computed from T (`T - 1` as a number) stay as traced.
 A model's compiled regions (`regions`: a decoder layer, traced once per kind)
 stay regions, each kind traced to ATen once by the backend; a static graph's are copied in
 first, since making its token count symbolic reads every op.
+
+A token count that is a symbol must trace like an ordinary size. torch's meta kernels of
+`roll`, `cummax` and `cummin` branch on `numel() == 0` before making a shape that does not
+depend on it, which an unbacked T cannot decide: Dynamo refuses the op under `mark_token_dim`,
+and so would the generalization of a static graph. Importing this module gives them kernels
+without the branch (`SIZE_OBLIVIOUS_META`; the same output shape, dtype and layout). An op
+that truly branches on T -- its result's shape or its values depend on whether T is 0, or 1
+-- cannot serve every T from one graph: the generalization names the op, its model line and
+what to write instead (`_branches_on_tokens`), and does not send the user to `mark_token_dim`,
+where Dynamo would refuse the same op.
 """
 
 from __future__ import annotations
@@ -29,10 +39,15 @@ from typing import Any
 import sympy
 import torch
 from torch.fx import GraphModule, Interpreter, Node
-from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import (
+    GuardOnDataDependentSymNode,
+    ShapeEnv,
+    free_unbacked_symbols,
+)
 
 from dsv41_compile.core.adapter import ModelAdapter
-from dsv41_compile.core.meta import module_paths
+from dsv41_compile.core.meta import module_paths, source_line
+from dsv41_compile.core.symbols import same_for_every_value
 from dsv41_compile.core.torch_private import (
     DynamoCompileContext,
     FakeTensorMode,
@@ -40,15 +55,50 @@ from dsv41_compile.core.torch_private import (
     enable_python_dispatcher,
     is_fake,
     recompile_limit,
+    replace_meta_kernel,
 )
 from dsv41_compile.models import adapter_for
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.regions import inline_dynamo_regions
 from dsv41_compile.storage import has_no_weights
 
-__all__ = ["Captured", "GraphInputs", "capture", "read_inputs"]
+__all__ = [
+    "SIZE_OBLIVIOUS_META",
+    "Captured",
+    "GraphInputs",
+    "branches_on_tokens",
+    "capture",
+    "mark_call",
+    "read_inputs",
+    "specializes_tokens",
+]
 
 _SOURCE_KEYS = re.compile(r"\['([^']+)'\]")
+aten = torch.ops.aten
+
+
+def _roll_meta(a: torch.Tensor, shifts: Any, dims: Any = ()) -> torch.Tensor:
+    # torch._refs.roll returns early for numel() == 0 (a modulo by the size follows)
+    return torch.empty_like(a, memory_format=torch.contiguous_format)
+
+
+def _cummaxmin_meta(a: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # torch's checks the dim only when numel() != 0; any valid dim gives the input's shape
+    ndim = max(a.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"Dimension out of range (expected to be in [{-ndim}, {ndim - 1}])")
+    values = torch.empty(a.shape, device=a.device, dtype=a.dtype)
+    return values, torch.empty(a.shape, device=a.device, dtype=torch.int64)
+
+
+SIZE_OBLIVIOUS_META = {
+    aten.roll.default: _roll_meta,
+    aten.cummax.default: _cummaxmin_meta,
+    aten.cummin.default: _cummaxmin_meta,
+}
+"""Ops whose meta kernels this module replaces at import (the module docstring)."""
+for _op, _kernel in SIZE_OBLIVIOUS_META.items():
+    replace_meta_kernel(_op, _kernel)
 
 
 @dataclass(frozen=True)
@@ -108,7 +158,7 @@ class Captured:
         if isinstance(count, int):
             inline_dynamo_regions(gm)  # the sizes to generalize are in every layer's ops
             token_indices = {self.inputs.index_of(name) for name in self.adapter.token_inputs}
-            mark = _mark_call(self.adapter)
+            mark = mark_call(self.adapter)
             tokens = _token_slots(gm, self.example_inputs, token_indices, count, mark)
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             with gm.graph.inserting_after(placeholders[-1]):
@@ -256,7 +306,7 @@ def _check_recompiles(adapter: ModelAdapter) -> None:
             f"dsv41_sp: this is Dynamo's compile {compile_id.frame_compile_id + 1} of this model "
             f"and its recompile limit is {limit}: past it, Dynamo would run the model eagerly -- "
             "unsharded, the whole model on every rank. With static token counts "
-            f"(dynamic=False) every new T is a new graph: call {_mark_call(adapter)} before "
+            f"(dynamic=False) every new T is a new graph: call {mark_call(adapter)} before "
             "each call (one graph for every T), or raise torch._dynamo.config.recompile_limit"
         )
 
@@ -322,7 +372,8 @@ def _is_size(symbol: torch.SymInt) -> None:
         torch._check_is_size(symbol)
 
 
-def _mark_call(adapter: ModelAdapter) -> str:
+def mark_call(adapter: ModelAdapter) -> str:
+    """How the user marks the token dim: `dsv41_compile.mark_token_dim(<the token inputs>)`."""
     return f"dsv41_compile.mark_token_dim({', '.join(adapter.token_inputs)})"
 
 
@@ -364,7 +415,7 @@ def _token_slots(
     for (node, slot), symbol in symbols.items():
         by_node.setdefault(node, []).append((slot, symbol))
 
-    class WithSymbols(Interpreter):
+    class WithSymbols(_Tracked):
         def run_node(self, node: Node) -> Any:
             if node not in by_node:
                 return super().run_node(node)
@@ -376,9 +427,12 @@ def _token_slots(
             finally:
                 node.args = traced
 
+    interpreter = WithSymbols(gm)
     try:
         with mode, enable_python_dispatcher():
-            WithSymbols(gm).run(*fakes)
+            interpreter.run(*fakes)
+    except GuardOnDataDependentSymNode as error:
+        raise _branching(interpreter.at, error) from error
     except Exception as error:
         raise ValueError(
             f"dsv41_sp got a graph traced with a static token count (T = {count}) and could "
@@ -391,31 +445,135 @@ def _token_slots(
     return [c for c, symbol in symbols.items() if classes(symbol.node.expr) == token_class]
 
 
+class _Tracked(Interpreter):
+    """An interpreter that knows the node it is running (`at`)."""
+
+    at: Node | None = None
+
+    def run_node(self, node: Node) -> Any:
+        self.at = node
+        return super().run_node(node)
+
+
+_INSTEAD = {
+    "diff": "x[1:] - x[:-1], with a cat or a pad for a row it lacks (torch.diff checks T >= 1)",
+    "chunk": ("slices or masks of a size that does not depend on T (the number of chunks does)"),
+    "split": ("slices or masks of a size that does not depend on T (the number of pieces does)"),
+}
+
+
+def _branching(node: Node | None, error: Exception) -> ValueError:
+    """The error for an op whose trace branches on the token count (the module docstring)."""
+    op = getattr(node.target, "__name__", str(node.target)) if node is not None else "an op"
+    line = source_line(node) if node is not None else ""
+    where = f"{op} at {line}" if line else op
+    # "Could not guard on data-dependent expression 1 > u0 (unhinted: ...)": the expression,
+    # in the token count's name
+    condition = re.sub(r"^.*? expression (.*?) \(unhinted.*$", r"\1", str(error).splitlines()[0])
+    condition = re.sub(r"\bu\d+\b", "T", condition)
+    instead = _INSTEAD.get(
+        op,
+        "ops whose shapes do not depend on whether T is 0 or 1: slices of constant length "
+        "(x[:-1], x[1:]), torch.cat, F.pad, and torch.where masks in place of branches",
+    )
+    return ValueError(
+        f"dsv41_sp compiles one graph for every token count T, and {where} branches on T "
+        f"({condition}): no graph can serve every T with it. Write it as {instead}"
+    )
+
+
+def branches_on_tokens(gm: GraphModule, inputs: list[Any]) -> ValueError | None:
+    """The error naming the op of `gm` whose trace branches on the token count, when `gm` run
+    on `inputs` (fakes with the token count a symbol) meets one; else None. For the errors
+    of a trace that already failed (AOTAutograd's of a graph Dynamo traced with a backed T)."""
+    interpreter = _Tracked(gm)
+    try:
+        with TracingContext.get().fake_mode, enable_python_dispatcher():
+            interpreter.run(*inputs)
+    except GuardOnDataDependentSymNode as error:
+        return _branching(interpreter.at, error)
+    except Exception:  # another failure: not this one to explain
+        return None
+    return None
+
+
+def specializes_tokens(
+    gm: GraphModule, inputs: list[Any], token_index: int, mark: str
+) -> ValueError | None:
+    """The error naming the op of `gm` that makes the token count a number, when `gm` run on
+    `inputs` (fakes with the token count a symbol) meets one; else None. A static trace writes
+    T as the number T0 wherever the model computed a size from it (`x[:T]` with
+    `T = x.shape[0]`); a view's or a factory's such number is made T again
+    (`Captured.generalized`), but a slice bound stays, and an op that meets the slice's rows
+    against T rows then holds T equal to T0: AOTAutograd's trace would be a graph for T0 only,
+    its token dim a number, which the op rules cannot tell from any other size."""
+    count = inputs[token_index].shape[0]
+    if not isinstance(count, torch.SymInt):
+        return None
+
+    class Watched(_Tracked):
+        def run_node(self, node: Node) -> Any:
+            out = super().run_node(node)
+            if count.node.expr.is_number:
+                raise _Specialized(node, int(count.node.expr))
+            return out
+
+    interpreter = Watched(gm)
+    try:
+        with TracingContext.get().fake_mode, enable_python_dispatcher():
+            interpreter.run(*inputs)
+    except _Specialized as found:
+        op = getattr(found.node.target, "__name__", str(found.node.target))
+        line = source_line(found.node)
+        where = f"{op} at {line}" if line else op
+        return ValueError(
+            f"dsv41_sp compiles one graph for every token count T, and {where} makes T the "
+            f"number {found.value}: Dynamo traced the first call with static sizes, and this op "
+            f"meets T rows against a size {found.value} that the backend could not tell from T "
+            f"(a size given to torch.full, a slice's bound). Call {mark} before each call "
+            "(Dynamo then traces T as a symbol), or make the value from a tensor with the T "
+            "rows (torch.full_like(x[:, :1], v), x.new_full((T, 1), v))"
+        )
+    except Exception:  # another failure: not this one to explain
+        return None
+    return None
+
+
+class _Specialized(Exception):
+    def __init__(self, node: Node, value: int) -> None:
+        self.node, self.value = node, value
+
+
 def _equal_symbols(shape_env: ShapeEnv) -> Callable[[sympy.Expr], sympy.Expr]:
     """A function mapping a symbol to a representative of the symbols (and integers) the shape
     env found it equal to: its replacements and the equalities it deferred as runtime
-    asserts."""
+    asserts. An expression of one symbol that equals it for every value (`Max(0, u - Min(1,
+    u)) + Min(1, u)`, the rows of `x[:1]` and `x[1:]` concatenated) stands for the symbol."""
     parent: dict[sympy.Expr, sympy.Expr] = {}
 
+    def plain(x: sympy.Expr) -> sympy.Expr:
+        if x.is_Symbol or x.is_Integer or len(x.free_symbols) != 1:
+            return x
+        (symbol,) = x.free_symbols
+        return symbol if same_for_every_value(x, symbol) else x
+
     def find(x: sympy.Expr) -> sympy.Expr:
+        x = plain(x)
         while x in parent:
             x = parent[x]
         return x
 
     def union(a: sympy.Expr, b: sympy.Expr) -> None:
         a, b = find(a), find(b)
-        if a != b:
+        if a != b and (a.is_Symbol or a.is_Integer) and (b.is_Symbol or b.is_Integer):
             if a.is_Integer:
                 a, b = b, a
             parent[a] = b  # an integer, when there is one, is the representative
 
     for a, b in shape_env.replacements.items():
-        if b.is_Symbol or b.is_Integer:
-            union(a, b)
+        union(a, b)
     for asserts in shape_env.deferred_runtime_asserts.values():
         for ra in asserts:
             if isinstance(ra.expr, sympy.Eq):
-                a, b = ra.expr.args
-                if (a.is_Symbol or a.is_Integer) and (b.is_Symbol or b.is_Integer):
-                    union(a, b)
+                union(*ra.expr.args)
     return find

@@ -16,6 +16,7 @@ from dsv41_compile.spmd.annotate import annotate
 from dsv41_compile.spmd.entry_cut import entry_cut
 from dsv41_compile.spmd.insert import insert_collectives
 from dsv41_compile.spmd.localize import localize
+from dsv41_compile.spmd.token_shifts import token_shifts
 from dsv41_compile.spmd.token_sizes import token_sizes
 from dsv41_compile.tables.exchange import table_exchange
 from dsv41_compile.targets import TARGETS, Target
@@ -27,6 +28,7 @@ REWRITES: tuple[Pass, ...] = (
     Pass("inline_regions", inline_regions),  # each layer kind's ATen, copied in at every layer
     Pass("token_sizes", token_sizes),  # every read of T from the token input
     Pass("annotate", annotate),  # a placement per node: the plan, then the op rules
+    Pass("token_shifts", token_shifts),  # a shift of a token shard: one op, on the shard
     Pass("entry_cut", entry_cut),  # per-token ops before the entry gather, if it is cheaper
     Pass("insert", insert_collectives),  # the transition table at every mismatch
     Pass("localize", localize),  # global shapes -> per-rank shapes, the program's signature

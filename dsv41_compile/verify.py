@@ -1,25 +1,29 @@
-"""verify: re-run fake propagation on the per-rank graph and check what the layout promises.
+"""verify: re-run fake propagation on the per-rank graph and check the invariants of any layout.
 
 Requires: localize (and expert_parallel, graph_mode when they run). Ensures: every node's value
 (`meta["val"]`) is the local one, computed by fake-tensor propagation from local inputs; each
 annotated node's local shape is its global shape with sharded dims divided over tp (expert dims
-over ep); the graph lints; the layout's invariants hold; `ctx.comm` holds one record per
-collective (`report.comm.comm_records`).
+over ep); the graph lints; the invariants below hold, for any model; `ctx.comm` holds one
+record per collective (`report.comm.comm_records`) and `ExtraCollectives` the collectives of
+each decoder layer beyond the layout's (`ModelAdapter.expected_collectives`), which `graph.py`
+lists with the op that needs each.
 
 Placements first, before any shape is computed: every annotated node gets each input in the
 placement it needs (`meta[IN]` against the producer's `meta[OUT]`). This is what catches the
-bugs hand-written SP keeps shipping: a partial sum used before its reduction (or scattered
-without one), a sum collective over replicated copies (x tp), a rank's token shard paired with
-gathered tokens (the token order would not match the positions), the EP dispatch of tokens
-every TP rank holds (x tp assignments).
+bugs hand-written SP keeps shipping: a partial sum that reaches a non-linear op before its
+reduction (or is scattered without one), a sum collective over replicated copies (x tp), a
+rank's token shard paired with gathered tokens (the token order would not match the
+positions), a partial over the tokens that reads padding rows, the EP dispatch of tokens every
+TP rank holds (x tp assignments).
 
-Then the invariants: the model adapter's promise per decoder layer
-(`ModelAdapter.expected_collectives`: which TP collectives a layer has outside its MoE half and
-in it, the rank of the values it gathers -- or, where the entry cut moved the gather, exactly
-the cut's values, one AllGather each), plus what holds in every layout: every reduction
-(reduce-scatter, all-reduce) runs on fp32; no all-reduce in the sp layout; EP collectives are
+Then what holds in every layout and for every model: a sum over tp runs on fp32 or wider (or
+on integers: exact); an all-reduce reduces a value without a token dim where the plan
+reduce-scatters partial sums to token shards (a statistic, not a residual); every TP collective
+was asked for (a reason naming the op that needs it) and is used; EP collectives are
 all-to-alls inside a MoE half, as many per MoE layer as the dispatch lowering makes. A broken
-invariant is an `InternalError` naming the node.
+invariant is an `InternalError` naming the node. A program whose TP collectives differ from
+the layout's -- a model edited to mix tokens -- is correct as long as these hold; the stock
+model's collectives per layer are a regression test (`tests/test_verify.py`).
 """
 
 from __future__ import annotations
@@ -40,13 +44,18 @@ from dsv41_compile.core.meta import (
     GLOBAL_VAL,
     IN,
     OUT,
+    REAL_ROWS,
+    REASON,
     REGION,
+    RULE,
+    TABLE,
     Unkeyed,
     metadata_key,
+    source_line,
     tensor_inputs,
 )
 from dsv41_compile.core.placements import ColumnShard, ExpertShard, format_placement
-from dsv41_compile.core.symbols import hint_shape, new_unbacked_symbols
+from dsv41_compile.core.symbols import hint_shape, is_token_count, new_unbacked_symbols
 from dsv41_compile.core.torch_private import (
     FakeTensorMode,
     OpOverload,
@@ -54,11 +63,12 @@ from dsv41_compile.core.torch_private import (
     tree_map_only,
 )
 from dsv41_compile.moe.stats import ALL_TO_ALLS, ep_layers
-from dsv41_compile.report.comm import comm_records
+from dsv41_compile.report.comm import ExtraCollective, ExtraCollectives, comm_records
 from dsv41_compile.spmd.entry_cut import entry_cuts
-from dsv41_compile.tables.exchange import TableRegions
 
 __all__ = ["verify"]
+
+c10d = torch.ops._c10d_functional
 
 
 def verify(gm: GraphModule, *, ctx: CompileContext) -> None:
@@ -69,7 +79,8 @@ def verify(gm: GraphModule, *, ctx: CompileContext) -> None:
     _check_reduction_dtypes(gm)
     _check_local_shapes(gm, ctx)
     ctx.comm[:] = comm_records(gm, ctx)
-    _check_layout(gm, ctx)
+    _check_collectives(gm, ctx)
+    ctx.put(ExtraCollectives(tuple(_extra_collectives(gm, ctx))))
 
 
 _REDUCTIONS = ("reduce_scatter", "all_reduce")
@@ -131,8 +142,15 @@ def _check_placements(gm: GraphModule, ctx: CompileContext) -> None:
             _check_reduction(node, kind)
         if isinstance(_placement(node), Partial):
             for user in node.users:
-                if not _on_the_way_to_a_reduction(user):
+                if not _on_the_way_to_a_reduction(user) and not _linear_in_partials(user):
                     raise InternalError(_partial_use(node, user), user)
+            if type(_placement(node)) is Partial and not _reads_real_rows(node):
+                raise InternalError(
+                    f"{node.name} reduces the token shards without setting their padding rows "
+                    "to the identity of its reduction: whatever the ops before left in them "
+                    "would enter its result",
+                    node,
+                )
         needed = node.meta.get(IN)
         if not needed or node.op != "call_function":
             continue
@@ -155,6 +173,44 @@ def _check_placements(gm: GraphModule, ctx: CompileContext) -> None:
             )
 
 
+_LINEAR = {
+    torch.ops.aten.add.Tensor,  # partial + partial, or + a replicated addend counted once
+    torch.ops.aten.sub.Tensor,
+    torch.ops.aten.addmm.default,  # a bias (rank 0's) plus a row-parallel product
+    torch.ops.aten.div.Tensor,  # a partial mean: the sum divided by T
+}
+
+
+def _linear_in_partials(node: Node) -> bool:
+    """`node` is linear in its partial inputs and a partial itself, as its rule placed it
+    (a sum of partials stays a partial: it is reduced later)."""
+    out = _placement(node)
+    needed = node.meta.get(IN, ())
+    if node.target not in _LINEAR or not isinstance(out, Partial) or out.reduce_op != "sum":
+        return False
+    return all(
+        isinstance(p, Partial) == _is_partial(n) for n, p in zip(tensor_inputs(node), needed)
+    )
+
+
+def _is_partial(node: Node) -> bool:
+    return isinstance(_placement(node), Partial)
+
+
+def _reads_real_rows(node: Node) -> bool:
+    """A partial over the token shards reads no padding row: each token shard the reduction
+    takes has them set to its identity (`REAL_ROWS`, `spmd.token_ops`)."""
+    for producer, need in zip(tensor_inputs(node), node.meta.get(IN, ())):
+        if need == Shard(0) and not producer.meta.get(REAL_ROWS) and _has_token_dim(producer):
+            return False
+    return True
+
+
+def _has_token_dim(node: Node) -> bool:
+    val = node.meta.get(GLOBAL_VAL, node.meta.get("val"))
+    return isinstance(val, torch.Tensor) and val.dim() > 0 and is_token_count(val.shape[0])
+
+
 def _check_reduction(node: Node, kind: str) -> None:
     """A reduction over tp sums the fp32 partial sum the model computed, nothing else."""
     source = node.args[0]
@@ -169,11 +225,16 @@ def _check_reduction(node: Node, kind: str) -> None:
         )
 
 
+_SUMMED_IN = (torch.float32, torch.float64, torch.int32, torch.int64)
+
+
 def _check_reduction_dtypes(gm: GraphModule) -> None:
     for node in gm.graph.nodes:
         kind = collective_kind(node)
-        dtype = node.args[0].meta["val"].dtype if kind in _REDUCTIONS else torch.float32
-        if dtype != torch.float32:
+        if kind not in _REDUCTIONS or node.args[1] != "sum":
+            continue  # a max or a min is exact in any dtype
+        dtype = node.args[0].meta["val"].dtype
+        if dtype not in _SUMMED_IN:
             raise InternalError(
                 f"a {kind} reduces {dtype}; reductions run on the fp32 partial sum the model "
                 "computed (a rounded copy would be summed in another precision)",
@@ -243,68 +304,38 @@ def _check_local_shapes(gm: GraphModule, ctx: CompileContext) -> None:
             )
 
 
-def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
+def _check_collectives(gm: GraphModule, ctx: CompileContext) -> None:
+    """What holds for the collectives of any model in every layout (the module docstring)."""
     layout = ctx.options.layout
-    promise = ctx.adapter.expected_collectives(ctx.options)
-    tp_by_layer: dict[int, dict[bool, list[Node]]] = defaultdict(lambda: {False: [], True: []})
     ep_by_region: dict[str, int] = defaultdict(int)
-    tables = set(ctx.get(TableRegions, TableRegions()))
     for node in gm.graph.nodes:
         kind = collective_kind(node)
         if kind is None:
             continue
-        site = ctx.adapter.site(node.meta.get(REGION, ""))
-        if kind == "all_reduce" and not isinstance(ctx.plan.partial_to, Replicate):
+        tp = collective_axis(node, ctx.mesh) == "tp"  # EP's: counted per MoE layer below
+        if tp and (not node.meta.get(REASON) or not _used(node)):
+            detail = "it has no reason" if not node.meta.get(REASON) else "its result is unused"
             raise InternalError(
-                f"an all-reduce in the {layout} layout, whose plan reduce-scatters its partial "
-                "sums to token shards",
+                f"a collective no op asked for ({kind}: {detail}): every collective is inserted "
+                "by a transition or an exchange for the op that needs it, which its reason names",
+                node,
+            )
+        if (
+            kind == "all_reduce"
+            and not isinstance(ctx.plan.partial_to, Replicate)
+            and _reduces_tokens(node)
+        ):
+            raise InternalError(
+                f"an all-reduce of a value with a token dim in the {layout} layout, whose plan "
+                "reduce-scatters partial sums to token shards",
                 node,
             )
         if collective_axis(node, ctx.mesh) == "ep":
-            lookup = node.meta[REGION] in tables
+            site = ctx.adapter.site(node.meta.get(REGION, ""))
+            lookup = node.meta.get(TABLE, False)  # a split table's exchange (`tables`)
             if kind != "all_to_all" or (site.part != "moe" and not lookup):
                 raise InternalError(f"an EP {kind} outside a MoE half or a table lookup", node)
-            ep_by_region[node.meta[REGION]] += site.part == "moe"
-        elif site.layer is not None:
-            tp_by_layer[site.layer][site.part == "moe"].append(node)
-    cuts = {ctx.adapter.site(region).layer: cut for region, cut in entry_cuts(ctx).items()}
-    for layer in sorted(_decoder_layers(ctx)):
-        outside = list(promise.tp_outside_moe)
-        cut = cuts.get(layer)
-        if cut is not None and cut.sharded:  # the entry gathers the cut's values instead
-            outside.remove("all_gather")
-            outside += ["all_gather"] * len(cut.gathered)
-        for node in tp_by_layer[layer][False]:
-            if collective_kind(node) != "all_gather":
-                continue
-            if cut is not None and cut.sharded:
-                if node.args[0] not in cut.gathered:
-                    raise InternalError(
-                        f"layer {layer} gathers {node.args[0].name}, not one of its entry cut's "
-                        f"values {[n.name for n in cut.gathered]}",
-                        node,
-                    )
-                continue
-            ndim = node.args[0].meta["val"].dim()
-            if promise.gathered_ndim not in (None, ndim):
-                raise InternalError(
-                    f"{layout} layout: layer {layer} gathers a {ndim}-D value, expected the "
-                    f"{promise.gathered_ndim}-D layer input (the residual streams stay "
-                    "token-sharded across layers)",
-                    node,
-                )
-        for in_moe, expected, half in (
-            (False, outside, "outside its MoE half"),
-            (True, promise.tp_in_moe, "in its MoE half"),
-        ):
-            nodes = tp_by_layer[layer][in_moe]
-            kinds = tuple(sorted(collective_kind(n) for n in nodes))
-            if kinds != tuple(sorted(expected)):
-                raise InternalError(
-                    f"{layout} layout: layer {layer} has TP collectives {list(kinds)} {half}, "
-                    f"expected {sorted(expected)}",
-                    nodes[0] if nodes else None,
-                )
+            ep_by_region[node.meta[REGION]] += not lookup
     expected_a2a = ALL_TO_ALLS[ctx.options.ep_dispatch]
     for info in ep_layers(ctx):
         if ep_by_region[info.region] != expected_a2a:
@@ -314,10 +345,86 @@ def _check_layout(gm: GraphModule, ctx: CompileContext) -> None:
             )
 
 
-def _decoder_layers(ctx: CompileContext) -> set[int]:
-    layers = set()
-    for fqn in ctx.param_fqns.values():
-        layer = ctx.adapter.site(fqn.rsplit(".", 1)[0]).layer
-        if layer is not None:
-            layers.add(layer)
-    return layers
+def _used(node: Node) -> bool:
+    """A collective's result (after its wait) is read."""
+    return any(u.target is not c10d.wait_tensor.default or u.users for u in node.users)
+
+
+def _reduces_tokens(node: Node) -> bool:
+    """An all-reduce of a value whose dim 0 is the token count (its partial's, before
+    localization)."""
+    source = node.args[0]
+    while source.meta.get(GLOBAL_VAL) is None and source.args and isinstance(source.args[0], Node):
+        source = source.args[0]
+    return _has_token_dim(source)
+
+
+_HALVES = {"attention": "attention half", "moe": "MoE half", "layer": "between its halves"}
+
+
+def _ends(node: Node) -> tuple[Node, list[Node]]:
+    """The value a collective redistributes and the model nodes that read the result: past the
+    nodes inserted around it (pads, waits, splits: they carry a reason)."""
+    producer = node.args[0]
+    while REASON in producer.meta and producer.op == "call_function":
+        inputs = [a for a in producer.args if isinstance(a, Node)]
+        if not inputs:  # made here (an exchange's index): no model value before it
+            break
+        producer = inputs[0]
+    consumers, todo = [], list(node.users)
+    while todo:
+        user = todo.pop()
+        if REASON in user.meta and user.op == "call_function":
+            todo += list(user.users)
+        else:
+            consumers.append(user)
+    return producer, consumers
+
+
+def _layouts(node: Node) -> bool:
+    """Whether a collective is one the layout makes: a value moving into or out of an anchored
+    module (the plan's anchors and exits: attention's entry gather, its exit), or a value the
+    entry cut put on the token shard. An op's own exchange (a shift's rows, a statistic's sum)
+    and a gather its rule asks for stay inside one module."""
+    producer, consumers = _ends(node)
+    if str(producer.meta.get(RULE, "")).startswith("entry cut"):
+        return True
+    regions = {producer.meta.get(REGION, "")} | {c.meta.get(REGION, "") for c in consumers}
+    return len(regions) > 1
+
+
+def _extra_collectives(gm: GraphModule, ctx: CompileContext) -> list[ExtraCollective]:
+    """Each decoder layer's TP collectives beyond the layout's (`expected_collectives`; where
+    the entry cut moved the gather, one AllGather per value it gathers), in graph order: the
+    collectives the layout makes (`_layouts`) are matched with its list first, kind by kind;
+    the others, and any beyond the list, are extra."""
+    promise = ctx.adapter.expected_collectives(ctx.options)
+    cuts = {ctx.adapter.site(region).layer: cut for region, cut in entry_cuts(ctx).items()}
+    remaining: dict[tuple[int, bool], list[str]] = {}
+    extra = []
+    for node in gm.graph.nodes:
+        kind = collective_kind(node)
+        if kind is None or collective_axis(node, ctx.mesh) != "tp":
+            continue
+        site = ctx.adapter.site(node.meta.get(REGION, ""))
+        if site.layer is None:
+            continue
+        in_moe = site.part == "moe"
+        key = (site.layer, in_moe)
+        if key not in remaining:
+            expected = list(promise.tp_in_moe if in_moe else promise.tp_outside_moe)
+            cut = cuts.get(site.layer)
+            if not in_moe and cut is not None and cut.sharded and "all_gather" in expected:
+                expected.remove("all_gather")  # the entry gathers the cut's values instead
+                expected += ["all_gather"] * len(cut.gathered)
+            remaining[key] = expected
+        if kind in remaining[key] and _layouts(node):
+            remaining[key].remove(kind)
+            continue
+        half = _HALVES.get(site.part, site.part)
+        extra.append(
+            ExtraCollective(
+                site.layer, half, node.name, kind, node.meta.get(REASON, ""), source_line(node)
+            )
+        )
+    return extra

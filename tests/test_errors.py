@@ -246,7 +246,79 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
         f"at {__file__}:{line}: block.forward = lambda h: "
         "forward(torch.ops.dsv41_test.mystery(h)) with input placements (S(0)); add a "
         "rule for it (dsv41_compile/spmd/rules.py, or the model adapter's `rules`: "
-        "docs/architecture.md) or change the model so this op sees replicated inputs"
+        'docs/architecture.md, "Adding an op rule") or change the model so this op sees '
+        "replicated inputs"
+    )
+
+
+def test_a_value_computed_from_a_sharded_parameter_is_not_gathered_per_call():
+    """A row of `down.weight.t()` (the weight is sharded on its columns, so its transpose on its
+    rows) where every rank needs the whole row: gathering it would re-gather the parameter on
+    every call, so it is the plan's error, as for the parameter itself."""
+    model = ToyLM()
+    block = model.blocks[1]
+    base = type(block)
+
+    def forward(self, h):
+        return base.forward(self, h + self.mlp.down.weight.t()[0])
+
+    block.__class__ = type("Block", (base,), {"forward": forward})
+    tokens = torch.arange(7)
+    with toy_family():
+        error = raised(
+            lambda: compile_model_on_fake_rank(model, (tokens,), {"tp": 4}, token_inputs=(tokens,))
+        )
+    line = next(
+        i + 1
+        for i, text in enumerate(Path(__file__).read_text().splitlines())
+        if "self.mlp.down.weight.t()[0])" in text
+    )
+    assert_error(
+        error,
+        ValueError,
+        "the plan places blocks.1.mlp.down.weight as S(1), but node select (aten.select.int) in "
+        f"module blocks.1 at {__file__}:{line}: return base.forward(self, h + "
+        "self.mlp.down.weight.t()[0]) needs t_2, computed from it (S(0)), as R (rule (R) -> R); "
+        "the parameter would be re-gathered on every call. If the op splits the sharded dim, "
+        "choose a tp that divides it; otherwise change the plan or the model so this op sees "
+        "the shard",
+    )
+
+
+def test_a_size_that_makes_t_a_number_names_the_op():
+    """Without `mark_token_dim` Dynamo traces the first call with T = 7 written as a number;
+    the backend makes it T again where a view's or a factory's size is T, but not in
+    `torch.full`'s size tuple: meeting that value against T rows would make the graph one for
+    T = 7 only. The error names the op and what to write instead, and `mark_token_dim` (where
+    the same model compiles) is the way out, not a way back here."""
+    model = ToyLM()
+    block = model.blocks[1]
+    base = type(block)
+
+    def forward(self, h):
+        return base.forward(self, h + torch.full((h.shape[0], 1), 0.5))
+
+    block.__class__ = type("Block", (base,), {"forward": forward})
+    tokens = torch.arange(7)
+    with toy_family():
+        error = raised(lambda: compile_model_on_fake_rank(model, (tokens,), {"tp": 4}))
+        marked = compile_model_on_fake_rank(model, (tokens,), {"tp": 4}, token_inputs=(tokens,))
+    assert marked[2].shape == (7, 64)
+    line = next(
+        i + 1
+        for i, text in enumerate(Path(__file__).read_text().splitlines())
+        if "torch.full((h.shape[0], 1), 0.5)" in text
+    )
+    assert_error(
+        error,
+        ValueError,
+        f"dsv41_sp compiles one graph for every token count T, and add at {__file__}:{line}: "
+        "return base.forward(self, h + torch.full((h.shape[0], 1), 0.5)) makes T the number 7: "
+        "Dynamo traced the first call with static sizes, and this op meets T rows against a "
+        "size 7 that the backend could not tell from T (a size given to torch.full, a slice's "
+        "bound). Call dsv41_compile.mark_token_dim(tokens) before each call (Dynamo then "
+        "traces T as a symbol), or make the value from a tensor with the T rows "
+        "(torch.full_like(x[:, :1], v), x.new_full((T, 1), v))",
     )
 
 
@@ -295,8 +367,8 @@ def test_bad_options(options, message):
         (
             {"tp": 4, "dump_after": ["insert", "lower"]},
             "dump_after names no pass: ['lower']; the passes are ('inline_regions', "
-            "'token_sizes', 'annotate', 'entry_cut', 'insert', 'localize', 'expert_parallel', "
-            "'tables', 'graph_mode', 'verify')",
+            "'token_sizes', 'annotate', 'token_shifts', 'entry_cut', 'insert', 'localize', "
+            "'expert_parallel', 'tables', 'graph_mode', 'verify')",
         ),
         (
             {"tp": 4, "layout": "replicated"},

@@ -173,17 +173,17 @@ def print_tables(doc: dict) -> None:
         )
         for part in ("entry", "exit"):
             _row(f"{part} (per call)", [c["parts"][part]["bytes_sent"] for c in by])
-        _print_tables(sc, by)
+        _print_tables(sc, by, doc["tp"])
         print(f"  {'FLOPs':<28}")
         _row("attention half", [c["attention_flops_per_layer_per_rank"] for c in by])
         _row("MoE half", [c["moe_flops_per_layer_per_rank"] for c in by])
         print()
 
 
-def _print_tables(sc: dict, by: list[dict]) -> None:
+def _print_tables(sc: dict, by: list[dict], tp: int) -> None:
     """The column-split tables' exchange (Engram) per layer that has one, beside that layer's
     other collectives; a replicated table exchanges nothing."""
-    tokens = sc["tokens_per_dp_group"]
+    tokens = -(-sc["tokens_per_dp_group"] // tp)  # the rank's token shard, Tl
     for config, cost in zip(CONFIGS, by):
         tables = cost["tables"]
         if not tables["layers"]:
@@ -192,7 +192,7 @@ def _print_tables(sc: dict, by: list[dict]) -> None:
         sent = tables["bytes_sent_per_table_layer"]
         print(
             f"  {config:<11} Engram exchange per Engram layer {tables['layers']}: sent "
-            f"{_fmt(sent)}B ({_fmt(sent / tokens)}B per token of the DP group), received "
+            f"{_fmt(sent)}B ({_fmt(sent / tokens)}B per token of the rank's shard), received "
             f"{_fmt(tables['bytes_received_per_table_layer'])}B; the layer's other collectives "
             f"{_fmt(tables['other_bytes_sent_per_table_layer'])}B"
         )

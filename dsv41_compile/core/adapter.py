@@ -2,7 +2,7 @@
 
 The passes are generic: they place, communicate, localize and verify any graph. What is
 specific to a model -- the sharding plan, which inputs carry the token count, where a decoder
-layer and its MoE half are, the routed-experts op, what the layout promises per layer, the ops
+layer and its MoE half are, the routed-experts op, the layout's collectives per layer, the ops
 graph mode must rewrite -- comes from the family's `ModelAdapter` (`models/`), and generic code
 never names a module of a particular model.
 """
@@ -93,13 +93,13 @@ class TableLookup:
 
 @dataclass(frozen=True)
 class LayerCollectives:
-    """What a layout promises for each decoder layer: the TP collectives outside its MoE half
-    and in it (collective kinds, sorted), and the number of dims of every value gathered over
-    tp outside the MoE (None: not checked)."""
+    """The TP collectives of a layout for each decoder layer of the family's stock model,
+    outside its MoE half and in it (collective kinds). Not a promise about every model: an
+    edited model may need others (a statistic over the tokens, a shift), which `verify` lists
+    for `graph.py` as the layer's extra collectives with the op that needs each."""
 
     tp_outside_moe: tuple[str, ...]
     tp_in_moe: tuple[str, ...]
-    gathered_ndim: int | None = None
 
 
 GraphModeRewrite = Callable[..., Any]
@@ -177,7 +177,8 @@ class ModelAdapter(abc.ABC):
 
     @abc.abstractmethod
     def expected_collectives(self, options: BackendOptions) -> LayerCollectives:
-        """What `options.layout` promises per decoder layer (checked by `verify`)."""
+        """The TP collectives of `options.layout` per decoder layer of the stock model (what
+        `graph.py` counts a layer's others against)."""
 
     @abc.abstractmethod
     def check(self, options: BackendOptions, param_shapes: Mapping[str, Sequence[int]]) -> None:

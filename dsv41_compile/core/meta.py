@@ -15,6 +15,7 @@ __all__ = [
     "IN",
     "NAMED",
     "OUT",
+    "REAL_ROWS",
     "REASON",
     "REGION",
     "RULE",
@@ -38,6 +39,8 @@ REASON = "dsv41_reason"  # str: on inserted nodes, why they exist
 GLOBAL_VAL = "dsv41_global_val"  # the node's value before localization (global shapes)
 SYMBOL = "dsv41_symbol"  # str: the name a size node prints as ("T", "Tl_max"); see core.symbols
 NAMED = "dsv41_named"  # bool: a pass chose the node's name (`Emitter.named`); printers keep it
+TABLE = "dsv41_table"  # bool: a collective of a column-split table's exchange (`tables`)
+REAL_ROWS = "dsv41_real_rows"  # bool: a token shard whose padding rows hold a reduction's identity
 EP_SOURCE = (
     "dsv41_ep_source"  # bool: the node reads what the EP dispatch sends (its first argument)
 )

@@ -21,7 +21,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
 from dsv41_compile.core.meta import SYMBOL
-from dsv41_compile.core.torch_private import tree_leaves
+from dsv41_compile.core.torch_private import SympyMax, SympyMin, tree_leaves
 
 __all__ = [
     "PLANNING_TOKENS",
@@ -31,8 +31,10 @@ __all__ = [
     "hint",
     "hint_shape",
     "in_named_symbols",
+    "is_token_count",
     "new_unbacked_symbols",
     "register_token_symbol",
+    "same_for_every_value",
     "size_expr",
 ]
 
@@ -51,12 +53,62 @@ _HINTS: weakref.WeakKeyDictionary[ShapeEnv, dict[sympy.Expr, int]] = weakref.Wea
 
 
 def register_token_symbol(size: object) -> None:
-    """Make `size` (the token input's length) a token symbol of its shape env: `hint` then
-    evaluates it at `PLANNING_TOKENS`. A static size has nothing to register."""
-    if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-        env = size.node.shape_env
-        _TOKEN_SYMBOLS.setdefault(env, set()).add(size.node.expr)
-        _HINTS.pop(env, None)
+    """Make `size` (the token input's length) the token count of its shape env: `hint` then
+    evaluates it at `PLANNING_TOKENS`. A static size has nothing to register.
+
+    The token count is usually a symbol. It is an expression when the shape env replaced the
+    symbol by one it found equal to it: `x[:1]` and `x[1:]` concatenated and met against T rows
+    make `Max(0, u1 - Min(1, u1)) + Min(1, u1)` of the slice's own symbol u1. Every size the
+    graph derived from T then holds that expression, which is registered as it is, and so is
+    the symbol it equals for every value (`same_for_every_value`)."""
+    if not isinstance(size, torch.SymInt):
+        return
+    env, expr = size.node.shape_env, size.node.expr
+    tokens = _TOKEN_SYMBOLS.setdefault(env, set())
+    tokens.add(expr)
+    if not isinstance(expr, sympy.Symbol):
+        tokens.update(s for s in expr.free_symbols if same_for_every_value(expr, s))
+    _HINTS.pop(env, None)
+
+
+_PIECEWISE_LINEAR = (
+    sympy.Add,
+    sympy.Max,
+    sympy.Min,
+    SympyMax,
+    SympyMin,
+    sympy.Symbol,
+    sympy.Integer,
+)
+"""(torch's shape env writes Max and Min as its own sympy functions.)"""
+
+
+def same_for_every_value(expr: sympy.Expr, symbol: sympy.Symbol) -> bool:
+    """Whether `expr` equals `symbol` for every value >= 0 of it: `expr` is built of sums,
+    integer multiples, Max and Min of `symbol` and integers -- piecewise linear, with its
+    breaks at integers no larger than the sum c of its constants' magnitudes -- and agrees
+    with `symbol` at 0 .. 2c + 2 (two points beyond the last break: linear there)."""
+    if expr.free_symbols != {symbol}:
+        return False
+    constants = 0
+    for part in sympy.preorder_traversal(expr):
+        if isinstance(part, sympy.Mul):  # an integer times one term
+            if sum(not isinstance(a, sympy.Integer) for a in part.args) > 1:
+                return False
+        elif not isinstance(part, _PIECEWISE_LINEAR):
+            return False
+        if isinstance(part, sympy.Integer):
+            constants += abs(int(part))
+    return all(expr.xreplace({symbol: sympy.Integer(v)}) == v for v in range(2 * constants + 3))
+
+
+def is_token_count(size: object) -> bool:
+    """Whether `size` is the token count T: a registered token symbol or expression
+    (`register_token_symbol`). A dim of this size is a token dim; `T - 1`, `2*T` or a number
+    are not."""
+    if not isinstance(size, torch.SymInt):
+        return False
+    return size.node.expr in _TOKEN_SYMBOLS.get(size.node.shape_env, ())
 
 
 def hint(size: object) -> int:
@@ -68,7 +120,7 @@ def hint(size: object) -> int:
     env, expr = size.node.shape_env, size.node.expr
     hints = _HINTS.setdefault(env, {})
     if expr not in hints:
-        tokens = _TOKEN_SYMBOLS.get(env, set())
+        tokens = {s for e in _TOKEN_SYMBOLS.get(env, ()) for s in e.free_symbols}
         backed = env.backed_var_to_val
         values = {
             s: backed[s] if s in backed and s not in tokens else PLANNING_TOKENS

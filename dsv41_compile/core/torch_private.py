@@ -41,6 +41,8 @@ from torch.fx._graph_pickler import GraphPickler
 from torch.fx._graph_pickler import Options as GraphPicklerOptions
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 from torch.utils._sympy.functions import FloorDiv
+from torch.utils._sympy.functions import Max as SympyMax
+from torch.utils._sympy.functions import Min as SympyMin
 
 __all__ = [
     "CHECKED_WITH",
@@ -53,6 +55,8 @@ __all__ = [
     "GraphPicklerOptions",
     "OpOverload",
     "OpSchema",
+    "SympyMax",
+    "SympyMin",
     "TensorMeta",
     "TensorifyScalarRestartAnalysis",
     "TensorifyState",
@@ -70,6 +74,7 @@ __all__ = [
     "mark_unbacked",
     "recompile_limit",
     "register_backend",
+    "replace_meta_kernel",
     "register_process_group",
     "sharding_propagator",
     "tracing",
@@ -85,6 +90,18 @@ CHECKED_WITH = "2.13.0"
 
 register_process_group = _register_process_group
 unregister_process_group = _unregister_process_group
+
+
+def replace_meta_kernel(op: OpOverload, kernel: Any) -> None:
+    """Make `kernel` what fake and meta tensors run for `op`: torch's table of Python meta
+    kernels (`torch._decomp.meta_table`, which fake tensors ask before an op's decomposition)
+    and the op's Python `Meta` kernel (what the Python dispatcher runs)."""
+    from torch._decomp import meta_table
+
+    meta_table[op] = kernel
+    op.py_kernels.pop(torch._C.DispatchKey.Meta, None)
+    op._dispatch_cache.clear()
+    op.py_impl(torch._C.DispatchKey.Meta)(kernel)
 
 
 def recompile_limit() -> int:

@@ -37,12 +37,11 @@ from dsv41_compile.core.adapter import PARTS
 from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
-from dsv41_compile.core.meta import REGION, module_paths
+from dsv41_compile.core.meta import TABLE, module_paths
 from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols
 from dsv41_compile.core.torch_private import FloorDiv
 from dsv41_compile.moe.stats import EpLayer, ep_layers
 from dsv41_compile.report.comm import collective_bytes
-from dsv41_compile.tables.exchange import TableRegions
 
 __all__ = ["PARTS", "Cost", "graph_costs", "per_layer_formulas", "summarize"]
 
@@ -71,7 +70,6 @@ def graph_costs(gm: GraphModule, ctx: CompileContext) -> list[Cost]:
     """Every collective and matmul-like node of the rewritten graph `gm`, with its part, layer,
     bytes and FLOPs as formulas in T (see the module docstring for the substitutions)."""
     names = _substitutions(gm, ctx)
-    tables = set(ctx.get(TableRegions, TableRegions()))
     costs = []
     moe_started: set[int] = set()
     seen_layer = False
@@ -100,7 +98,7 @@ def graph_costs(gm: GraphModule, ctx: CompileContext) -> list[Cost]:
             flops = _in_t(_flops(node, ctx), names, node)
         else:
             continue
-        table = kind != "matmul" and node.meta.get(REGION) in tables
+        table = kind != "matmul" and node.meta.get(TABLE, False)
         costs.append(Cost(node.name, part, here, kind, axis, sent, received, flops, table))
     return costs
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -25,12 +26,43 @@ from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols, in_named_symbol
 
 __all__ = [
     "EXAMPLE_TOKEN_COUNTS",
+    "ExtraCollective",
+    "ExtraCollectives",
     "collective_bytes",
     "comm_records",
     "format_size",
 ]
 
 EXAMPLE_TOKEN_COUNTS = (1, 8, 2048)
+
+
+@dataclass(frozen=True)
+class ExtraCollective:
+    """A TP collective of a decoder layer beyond the layout's (`ModelAdapter.
+    expected_collectives`): what an edit of the model costs, and the op that needs it."""
+
+    layer: int
+    half: str
+    """Where in the layer: "attention half", "MoE half" or "between its halves" (the
+    layer's own ops, outside both modules)."""
+    node: str
+    kind: str
+    reason: str
+    """The collective's reason: which op needs which value in which placement, and why."""
+    line: str
+    """The model source line of the op that needs it."""
+
+    def text(self) -> str:
+        at = f" at {self.line}" if self.line else ""
+        return f"layer {self.layer}, {self.half}: {self.kind}(tp) {self.node}{at} <- {self.reason}"
+
+
+@dataclass(frozen=True)
+class ExtraCollectives:
+    """verify's list of every decoder layer's collectives beyond the layout's, in graph order
+    (`graph.py` prints it under its inputs)."""
+
+    collectives: tuple[ExtraCollective, ...]
 
 
 def _numel(val: torch.Tensor) -> sympy.Expr:

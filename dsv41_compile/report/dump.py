@@ -18,6 +18,7 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.mesh import Mesh
 from dsv41_compile.core.meta import REGION
 from dsv41_compile.moe.stats import EpLayer
+from dsv41_compile.report.comm import ExtraCollectives
 from dsv41_compile.report.graph_printer import format_folded, format_graph
 
 __all__ = [
@@ -61,7 +62,18 @@ def graph_text(gm: GraphModule, ctx: CompileContext) -> str:
         return layer_modules[region]
 
     body = format_folded(gm, labels=labels, groups=groups, unit_of=unit_of)
-    return "# inputs, in order:\n" + "\n".join(inputs) + "\n\n" + body + "\n"
+    head = "# inputs, in order:\n" + "\n".join(inputs) + "\n\n"
+    extra = ctx.get(ExtraCollectives, ExtraCollectives(())).collectives
+    if extra:
+        promise = ctx.adapter.expected_collectives(ctx.options)
+        head += (
+            f"# collectives beyond the {ctx.options.layout} layout's (per decoder layer: "
+            f"{list(promise.tp_outside_moe)} outside its MoE half, {list(promise.tp_in_moe)} in "
+            "it), each with the op that needs it:\n"
+            + "\n".join(f"#   {c.text()}" for c in extra)
+            + "\n\n"
+        )
+    return head + body + "\n"
 
 
 def layer_module(region: str, ctx: CompileContext) -> str | None:

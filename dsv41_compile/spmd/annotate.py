@@ -7,10 +7,11 @@ and `meta[REGION]`.
 
 Sources of placements, in order: the plan's parameter placements; the plan's exits and anchors
 (an activation leaving a module with an exit placement takes it, then one entering an anchored
-module takes the anchor's); a partial sum is redistributed to the plan's `partial_to` before any
-use (reduce-scattered to token shards in `sp`, all-reduced in `replicated`; so the reduction
-always runs on the fp32 partial the model computed, never on a rounded or transformed copy);
-then the op rules.
+module takes the anchor's); a partial sum is redistributed before any use -- one with a token
+dim to the plan's `partial_to` (reduce-scattered to token shards in `sp`, all-reduced in
+`replicated`), one without (a sum over the tokens: a statistic) all-reduced -- so the reduction
+always runs on the partial the model computed, never on a rounded or transformed copy; then the
+op rules (`spmd.rules`, the ops along the token dim in `spmd.token_ops`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from dsv41_compile.core.meta import (
     tensor_inputs,
 )
 from dsv41_compile.core.placements import ExpertShard, format_placement
+from dsv41_compile.core.symbols import is_token_count
+from dsv41_compile.spmd import token_ops  # noqa: F401  (registers the token-dim rules)
 from dsv41_compile.spmd.rules import rule_answers, strategy_for
 
 __all__ = ["annotate", "exit_placement"]
@@ -49,7 +52,9 @@ def _output_placement(node: Node) -> Placement:
 
 def annotate(gm: GraphModule, *, ctx: CompileContext) -> None:
     mesh, plan = ctx.mesh.tp_mesh, ctx.plan
+    parameters: dict[Node, Node] = {}  # value -> the parameter it is computed from alone
     for node in gm.graph.nodes:
+        _note_parameter(node, ctx, parameters)
         node.meta[GLOBAL_VAL] = node.meta.get("val")
         paths = module_paths(node)
         anchored = plan.anchor(paths)
@@ -60,7 +65,7 @@ def annotate(gm: GraphModule, *, ctx: CompileContext) -> None:
             node.meta[OUT] = node.args[0].meta[OUT][node.args[1]]
             node.meta[RULE] = "getitem"
         elif node.op == "call_function":
-            _annotate_call(node, ctx, mesh, anchored)
+            _annotate_call(node, ctx, mesh, anchored, parameters)
         elif node.op == "output":
             inputs = tensor_inputs(node)
             node.meta[IN] = tuple(Replicate() for _ in inputs)
@@ -108,7 +113,11 @@ def _indivisible(fqn: str, shape: list, placement: Placement, parts: int, advice
 
 
 def _annotate_call(
-    node: Node, ctx: CompileContext, mesh: DeviceMesh, anchored: tuple[str, Placement] | None
+    node: Node,
+    ctx: CompileContext,
+    mesh: DeviceMesh,
+    anchored: tuple[str, Placement] | None,
+    parameters: dict[Node, Node],
 ) -> None:
     inputs = tensor_inputs(node)
     given: list[Placement] = []
@@ -119,7 +128,7 @@ def _annotate_call(
             if anchored is not None and anchored[0] not in module_paths(producer):
                 placement = anchored[1]
         if isinstance(placement, Partial):
-            placement = ctx.plan.partial_to
+            placement = ctx.plan.partial_to if _has_tokens(producer) else Replicate()
         given.append(placement)
 
     _check_no_size_of_shard(node, inputs)
@@ -133,10 +142,15 @@ def _annotate_call(
         )
     for producer, needed in zip(inputs, strategy.inputs):
         have = _output_placement(producer)
-        if _is_param(producer, ctx) and needed != have and not isinstance(have, Replicate):
+        param = parameters.get(producer)
+        if param is not None and needed != have and not isinstance(have, Replicate):
+            it = "it"
+            if param is not producer:
+                it = f"{producer.name}, computed from it ({format_placement(have)}),"
             raise ValueError(
-                f"the plan places {ctx.param_fqns[producer.name]} as {format_placement(have)}, "
-                f"but {describe(node)} needs it as {format_placement(needed)} "
+                f"the plan places {ctx.param_fqns[param.name]} as "
+                f"{format_placement(param.meta[OUT])}, "
+                f"but {describe(node)} needs {it} as {format_placement(needed)} "
                 f"(rule {strategy}); the parameter would be re-gathered on every call. If the "
                 f"op splits the sharded dim, {ctx.adapter.tp_advice('it')}; otherwise change "
                 "the plan or the model so this op sees the shard"
@@ -157,8 +171,26 @@ def exit_placement(producer: Node, consumer: Node, ctx: CompileContext) -> Place
     return leaving[1]
 
 
+def _has_tokens(node: Node) -> bool:
+    """Whether `node`'s value has the token dim first (a partial of it goes to `partial_to`)."""
+    val = node.meta.get(GLOBAL_VAL, node.meta.get("val"))
+    return isinstance(val, torch.Tensor) and val.dim() > 0 and is_token_count(val.shape[0])
+
+
 def _is_param(node: Node, ctx: CompileContext) -> bool:
     return node.op == "placeholder" and node.name in ctx.param_fqns
+
+
+def _note_parameter(node: Node, ctx: CompileContext, parameters: dict[Node, Node]) -> None:
+    """Note in `parameters` the parameter `node`'s value is computed from alone (the
+    parameter, a view or transpose of it: every tensor input a parameter or computed from
+    them); an activation is not noted. Nodes come in graph order."""
+    if _is_param(node, ctx):
+        parameters[node] = node
+    elif node.op == "call_function" and node.target is not operator.getitem:
+        inputs = tensor_inputs(node)
+        if inputs and all(p in parameters for p in inputs):
+            parameters[node] = parameters[inputs[0]]
 
 
 def _check_no_size_of_shard(node: Node, inputs: list[Node]) -> None:

@@ -12,13 +12,14 @@ redistributed because it leaves a module with an exit placement is redistributed
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.fx import GraphModule, Node
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REGION, RULE
 from dsv41_compile.core.placements import format_placement
 from dsv41_compile.core.plan import pattern_matches
+from dsv41_compile.core.symbols import is_token_count
 from dsv41_compile.spmd.annotate import exit_placement
 from dsv41_compile.spmd.transitions import TokenSizes, pad_value, redistribute
 
@@ -52,7 +53,7 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> None:
                 with graph.inserting_before(consumer):
                     out = redistribute(
                         graph, arg, src, dst, sizes,
-                        site=site, why=why, fill=fill, choice=_choice(consumer, ctx),
+                        site=site, why=why, fill=fill, choice=_choice(arg, consumer, dst, ctx),
                     )  # fmt: skip
                 out.meta[OUT] = dst
                 out.meta[GLOBAL_VAL] = arg.meta[GLOBAL_VAL]  # same global value, new placement
@@ -65,10 +66,26 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> None:
     gm.recompile()
 
 
-def _choice(consumer: Node, ctx: CompileContext) -> str | None:
-    """The adapter's decision (`ctx.choices`) behind a transition into `consumer`'s region."""
+def _choice(value: Node, consumer: Node, dst: Placement, ctx: CompileContext) -> str | None:
+    """The decision (`ctx.choices`: the adapter's attention exit, the entry cut) behind a
+    transition into `consumer`'s region: the layout's gathers of token shards and its
+    reductions or all-to-alls into them. Not a gather an op's own rule asks for (a shift, a
+    statistic over the tokens, an op along the heads), which its reason explains."""
+    if str(consumer.meta.get(RULE, "")).startswith("tokens gathered"):
+        return None
+    src = value.meta[OUT]
+    tokens = is_token_count(_global_shape(value)[0]) if _global_shape(value) else False
+    gathered = src == Shard(0) and isinstance(dst, Replicate)
+    scattered = dst == Shard(0) and (isinstance(src, Partial) or src == Shard(1))
+    if not tokens or not (gathered or scattered):
+        return None
     region = consumer.meta.get(REGION, "")
     return next((why for p, why in ctx.choices.items() if pattern_matches(p, region)), None)
+
+
+def _global_shape(value: Node) -> tuple:
+    val = value.meta.get(GLOBAL_VAL)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
 
 
 def _why(value: Node, consumer: Node, dst: Placement) -> str:

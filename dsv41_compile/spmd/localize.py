@@ -5,8 +5,11 @@ Ensures: `ctx.signature`, the program's inputs, with the shard of each sharded p
 runtime hands the graph the local shard, sliced once: a tp shard by `tp_rank`, an expert shard
 by the world rank); every size argument that names a sharded dim is the local size (a
 `-1` where the op can infer it, the token-shard length `Tl`, or `size // tp`); a vocab-sharded
-embedding looks up only its own rows and leaves zeros elsewhere (its partial sum). Ops that
-would create a sharded tensor from a global size are refused.
+embedding looks up only its own rows and leaves zeros elsewhere (its partial sum); the ops
+along the token dim compute this rank's rows (`spmd.token_ops`: a partial over the tokens
+reads no padding row, a mean divides by T, a scan adds the shards before it, a shift or a roll
+takes the rows it needs from the other ranks). Ops that would create a sharded tensor from a
+global size are refused.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import GLOBAL_VAL, OUT, REASON, describe
 from dsv41_compile.core.placements import ColumnShard, ExpertShard
 from dsv41_compile.core.signature import ParamInput, ParamShard, ProgramSignature
+from dsv41_compile.spmd.token_ops import localize_token_ops
 from dsv41_compile.spmd.transitions import TokenSizes
 
 __all__ = ["column_ranges", "localize"]
@@ -59,6 +63,7 @@ def localize(gm: GraphModule, *, ctx: CompileContext) -> None:
                 f"{describe(node)} creates a {out} tensor from a global size; compute it from a "
                 f"token-sharded input instead"
             )
+    localize_token_ops(gm, ctx.get(TokenSizes))
     gm.graph.lint()
     gm.recompile()
 

@@ -2,12 +2,25 @@
 
 Order of lookup for a node:
 1. the model adapter's rules (its routed-experts op: `moe.rules`; its other custom ops), then
-   ours (token-preserving views, the vocab-sharded lookup), registered with `@rule(op)`;
-   a rule may return None to pass the node on;
+   ours (token-preserving views, the vocab-sharded lookup; the ops along the token dim:
+   `spmd.token_ops`), registered with `@rule(op)`; a rule may return None to pass the node on;
 2. every tensor input replicated -> every output replicated: a deterministic op of replicated
    values is replicated -- semantics, not a fallback;
-3. DTensor's rules for ATen ops, through the one adapter module;
+3. DTensor's rules for ATen ops, through the one adapter module, where they hold for token
+   shards (below);
 otherwise the op has no rule: `NotImplementedError` naming node, op, placements and source line.
+
+DTensor's rules are written for even shards of static sizes. The token dim is neither: a token
+shard is `Tl = ceil(T/tp)` rows with padding at the tail, and the transitions move it between
+`S(0)`, `R` and partial sums only. So an answer of DTensor's is taken for an op with a
+token-sharded input only when it keeps the token dim on dim 0, and a partial sum over it is a
+plain sum, max or min (not the mean's average over uneven shards, not a norm's or a product's)
+in a dtype whose sum is exact enough (fp32, fp64, integers). Otherwise -- and where DTensor's
+rule refuses the token shards -- the token-sharded inputs are gathered (`S(0) -> R`) and the
+rules are asked again: any op is right on gathered rows, at the cost of the gather, which
+`graph.py` lists with the op. An op no rule knows at all (a custom op of the model) is an
+error that says how to give it one: gathering blindly before every such op would hide its
+cost, and a rule is a few lines (docs/architecture.md, "Adding an op rule").
 """
 
 from __future__ import annotations
@@ -22,14 +35,22 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dsv41_compile.core.context import CompileContext
-from dsv41_compile.core.meta import describe, is_tensor
+from dsv41_compile.core.meta import GLOBAL_VAL, describe, is_tensor, tensor_inputs
 from dsv41_compile.core.placements import format_placement
 from dsv41_compile.core.registry import Registry
 from dsv41_compile.core.strategy import RuleFn, Strategy
-from dsv41_compile.core.symbols import hint, hint_shape
+from dsv41_compile.core.symbols import PLANNING_TOKENS, hint, hint_shape, is_token_count
 from dsv41_compile.spmd.dtensor_adapter import PlacedTensor, propagate
 
-__all__ = ["RULES", "RuleAnswers", "rule", "rule_answers", "strategy_for"]
+__all__ = [
+    "EXACT_SUMS",
+    "RULES",
+    "RuleAnswers",
+    "is_token_shard",
+    "rule",
+    "rule_answers",
+    "strategy_for",
+]
 
 RULES: Registry[RuleFn] = Registry("sharding rule")
 """Our rules of ATen ops, by op."""
@@ -44,6 +65,23 @@ def rule(*ops: object) -> Callable[[RuleFn], RuleFn]:
         return fn
 
     return register
+
+
+EXACT_SUMS = (torch.float32, torch.float64, torch.int32, torch.int64)
+"""Dtypes whose partial sums over the token shards add up to the single-device sum within
+its own rounding: a lower-precision float is summed by one device in fp32 and rounded once."""
+
+
+def _global(node: Node) -> torch.Tensor:
+    return node.meta.get(GLOBAL_VAL, node.meta.get("val"))
+
+
+def is_token_shard(node: Node, placement: Placement | None) -> bool:
+    """Whether `placement` of `node`'s value shards its token dim: `S(d)` with dim d of size T."""
+    if not isinstance(placement, Shard):
+        return False
+    val = _global(node)
+    return isinstance(val, torch.Tensor) and is_token_count(val.shape[placement.dim])
 
 
 def _outputs(node: Node, placement: Placement) -> tuple[Placement | None, ...]:
@@ -130,21 +168,124 @@ def strategy_for(
     if node.kwargs and any(is_tensor(v) for v in node.kwargs.values()):
         raise NotImplementedError(f"{describe(node)}: tensor keyword arguments have no rule")
     placements = ", ".join(format_placement(p) for p in given)
+    inputs = tensor_inputs(node)
     try:
-        return propagate(node.target, args, mesh, dict(node.kwargs), answers), "dtensor"
+        strategy = propagate(node.target, args, mesh, dict(node.kwargs), answers)
     except NotImplementedError:  # (before RuntimeError, its base class)
         raise NotImplementedError(
             f"no sharding rule for {describe(node)} with input placements ({placements}); add a "
             "rule for it (dsv41_compile/spmd/rules.py, or the model adapter's `rules`: "
-            "docs/architecture.md) or change the model so this op sees replicated inputs"
+            'docs/architecture.md, "Adding an op rule") or change the model so this op sees '
+            "replicated inputs"
         ) from None
-    except RuntimeError as error:  # DTensor refuses this input sharding outright
+    except (RuntimeError, AssertionError) as error:  # DTensor refuses this input sharding
         reason = str(error).strip().rstrip(".")
+        why = f"DTensor's rule for {node.target} refuses ({placements})"
+        gathered = _tokens_gathered(node, inputs, given, mesh, model_rules, answers, why)
+        if gathered is not None:
+            return gathered
         raise NotImplementedError(
             f"DTensor's rule for {describe(node)} rejects input placements ({placements}): "
             f"{reason}. A size this op splits is not a multiple of the mesh: check that tp "
-            "divides it, or give the op a rule (docs/architecture.md)"
+            'divides it, or give the op a rule (docs/architecture.md, "Adding an op rule")'
         ) from None
+    off = _off_token_layout(node, inputs, given, strategy)
+    if off is None:
+        return strategy, "dtensor"
+    why = f"DTensor's rule for {node.target} {off}"
+    gathered = _tokens_gathered(node, inputs, given, mesh, model_rules, answers, why)
+    if gathered is None:
+        raise NotImplementedError(
+            f"{why}, at {describe(node)} with input placements ({placements}); give the op a "
+            "rule (dsv41_compile/spmd/rules.py or the model adapter's `rules`: "
+            'docs/architecture.md, "Adding an op rule")'
+        )
+    return gathered
+
+
+def _off_token_layout(
+    node: Node, inputs: list[Node], given: Sequence[Placement], strategy: Strategy
+) -> str | None:
+    """Why DTensor's `strategy` cannot run on token shards (the module docstring), or None."""
+    sharded = False
+    for producer, have, need in zip(inputs, given, strategy.inputs):
+        if is_token_shard(producer, have):
+            sharded = True
+            if need != have and not isinstance(need, Replicate):
+                return f"moves the token shards of {producer.name} to {format_placement(need)}"
+        elif need != have and is_token_shard(producer, need) and need.dim != 0:
+            return f"shards the token dim {need.dim} of {producer.name}"
+        elif need != have and isinstance(need, Shard) and not _splittable(producer, need.dim):
+            size = _global(producer).shape[need.dim]
+            return f"splits dim {need.dim} of {producer.name}, of size {size}"
+    if not sharded:
+        return None
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    for out, v in zip(strategy.outputs, vals):
+        if not isinstance(v, torch.Tensor):
+            continue
+        if isinstance(out, Shard):
+            size = v.shape[out.dim]
+            if is_token_count(size) and out.dim != 0:
+                return f"leaves the token dim sharded on dim {out.dim}"
+            if not _token_like(size, out.dim) and not isinstance(size, int):
+                return f"shards a dim of size {size} (not the token count T)"
+        elif isinstance(out, Replicate) and not _reads_no_rows(node):
+            if any(is_token_shard(p, n) for p, n in zip(inputs, strategy.inputs)):
+                return "replicates its output without gathering its token shards"
+        elif isinstance(out, Partial):
+            if type(out) is not Partial or out.reduce_op not in ("sum", "max", "min"):
+                return f"makes a partial {format_placement(out)} of the token shards"
+            if out.reduce_op == "sum" and v.dtype not in EXACT_SUMS:
+                return f"sums the token shards in {v.dtype}"
+    return None
+
+
+def _token_like(size: object, dim: int) -> bool:
+    """A dim 0 the rules saw as T rows: T, or a size equal to it for T >= 1 (`x[:-1]` and one
+    row, as a broadcast meets it), which a token shard's local slice pads or crops to tp*Tl."""
+    return dim == 0 and isinstance(size, torch.SymInt) and hint(size) == PLANNING_TOKENS
+
+
+def _splittable(node: Node, dim: int) -> bool:
+    """Whether a replicated value's dim `dim` can be split into tp shards by a local slice: a
+    static size (an even split), or a token-like dim 0."""
+    size = _global(node).shape[dim]
+    return isinstance(size, int) or _token_like(size, dim)
+
+
+_NO_ROWS = {
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.new_ones.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_full.default,
+    torch.ops.aten.new_empty_strided.default,
+}
+
+
+def _reads_no_rows(node: Node) -> bool:
+    """Ops whose output is made from their input's dtype and device only (`new_zeros`)."""
+    return node.target in _NO_ROWS
+
+
+def _tokens_gathered(
+    node: Node,
+    inputs: list[Node],
+    given: Sequence[Placement],
+    mesh: DeviceMesh,
+    model_rules: Mapping[object, RuleFn] | None,
+    answers: dict[object, object] | None,
+    why: str,
+) -> tuple[Strategy, str] | None:
+    """The strategy of `node` with its token-sharded inputs gathered, and why; None when it
+    has none (the rules had nothing to gather)."""
+    gathered = [Replicate() if is_token_shard(p, have) else have for p, have in zip(inputs, given)]
+    if gathered == list(given):
+        return None
+    strategy, source = strategy_for(node, gathered, mesh, model_rules, answers)
+    # the strategy asks for the gathered inputs: the token shards are gathered (S(0) -> R)
+    return strategy, f"tokens gathered ({why}): {source}"
 
 
 def _hint(val: object) -> object:

@@ -44,7 +44,12 @@ def token_sizes(gm: GraphModule, *, ctx: CompileContext) -> None:
         val = node.meta.get("val")
         if not isinstance(val, torch.SymInt) or node.args[0] is token:
             continue
-        linear = _linear_in(sympy.expand(val.node.expr), symbol)
+        if val.node.expr == symbol:  # (a count the shape env made an expression)
+            linear = (1, 0)
+        elif isinstance(symbol, sympy.Symbol):
+            linear = _linear_in(sympy.expand(val.node.expr), symbol)
+        else:
+            linear = None
         if linear is None:
             continue
         a, b = linear

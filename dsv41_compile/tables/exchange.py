@@ -37,19 +37,14 @@ from dsv41_compile.core.adapter import TableLookup
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.emitter import Emitter
 from dsv41_compile.core.errors import InternalError
-from dsv41_compile.core.meta import GLOBAL_VAL, IN, REASON, REGION, module_paths, replace_node
+from dsv41_compile.core.meta import GLOBAL_VAL, IN, REASON, TABLE, module_paths, replace_node
 from dsv41_compile.core.placements import ColumnShard
 from dsv41_compile.core.plan import pattern_matches
 
-__all__ = ["TableRegions", "table_exchange"]
+__all__ = ["table_exchange"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-
-class TableRegions(tuple):
-    """What the pass kept for a compile: the regions of the lookups it lowered (where the
-    exchanges' collectives sit)."""
 
 
 def table_exchange(gm: GraphModule, *, ctx: CompileContext) -> None:
@@ -61,11 +56,8 @@ def table_exchange(gm: GraphModule, *, ctx: CompileContext) -> None:
     if not targets:
         return
     ep_tokens = ctx.ep_tokens_input(gm)
-    regions = []
     for node, spec in targets:
-        regions.append(node.meta.get(REGION, ""))
         _rewrite(gm, node, spec, ctx, ep_tokens)
-    ctx.put(TableRegions(regions))
     gm.graph.lint()
     gm.recompile()
 
@@ -168,5 +160,7 @@ def _all_to_all(
     """The all-to-all of `value` and its wait, named `name`; both carry the reason (graph.py
     prints the wait's, comm.json records the collective's)."""
     sent = c10d.all_to_all_single.default(value, splits, splits, group)
-    sent.node.meta[REASON] = why
-    return emit.named(c10d.wait_tensor.default(sent), name, why)
+    sent.node.meta.update({REASON: why, TABLE: True})
+    done = emit.named(c10d.wait_tensor.default(sent), name, why)
+    done.node.meta[TABLE] = True
+    return done

@@ -41,6 +41,7 @@ from dsv41_compile.runtime import weights
 from dsv41_compile.runtime.host_cache import STATS
 from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.capture import capture_compiled, capture_reference
+from dsv41_compile.testing.edits import EDITS
 
 __all__ = [
     "MODES",
@@ -111,6 +112,10 @@ class CaseSpec:
     """A checkpoint directory in the released format (tools/make_checkpoint.py). The compiled
     side is `DeepseekV41.without_weights` compiled with the `checkpoint` option (each rank
     reads its own slices); the single-device side is loaded from it whole (`load_checkpoint`)."""
+    edits: tuple[tuple[str, tuple[int, ...] | None], ...] = ()
+    """Edits of the model's source (`testing.edits.EDITS`), each with the decoder layers it is
+    made in (None: every layer, or the modules around them), made on both sides: the compiled
+    model and the single-device reference are the same edited model."""
 
 
 def model_config(spec: CaseSpec) -> ModelConfig:
@@ -132,7 +137,8 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
 
     Returns `{"T": tokens per step, "ref": reference logits per step, "cache": reference cache
     tensors, "modes": {mode: {"logits": per step, "programs": [collectives per layer of each
-    program compiled], "compiles": programs compiled, "cache_diff": max |cache - ref cache|}},
+    program compiled], "outside_layers": [the sorted collectives of each program outside its
+    layers], "compiles": programs compiled, "cache_diff": max |cache - ref cache|}},
     "captures": {module: (compiled values, ref values)}, "comm": comm.json or None,
     "torchair_ops": with the torchair stand-in, the ops after torchair's AOT step (name ->
     count), "host_cache": this process's shared compiles (`runtime.host_cache.STATS`),
@@ -146,6 +152,8 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     read_before = dict(weights.READ)  # a pool's rank process serves several cases
     if spec.checkpoint is None:
         model = DeepseekV41(cfg)
+        for name, layers in spec.edits:
+            EDITS[name].apply(model, layers)
         reference = copy.deepcopy(model)  # its own modules: hooks never reach the compiled one
         reference_read = {}
     else:
@@ -225,6 +233,10 @@ def _run_mode(
         "logits": logits,
         "seconds": time.perf_counter() - start,
         "programs": [layer_collectives(p.spec.comm) for p in programs],
+        "outside_layers": [
+            sorted(f"{r['kind']}({r['axis']})" for r in p.spec.comm if r["layer"] is None)
+            for p in programs
+        ],
         "compiles": len(programs),
         "cache": cache,
     }

@@ -92,7 +92,7 @@ class ToyAdapter(ModelAdapter):
         return Site(None, {"tok": "entry", "out": "exit"}.get(top, ""))
 
     def expected_collectives(self, options) -> LayerCollectives:
-        return LayerCollectives(("all_gather", "reduce_scatter"), (), gathered_ndim=2)
+        return LayerCollectives(("all_gather", "reduce_scatter"), ())
 
     def check(self, options, param_shapes) -> None:
         hidden = param_shapes["blocks.0.mlp.up.weight"][0]

@@ -221,13 +221,22 @@ def test_a_split_tables_exchange_by_hand(plan_once):
     cfg = compile_config("tiny-swa", ONE_LAYER, ENGRAM_0)
     options = {"tp": TP, "ep": EP, "ep_dispatch": "padded", "lowering": "eager"}
     tables = {}
-    for engram in ("sharded", "replicated"):
-        gm, ctx, _ = plan_once(cfg, {**options, "engram": engram}, world_size=WORLD, max_len=64)
-        tables[engram] = summarize(graph_costs(gm, ctx), T)["tables"]
+    for engram, exit in (
+        ("sharded", "auto"),
+        ("sharded", "reduce_scatter"),
+        ("replicated", "auto"),
+    ):
+        opts = {**options, "engram": engram, "attn_exit": exit}
+        gm, ctx, _ = plan_once(cfg, opts, world_size=WORLD, max_len=64)
+        tables[engram, exit] = summarize(graph_costs(gm, ctx), T)["tables"]
     tl_max = -(-T // TP)
-    assert tables["sharded"]["layers"] == [0]
-    assert tables["sharded"]["bytes_sent_per_table_layer"] == (EP - 1) * tl_max * (8 + 33)
-    assert tables["sharded"]["bytes_received_per_table_layer"] == (EP - 1) * tl_max * (8 + 33)
-    assert tables["sharded"]["other_bytes_sent_per_table_layer"] > 0  # the layer's own
+    # the exchange alone, whatever else the layer moves (the exit's ReduceScatter or all-to-all)
+    for exit in ("auto", "reduce_scatter"):
+        split = tables["sharded", exit]
+        assert split["layers"] == [0]
+        assert split["bytes_sent_per_table_layer"] == (EP - 1) * tl_max * (8 + 33)
+        assert split["bytes_received_per_table_layer"] == (EP - 1) * tl_max * (8 + 33)
+        assert split["other_bytes_sent_per_table_layer"] > 0  # the layer's own
+    tables["replicated"] = tables["replicated", "auto"]
     assert tables["replicated"]["layers"] == []
     assert tables["replicated"]["bytes_sent_per_table_layer"] == 0

@@ -269,7 +269,7 @@ class DeepseekV41Adapter(ModelAdapter):
             # fp32 wo_b partial reduce-scattered, or wo_b's input moved to its tokens' ranks
             # (attn_exit); the MoE half talks over ep only.
             out = "all_to_all" if options.attn_exit == "all_to_all" else "reduce_scatter"
-            return LayerCollectives(("all_gather", out), (), gathered_ndim=2)
+            return LayerCollectives(("all_gather", out), ())
         # The baseline: the wo_b partial all-reduced; with experts sharded, the owners' MoE
         # output all-gathered back to the TP group.
         return LayerCollectives(("all_reduce",), ("all_gather",) if options.ep > 1 else ())

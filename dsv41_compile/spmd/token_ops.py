@@ -1,0 +1,379 @@
+"""The ops along the token dim of token shards: their rules and their per-rank forms.
+
+A token shard is rank r's `Tl = ceil(T/tp)` rows `[r*Tl, (r+1)*Tl)` of the token dim, padded
+at the global tail (`spmd.transitions`). An op that works row by row runs on the shard as it
+is. An op that mixes rows needs rows of other ranks; by the rules, each kind gets the cheapest
+exchange that is exact for every T -- the shards uneven, some of them empty of tokens -- and a
+padding row never enters a statistic, a scan or a shift:
+
+    op (along the token dim)       placement       per rank                        exchange
+    sum, amax, amin                S(0) -> P       over the real rows (padding:    AllReduce of
+                                   (DTensor's)     the reduction's identity)       the result
+    mean                           S(0) -> P       sum of the real rows / T        AllReduce
+    cumsum (fp32, fp64, integers)  S(0) -> S(0)    scan of the real rows + the     AllGather of
+                                                   totals of the shards before     1 row per rank
+    shift by k (a slice and a cat  S(0) -> S(0)    the shard after the k rows      AllGather of
+    or a pad; `token_shifts`)                      before it (after it, k < 0)     k rows per rank
+    roll by k                      S(0) -> S(0)    a shift by k whose outside      2 AllGathers of
+                                                   rows are the wrapped ones       k rows per rank
+    any other (sort, var, cummax,  R -> R          the op on every row             AllGather of
+    a gather by index, a conv...)  (gathered)                                      the value
+
+The exchanges are `spmd.transitions`' (`edge_rows`, `totals_before`); the all-reduces are its
+`P -> R` row, which `insert` puts where a partial without a token dim is used. A partial sum
+in a dtype the model sums more precisely than its partials (bf16) is not made: the op gathers.
+The same ops on replicated values (every rank holds all T rows, as in attention) run as on one
+device; a roll along the tokens becomes an `index_select` by `(t - k) mod T`, which every
+target compiles for a symbolic T (the targets' own decompositions of `roll` branch on T = 0).
+
+`localize` calls `localize_token_ops` for the per-rank forms: the masking of the padding rows
+of every partial over the tokens, and the ops above.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.fx import Graph, GraphModule, Node
+
+from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REAL_ROWS, tensor_inputs
+from dsv41_compile.core.strategy import Strategy
+from dsv41_compile.spmd.rules import EXACT_SUMS, is_token_shard, rule
+from dsv41_compile.spmd.transitions import (
+    TokenSizes,
+    edge_rows,
+    mark_inserted,
+    rows_at,
+    totals_before,
+)
+
+__all__ = ["localize_token_ops", "shift_tokens"]
+
+aten = torch.ops.aten
+_TOKENS = Shard(0)
+
+
+@torch.library.custom_op("dsv41_sp::shift_tokens", mutates_args=())
+def shift_tokens(x: Tensor, shift: int, outside: Tensor) -> Tensor:
+    """`x` moved by `shift` rows along dim 0, row t getting row t - shift; the |shift| rows
+    with no source get `outside`'s, in order (`shift` > 0: the first rows; < 0: the last).
+    The compiler's form of a shift written as a slice and a cat or a pad (`token_shifts`);
+    `localize` replaces it."""
+    T, k = x.shape[0], abs(shift)
+    if shift > 0:
+        return torch.cat([outside, x])[:T]
+    return torch.cat([x, outside])[k : k + T]
+
+
+@shift_tokens.register_fake
+def _(x: Tensor, shift: int, outside: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _global(node: Node) -> Tensor:
+    return node.meta.get(GLOBAL_VAL, node.meta.get("val"))
+
+
+def _reduced_dims(node: Node) -> list[int]:
+    """The dims a reduction reduces (all for the `.default` overloads)."""
+    ndim = _global(node.args[0]).dim()
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if node.target is aten.mean.default or dims in (None, []):
+        return list(range(ndim))
+    dims = [dims] if isinstance(dims, int) else dims
+    return sorted(d % ndim for d in dims)
+
+
+@rule(aten.mean.dim, aten.mean.default)
+def _mean(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    # The mean over the token dim is the sum of the real rows divided by T: a partial sum
+    # (DTensor's average of the shards' means is wrong for uneven shards).
+    (x,) = given
+    if not is_token_shard(node.args[0], x) or 0 not in _reduced_dims(node):
+        return None
+    if node.meta["val"].dtype not in EXACT_SUMS:
+        return None
+    return Strategy(inputs=(x,), outputs=(Partial(),))
+
+
+@rule(aten.cumsum.default)
+def _cumsum(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    # A scan of the shard plus the totals of the shards before it.
+    (x,) = given
+    dim = node.args[1] % _global(node.args[0]).dim()
+    if not is_token_shard(node.args[0], x) or dim != 0:
+        return None
+    if node.meta["val"].dtype not in EXACT_SUMS:
+        return None
+    return Strategy(inputs=(x,), outputs=(x,))
+
+
+@rule(aten.roll.default)
+def _roll(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    (x,) = given
+    if is_token_shard(node.args[0], x) and 0 in _roll_dims(node):
+        return Strategy(inputs=(x,), outputs=(x,))
+    return None
+
+
+@rule(shift_tokens._opoverload)
+def _shift(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    x, _ = given
+    if is_token_shard(node.args[0], x):
+        return Strategy(inputs=(x, Replicate()), outputs=(x,))
+    return None
+
+
+@rule(aten.cat.default)
+def _cat(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    # Token shards concatenated along the token dim are not a token shard of the result:
+    # gather them. (DTensor's rule keeps them sharded and calls the result replicated.)
+    tensors = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim %= max(_global(tensors[0]).dim(), 1)
+    if not any(is_token_shard(t, p) and p.dim == dim for t, p in zip(tensors, given)):
+        return None
+    return Strategy(inputs=tuple(Replicate() for _ in given), outputs=(Replicate(),))
+
+
+def _roll_dims(node: Node) -> list[int]:
+    ndim = _global(node.args[0]).dim()
+    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
+    return [d % ndim for d in dims]
+
+
+# -- per-rank forms ---------------------------------------------------------------------------
+
+
+def localize_token_ops(gm: GraphModule, sizes: TokenSizes) -> None:
+    """Rewrite the ops along the token dim into their per-rank forms (the module docstring)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        out = node.meta.get(OUT)
+        if node.target in (aten.mean.dim, aten.mean.default) and isinstance(out, Partial):
+            node = _mean_as_sum(graph, node, sizes)
+        if type(out) is Partial:
+            _mask_padding(graph, node, out, sizes)
+        elif node.target is aten.cumsum.default and out == _TOKENS:
+            _scan(graph, node, sizes)
+        elif node.target is aten.roll.default and 0 in _roll_dims(node):
+            _roll_tokens(graph, node, out, sizes)
+        elif node.target is shift_tokens._opoverload:
+            _shift_tokens(graph, node, sizes)
+
+
+def _identity(reduce_op: str, dtype: torch.dtype) -> object:
+    """The value a padding row takes in a reduction: the reduction's identity."""
+    if reduce_op == "sum":
+        return False if dtype is torch.bool else 0
+    if dtype.is_floating_point:
+        return float("-inf") if reduce_op == "max" else float("inf")
+    if dtype is torch.bool:
+        return reduce_op == "min"
+    info = torch.iinfo(dtype)
+    return info.min if reduce_op == "max" else info.max
+
+
+def _real_rows(graph: Graph, x: Node, fill: object, sizes: TokenSizes, site: Node) -> Node:
+    """`x` (a token shard) with its padding rows set to `fill`."""
+    ndim = _global(x).dim()
+    mask = sizes.row_mask(graph)
+    shaped = graph.call_function(aten.view.default, (mask, [-1] + [1] * (ndim - 1)))
+    kept = graph.call_function(aten.where.ScalarOther, (shaped, x, fill))
+    why = "padding rows out of an op across the tokens (their identity in it)"
+    mark_inserted([shaped, kept], why, site)
+    kept.meta[OUT] = _TOKENS
+    kept.meta[REAL_ROWS] = True
+    return kept
+
+
+def _mask_padding(graph: Graph, node: Node, out: Partial, sizes: TokenSizes) -> None:
+    """A partial over the tokens reads the real rows only: its token-sharded inputs' padding
+    rows are the identity of its reduction (they are whatever the ops before left there)."""
+    for producer, need in zip(tensor_inputs(node), node.meta.get(IN, ())):
+        if need != _TOKENS or not is_token_shard(producer, need):
+            continue
+        with graph.inserting_before(node):
+            dtype = _global(producer).dtype
+            kept = _real_rows(graph, producer, _identity(out.reduce_op, dtype), sizes, node)
+        node.replace_input_with(producer, kept)
+
+
+def _mean_as_sum(graph: Graph, node: Node, sizes: TokenSizes) -> Node:
+    """`mean(x, dims)` over the token dim -> `sum(x, dims) / (T * the other reduced sizes)`:
+    each rank's share of the mean, summed by the AllReduce."""
+    x = node.args[0]
+    dims = _reduced_dims(node)
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    count: object = sizes.T
+    shape = _global(x).shape
+    others = 1
+    for d in dims:
+        if d != 0:
+            others *= int(shape[d])
+    with graph.inserting_before(node):
+        kwargs = {"dtype": node.kwargs["dtype"]} if node.kwargs.get("dtype") else {}
+        summed = graph.call_function(aten.sum.dim_IntList, (x, dims, keepdim), kwargs)
+        added = [summed]
+        if others != 1:
+            count = graph.call_function(operator.mul, (sizes.T, others))
+            added.append(count)
+        share = graph.call_function(aten.div.Tensor, (summed, count))
+        added.append(share)
+    mark_inserted(added, f"{node.name}: the mean over the tokens, as a sum / T", node)
+    summed.meta.update({IN: node.meta[IN], OUT: Partial(), GLOBAL_VAL: node.meta[GLOBAL_VAL]})
+    share.meta.update({IN: (Partial(),), OUT: Partial(), GLOBAL_VAL: node.meta[GLOBAL_VAL]})
+    node.replace_all_uses_with(share)
+    graph.erase_node(node)
+    return summed
+
+
+def _reason(node: Node, what: str, why: str) -> str:
+    """A collective's reason: what it exchanges, for which op (named with its model line in
+    `graph.py`'s list of extra collectives), and why it beats gathering the value."""
+    return f"{what} for {node.name} on token shards: {why}"
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
+def _scan(graph: Graph, node: Node, sizes: TokenSizes) -> None:
+    """`cumsum(x, 0)` of a token shard: the shard's scan (padding rows 0) plus the sum of the
+    shards before it."""
+    x = node.args[0]
+    dtype = node.kwargs.get("dtype")
+    with graph.inserting_before(node):
+        kept = _real_rows(graph, x, 0, sizes, node)
+        kwargs = {"dtype": dtype} if dtype is not None else {}
+        total = graph.call_function(aten.sum.dim_IntList, (kept, [0], True), kwargs)
+    node.replace_input_with(x, kept)
+    with graph.inserting_before(node.next):
+        exchanged = totals_before(graph, total, _global(node).dim(), sizes)
+        scanned = graph.call_function(aten.add.Tensor, (node, exchanged[-1]))
+    why = _reason(
+        node,
+        "shard totals",
+        "a cumulative sum adds the totals of the shards before each: 1 row per rank, where "
+        "gathering the value would move T rows",
+    )
+    mark_inserted([total, *exchanged, scanned], why, node)
+    node.replace_all_uses_with(scanned, delete_user_cb=lambda user: user is not scanned)
+    _move_placement(node, scanned)
+
+
+def _move_placement(node: Node, to: Node) -> None:
+    """`to` takes `node`'s place in the placed graph: its placement and global value."""
+    for key in (OUT, GLOBAL_VAL):
+        if key in node.meta:
+            to.meta[key] = node.meta.pop(key)
+    node.meta[OUT] = None
+
+
+def _roll_tokens(graph: Graph, node: Node, out: Placement | None, sizes: TokenSizes) -> None:
+    """`roll(x, shifts, dims)` with the token dim among `dims`: the token dim's roll on a
+    replicated value as an index by `(t - k) mod T`; on a token shard as a shift by k whose
+    outside rows are the wrapped rows (`(j - k) mod T`), fetched from the ranks that hold them."""
+    x, shifts, dims = node.args[0], list(node.args[1]), _roll_dims(node)
+    k = shifts[dims.index(0)]
+    rest = [(s, d) for s, d in zip(shifts, dims) if d != 0]
+    with graph.inserting_before(node):
+        if out == _TOKENS:
+            nodes = _rolled_shard(graph, x, k, sizes, node)
+        else:
+            nodes = _rolled_rows(graph, x, k, sizes)
+            mark_inserted(nodes, f"{node.name}: a roll along the tokens, as an index", node)
+        if rest:
+            others = [s for s, _ in rest], [d for _, d in rest]
+            nodes.append(graph.call_function(aten.roll.default, (nodes[-1], *others)))
+            mark_inserted(nodes[-1:], f"{node.name}: the roll along the other dims", node)
+    node.replace_all_uses_with(nodes[-1])
+    _move_placement(node, nodes[-1])
+    graph.erase_node(node)
+
+
+def _modulo_tokens(graph: Graph, index: Node, sizes: TokenSizes) -> list[Node]:
+    """`index mod max(T, 1)` (no rows to index at T = 0: any modulus will do)."""
+    count = graph.call_function(torch.sym_max, (sizes.T, 1))
+    return [count, graph.call_function(aten.remainder.Scalar, (index, count))]
+
+
+def _rolled_rows(graph: Graph, x: Node, k: int, sizes: TokenSizes) -> list[Node]:
+    steps = graph.call_function(
+        aten.arange.default, (sizes.T,), {"dtype": torch.int64, "device": sizes.device}
+    )
+    back = graph.call_function(aten.sub.Tensor, (steps, k))
+    wrapped = _modulo_tokens(graph, back, sizes)
+    rows = graph.call_function(aten.index_select.default, (x, 0, wrapped[-1]))
+    return [steps, back, *wrapped, rows]
+
+
+def _rolled_shard(graph: Graph, x: Node, k: int, sizes: TokenSizes, site: Node) -> list[Node]:
+    g = graph
+    n = abs(k)
+    steps = g.call_function(
+        aten.arange.default, (n,), {"dtype": torch.int64, "device": sizes.device}
+    )
+    # the outside rows: before the first (k > 0) x[(j - k) mod T], after the last x[j mod T]
+    source = g.call_function(aten.sub.Tensor, (steps, k)) if k > 0 else steps
+    wrapped = _modulo_tokens(g, source, sizes)
+    fetched = rows_at(g, x, wrapped[-1], n, sizes)
+    why = _reason(
+        site,
+        "wrapped rows",
+        f"a roll by {k} brings {_rows(n)} around from the other end, from the ranks that hold "
+        f"them: {_rows(n)} per rank, where gathering the value would move T rows",
+    )
+    mark_inserted([steps, *([source] if k > 0 else []), *wrapped, *fetched], why, site)
+    shifted = _shifted_shard(g, x, k, fetched[-1], sizes, site)
+    return [steps, *([source] if k > 0 else []), *wrapped, *fetched, *shifted]
+
+
+def _shifted_shard(
+    graph: Graph, x: Node, k: int, outside: Node, sizes: TokenSizes, site: Node
+) -> list[Node]:
+    """Rank r's rows of `shift_tokens(x, k, outside)` for a token shard `x`."""
+    g, n = graph, abs(k)
+    edge = edge_rows(g, x, n, outside, sizes, before=k > 0)
+    why = _reason(
+        site,
+        "neighbour rows",
+        f"a shift by {k} needs the {_rows(n)} {'before' if k > 0 else 'after'} each shard: "
+        f"{_rows(n)} per rank, where gathering the value would move T rows",
+    )
+    mark_inserted(edge, why, site)
+    if k > 0:
+        joined = g.call_function(aten.cat.default, ([edge[-1], x],))
+        rows = g.call_function(aten.slice.Tensor, (joined, 0, 0, sizes.Tl))
+        nodes = [joined, rows]
+    else:
+        joined = g.call_function(aten.cat.default, ([x, edge[-1]],))
+        end = g.call_function(operator.add, (sizes.Tl, n))
+        rows = g.call_function(aten.slice.Tensor, (joined, 0, n, end))
+        # the rows whose source is past the last token take `outside`'s rows
+        past = g.call_function(aten.sub.Tensor, (sizes.local_rows(g), sizes.T))
+        past = g.call_function(aten.add.Tensor, (past, n))
+        over = g.call_function(aten.ge.Scalar, (past, 0))
+        at = g.call_function(aten.clamp.default, (past, 0, n - 1))
+        tail = g.call_function(aten.index_select.default, (outside, 0, at))
+        ndim = _global(x).dim()
+        shaped = g.call_function(aten.view.default, (over, [-1] + [1] * (ndim - 1)))
+        fixed = g.call_function(aten.where.self, (shaped, tail, rows))
+        nodes = [joined, end, rows, past, over, at, tail, shaped, fixed]
+    mark_inserted(nodes, f"{site.name}: this rank's rows of the shift", site)
+    return [*edge, *nodes]
+
+
+def _shift_tokens(graph: Graph, node: Node, sizes: TokenSizes) -> None:
+    x, k, outside = node.args
+    with graph.inserting_before(node):
+        nodes = _shifted_shard(graph, x, k, outside, sizes, node)
+    node.replace_all_uses_with(nodes[-1])
+    _move_placement(node, nodes[-1])
+    graph.erase_node(node)
