@@ -319,6 +319,22 @@ def rope_frequencies(cfg: ModelConfig, role: LayerRole) -> Tensor:
     )
 
 
+class OutputProjection(Fp32Linear):
+    """`wo_b`, in fp32 (`Fp32Linear`); under the official numerics (`Rounding.gemm_inputs`) it
+    FP8-quantises its own input first, as the official FP8 GEMM quantises what it multiplies.
+    The quantisation is inside the module so that a layout placing what enters `wo_b` places
+    it before the quantisation: moved to its tokens' ranks (the exit all-to-all), each token's
+    row is quantised whole; kept as the ranks' output groups (row-parallel `wo_b`), each rank
+    quantises its own groups, whose width must then be a multiple of the 32-value block."""
+
+    def __init__(self, in_features: int, out_features: int, *, fp8_input: bool, dtype) -> None:
+        super().__init__(in_features, out_features, bias=False, dtype=dtype)
+        self.fp8_input = fp8_input
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(act_quant_dequant(x) if self.fp8_input else x)
+
+
 class Attention(nn.Module):
     """MQA with sink over the sliding window and, in compressed layers, the top-k compressed
     entries, for one layer. Returns the output projection in fp32 (bf16 under the official
@@ -349,7 +365,12 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.empty(cfg.n_heads, dtype=torch.float32))
         group_width = cfg.n_heads // cfg.o_groups * cfg.head_dim
         self.wo_a = nn.Linear(group_width, cfg.o_groups * cfg.o_lora_rank, bias=False, dtype=dtype)
-        self.wo_b = Fp32Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False, dtype=dtype)
+        self.wo_b = OutputProjection(
+            cfg.o_groups * cfg.o_lora_rank,
+            cfg.dim,
+            fp8_input=self.rounding.gemm_inputs,
+            dtype=dtype,
+        )
         if role.mode == "full":
             self.compressor = Compressor(cfg, role.ratio)
         if role.mode in ("full", "reindex"):
@@ -421,8 +442,6 @@ class Attention(nn.Module):
         wo_a_GOK = self.wo_a.weight.view(G, self.o_lora_rank, -1)
         z_TGO = torch.einsum("tgk,gok->tgo", o_THd.reshape(T, G, H // G * d), wo_a_GOK)
         z_TF = z_TGO.flatten(1)
-        if rounding.gemm_inputs:
-            z_TF = act_quant_dequant(z_TF)
         # fp32 output: under tensor parallelism either the partial sum that is reduce-scattered,
         # or (the exit all-to-all) each token's whole projection on the rank that holds it. The
         # official numerics round the whole sum to bf16.
