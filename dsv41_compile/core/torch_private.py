@@ -114,11 +114,11 @@ def sharding_propagator() -> Any:
     return DTensor._op_dispatcher.sharding_propagator
 
 
-def compile_fx(gm: Any, example_inputs: list[Any]) -> Any:
-    """Inductor's `compile_fx`."""
+def compile_fx(gm: Any, example_inputs: list[Any], **config: Any) -> Any:
+    """Inductor's `compile_fx`, with inductor's `config` patched for this compile."""
     from torch._inductor.compile_fx import compile_fx as inductor_compile_fx
 
-    return inductor_compile_fx(gm, example_inputs)
+    return inductor_compile_fx(gm, example_inputs, config_patches=config)
 
 
 def inductor_cache_dir() -> str:

@@ -10,7 +10,8 @@ Q q-lora rank, O o-lora rank, C compressed entries per slot, K top-k, I index he
 k index head width.
 
 Sharding view (for the compiler): everything indexed by H or G is head-shardable; the KV latent,
-the cache and the window are per token and replicated across heads.
+the cache and the window are per token and replicated across heads. Under the official numerics
+(`config.Rounding`) every rounding is per token, and per head where it is after the heads.
 """
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ from dsv41_compile.model.layers import (
     rope_inv_freq,
     yarn_inv_freq,
 )
+from dsv41_compile.model.numerics import (
+    ACT_BLOCK,
+    act_quant_dequant,
+    fp4_quant_dequant,
+    fp4_rows,
+    fp8_rows,
+    from_fp4_rows,
+    from_fp8_rows,
+)
+
+ATTENTION_BLOCK = 64
+"""Keys per block of the official attention kernel's online softmax."""
 
 
 def sink_attention(q_THd: Tensor, kv_TSd: Tensor, visible_TS: Tensor, sink_H: Tensor) -> Tensor:
@@ -42,6 +55,46 @@ def sink_attention(q_THd: Tensor, kv_TSd: Tensor, visible_TS: Tensor, sink_H: Te
     sink_TH1 = sink_H.float()[None, :, None].expand(logits_THS.shape[0], -1, 1)
     probs_THS = torch.softmax(torch.cat((logits_THS, sink_TH1), dim=-1), dim=-1)[..., :-1]
     return torch.einsum("ths,tsd->thd", probs_THS, kv_TSd.float()).to(q_THd.dtype)
+
+
+def blockwise_sink_attention(
+    q_THd: Tensor, kv_TSd: Tensor, visible_TS: Tensor, sink_H: Tensor
+) -> Tensor:
+    """`sink_attention` as the official kernel rounds it: it walks the keys in blocks of 64 with
+    an online softmax and casts the probabilities that multiply the values to bf16, each relative
+    to the running max it has then.
+
+    Per query and head, with fp32 logits `s` (invisible keys -inf): `m_b` = the max of -1e30 and
+    the logits of blocks 0..b; a key of block b weighs the values by `bf16(exp(s - m_b)) *
+    exp(m_b - m_last)` and adds the unrounded `exp(s - m_b) * exp(m_b - m_last)` to the
+    denominator, which also takes the sink's `exp(sink - m_last)`. Rounding relative to the
+    running max makes the result depend on the key order: the keys must come as the kernel
+    walks them (the window oldest first, then the compressed picks by position). The kernel
+    rescales its sums block by block; this rescales each block's terms once, the same up to
+    fp32 rounding. The result has the query dtype."""
+    T, H, d = q_THd.shape
+    S = kv_TSd.shape[1]
+    blocks = -(-S // ATTENTION_BLOCK)
+    logits_THS = torch.einsum("thd,tsd->ths", q_THd.float(), kv_TSd.float()) * d**-0.5
+    logits_THS = logits_THS.masked_fill(~visible_TS[:, None, :], float("-inf"))
+    logits_THBK = F.pad(logits_THS, (0, blocks * ATTENTION_BLOCK - S), value=float("-inf"))
+    logits_THBK = logits_THBK.view(T, H, blocks, ATTENTION_BLOCK)
+    running_THB = logits_THBK.amax(-1).clamp(min=-1e30).cummax(-1).values
+    probs_THBK = torch.exp(logits_THBK - running_THB[..., None])
+    rescale_THB1 = torch.exp(running_THB - running_THB[..., -1:])[..., None]
+    denominator_TH = (probs_THBK * rescale_THB1).sum((-2, -1)) + torch.exp(
+        sink_H.float() - running_THB[..., -1]
+    )
+    weights_THS = (probs_THBK.to(torch.bfloat16).float() * rescale_THB1).flatten(-2)[..., :S]
+    numerator_THd = torch.einsum("ths,tsd->thd", weights_THS, kv_TSd.float())
+    return (numerator_THd / denominator_TH[..., None]).to(q_THd.dtype)
+
+
+def in_position_order(idx_TK: Tensor, picked_TK: Tensor, n_entries: int) -> tuple[Tensor, Tensor]:
+    """The top-k picks by entry position, the unpicked ones after them: the order in which the
+    official kernel walks a query's compressed keys (`blockwise_sink_attention`)."""
+    order_TK = torch.where(picked_TK, idx_TK, n_entries).sort(dim=-1, stable=True).indices
+    return idx_TK.gather(1, order_TK), picked_TK.gather(1, order_TK)
 
 
 def _shifted(x_T: Tensor, shift: int, *, fill: float) -> Tensor:
@@ -62,15 +115,16 @@ def window_keys(
     positions_T: Tensor,
     start_T: Tensor,
     window: int,
+    fp8: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The `window` latest KV rows of each token's request, ending at its own position.
 
     Positions from `start_T` (the first of the token's request in this call) on are this call's
     tokens: a request's tokens are contiguous with consecutive positions, so position q of the
     token at index t (position p) is `kv_Td[t - (p - q)]`. Older positions come from the
-    request's ring in the cache (`rows` rows, position q in row `q % rows`), read before this
-    call writes it (`write_window`). Returns keys [T, W, d] and a visibility mask [T, W] (positions < 0
-    are not visible).
+    request's ring in the cache (`rows` rows, position q in row `q % rows`; `fp8`: the ring
+    holds `numerics.fp8_rows`), read before this call writes it (`write_window`). Returns keys
+    [T, W, d] and a visibility mask [T, W] (positions < 0 are not visible).
     """
     back_W = torch.arange(window, device=positions_T.device) - (window - 1)
     key_pos_TW = positions_T[:, None] + back_W
@@ -78,6 +132,8 @@ def window_keys(
         min=0
     )
     cached_TWd = ring[cache_slot_T[:, None], key_pos_TW.clamp(min=0) % rows]
+    if fp8:
+        cached_TWd = from_fp8_rows(cached_TWd)
     in_call_TW = key_pos_TW >= start_T[:, None]
     kv_TWd = torch.where(in_call_TW[..., None], kv_Td[index_TW], cached_TWd)
     return kv_TWd, key_pos_TW >= 0
@@ -196,11 +252,15 @@ class Indexer(nn.Module):
     (rotated at the token's position), index keys `k_c = rope(k_norm(wk ckv_c), c*ratio)`
     (made by the FULL layer that owns the compressor; `wk` and `k_norm` exist only there) and
     per-head weights `w = weights_proj(x) * k^-0.5 * I^-0.5`.
+
+    Official numerics (`config.Rounding`): `qr` enters `wq_b` FP8-quantised (the caller's);
+    queries and keys are FP4 with an e8m0 scale per 32 after RoPE; the scores are bf16.
     """
 
     def __init__(self, cfg: ModelConfig, *, owns_keys: bool) -> None:
         super().__init__()
         dtype = cfg.torch_dtype
+        self.rounding = cfg.rounding
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
         self.wq_b = nn.Linear(
             cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype
@@ -212,7 +272,10 @@ class Indexer(nn.Module):
 
     def keys(self, ckv_Td: Tensor, entry_pos_T: Tensor, inv_freq: Tensor) -> Tensor:
         keys_Tk = F.linear(ckv_Td.float(), self.wk.weight.float()).to(ckv_Td.dtype)
-        return apply_rope(self.k_norm(keys_Tk), entry_pos_T, inv_freq)
+        keys_Tk = apply_rope(self.k_norm(keys_Tk), entry_pos_T, inv_freq)
+        if self.rounding.index_k:
+            keys_Tk = fp4_quant_dequant(keys_Tk, ACT_BLOCK, "e8m0")
+        return keys_Tk
 
     def forward(
         self,
@@ -227,9 +290,17 @@ class Indexer(nn.Module):
         q_TIk = apply_rope(
             self.wq_b(q_TQ).view(T, self.n_heads, self.head_dim), positions_T, inv_freq
         )
-        weights_TI = self.weights_proj(x_TD).float() * (self.head_dim * self.n_heads) ** -0.5
-        relu_TIC = torch.einsum("tik,tck->tic", q_TIk.float(), keys_TCk.float()).relu()
-        scores_TC = torch.einsum("tic,ti->tc", relu_TIC, weights_TI)
+        if self.rounding.index_q:
+            q_TIk = fp4_quant_dequant(q_TIk, ACT_BLOCK, "e8m0")
+        weights_TI = self.weights_proj(x_TD)
+        scale = (self.head_dim * self.n_heads) ** -0.5
+        dots_TIC = torch.einsum("tik,tck->tic", q_TIk.float(), keys_TCk.float())
+        if self.rounding.index_scores:  # bf16 weights (the official numerics' dtype); each
+            # step rounds to bf16: the dot products, their weighting, the sum over heads
+            relu_TIC = dots_TIC.to(torch.bfloat16).relu()
+            scores_TC = (relu_TIC * (weights_TI * scale)[..., None]).sum(1)
+        else:
+            scores_TC = torch.einsum("tic,ti->tc", dots_TIC.relu(), weights_TI.float() * scale)
         return scores_TC.masked_fill(~visible_TC, float("-inf"))
 
 
@@ -248,14 +319,39 @@ def rope_frequencies(cfg: ModelConfig, role: LayerRole) -> Tensor:
     )
 
 
+class OutputProjection(Fp32Linear):
+    """`wo_b`, in fp32 (`Fp32Linear`); under the official numerics (`Rounding.gemm_inputs`) it
+    FP8-quantises its own input first, as the official FP8 GEMM quantises what it multiplies.
+    The quantisation is inside the module so that a layout placing what enters `wo_b` places
+    it before the quantisation: moved to its tokens' ranks (the exit all-to-all), each token's
+    row is quantised whole; kept as the ranks' output groups (row-parallel `wo_b`), each rank
+    quantises its own groups, whose width must then be a multiple of the 32-value block."""
+
+    def __init__(self, in_features: int, out_features: int, *, fp8_input: bool, dtype) -> None:
+        super().__init__(in_features, out_features, bias=False, dtype=dtype)
+        self.fp8_input = fp8_input
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(act_quant_dequant(x) if self.fp8_input else x)
+
+
 class Attention(nn.Module):
     """MQA with sink over the sliding window and, in compressed layers, the top-k compressed
-    entries, for one layer. Returns the output projection in fp32."""
+    entries, for one layer. Returns the output projection in fp32 (bf16 under the official
+    numerics, as the official FP8 GEMM returns it).
+
+    Official numerics (`config.Rounding`, each step on its own): the inputs of `wq_a` / `wkv`,
+    of `wq_b` / the indexer's `wq_b` and of `wo_b` are FP8-quantised (not those of `wo_a`, the
+    compressor or the indexer's `wk` / `weights_proj`); the window KV is FP8 after RoPE, a
+    compressed entry FP4 (e4m3 scale per 16) after RoPE, and the caches hold them so; the
+    probabilities are bf16 (`blockwise_sink_attention`, compressed picks in position order).
+    """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, role: LayerRole) -> None:
         super().__init__()
         dtype = cfg.torch_dtype
         self.layer_id, self.role = layer_id, role
+        self.rounding = cfg.rounding
         self.n_heads, self.head_dim, self.window = cfg.n_heads, cfg.head_dim, cfg.window_size
         self.o_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
         self.index_topk = cfg.index_topk
@@ -269,7 +365,12 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.empty(cfg.n_heads, dtype=torch.float32))
         group_width = cfg.n_heads // cfg.o_groups * cfg.head_dim
         self.wo_a = nn.Linear(group_width, cfg.o_groups * cfg.o_lora_rank, bias=False, dtype=dtype)
-        self.wo_b = Fp32Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False, dtype=dtype)
+        self.wo_b = OutputProjection(
+            cfg.o_groups * cfg.o_lora_rank,
+            cfg.dim,
+            fp8_input=self.rounding.gemm_inputs,
+            dtype=dtype,
+        )
         if role.mode == "full":
             self.compressor = Compressor(cfg, role.ratio)
         if role.mode in ("full", "reindex"):
@@ -291,11 +392,17 @@ class Attention(nn.Module):
         `topk`, a candidate-filtered index layer the candidate source's `candidates_TC`."""
         T = x_TD.shape[0]
         H, d, G = self.n_heads, self.head_dim, self.o_groups
-        inv_freq = self.rope_inv_freq
+        inv_freq, rounding = self.rope_inv_freq, self.rounding
 
-        q_TQ = self.q_norm(self.wq_a(x_TD))
-        q_THd = apply_rope(self.wq_b(q_TQ).view(T, H, d), positions_T, inv_freq)
-        kv_Td = apply_rope(self.kv_norm(self.wkv(x_TD)), positions_T, inv_freq)
+        gemm_x_TD = act_quant_dequant(x_TD) if rounding.gemm_inputs else x_TD
+        q_TQ = self.q_norm(self.wq_a(gemm_x_TD))
+        gemm_q_TQ = act_quant_dequant(q_TQ) if rounding.gemm_inputs else q_TQ
+        q_THd = apply_rope(self.wq_b(gemm_q_TQ).view(T, H, d), positions_T, inv_freq)
+        kv_Td = apply_rope(self.kv_norm(self.wkv(gemm_x_TD)), positions_T, inv_freq)
+        kv_rows_Td = kv_Td  # what the ring holds
+        if rounding.window_kv:
+            kv_rows_Td = fp8_rows(kv_Td)
+            kv_Td = from_fp8_rows(kv_rows_Td)
 
         # Read, then write: a token's window takes this call's rows from kv_Td and the older
         # ones from the ring, which this call then overwrites.
@@ -309,26 +416,39 @@ class Attention(nn.Module):
             kv.lengths[cache_slot_T.clamp(max=kv.num_slots - 1)],
         )
         keys_TSd, visible_TS = window_keys(
-            ring, rows, kv_Td, cache_slot_T, positions_T, start_T, self.window
+            ring,
+            rows,
+            kv_Td,
+            cache_slot_T,
+            positions_T,
+            start_T,
+            self.window,
+            fp8=rounding.window_kv,
         )
-        write_window(ring, rows, kv_Td, cache_slot_T, positions_T)
+        write_window(ring, rows, kv_rows_Td, cache_slot_T, positions_T)
 
         made: tuple[Tensor, ...] = ()
         if self.role.mode != "swa":
             ckv_TKd, picked_TK, made = self.compressed_keys(
-                x_TD, q_TQ, positions_T, cache_slot_T, kv, topk, candidates_TC
+                x_TD, gemm_q_TQ, positions_T, cache_slot_T, kv, topk, candidates_TC
             )
             keys_TSd = torch.cat((keys_TSd, ckv_TKd), dim=1)
             visible_TS = torch.cat((visible_TS, picked_TK), dim=1)
 
-        o_THd = sink_attention(q_THd, keys_TSd, visible_TS, self.attn_sink)
+        attend = blockwise_sink_attention if rounding.probabilities else sink_attention
+        o_THd = attend(q_THd, keys_TSd, visible_TS, self.attn_sink)
         o_THd = apply_rope(o_THd, positions_T, inv_freq, inverse=True)
 
         wo_a_GOK = self.wo_a.weight.view(G, self.o_lora_rank, -1)
         z_TGO = torch.einsum("tgk,gok->tgo", o_THd.reshape(T, G, H // G * d), wo_a_GOK)
+        z_TF = z_TGO.flatten(1)
         # fp32 output: under tensor parallelism either the partial sum that is reduce-scattered,
-        # or (the exit all-to-all) each token's whole projection on the rank that holds it.
-        return self.wo_b(z_TGO.flatten(1)), made
+        # or (the exit all-to-all) each token's whole projection on the rank that holds it. The
+        # official numerics round the whole sum to bf16.
+        out_TD = self.wo_b(z_TF)
+        if rounding.wo_b_output:
+            out_TD = out_TD.to(torch.bfloat16)
+        return out_TD, made
 
     def compressed_keys(
         self,
@@ -341,8 +461,9 @@ class Attention(nn.Module):
         candidates_TC: Tensor | None,
     ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
         """The compressed entries this layer attends to ([T, K, d]), which are real ([T, K]),
-        and what it makes for later layers (`forward`)."""
-        role, inv_freq = self.role, self.rope_inv_freq
+        and what it makes for later layers (`forward`). `q_TQ` is the input of the indexer's
+        `wq_b`."""
+        role, inv_freq, rounding = self.role, self.rope_inv_freq, self.rounding
         ckv_cache, index_k_cache = kv.compressed, kv.index_k
         assert ckv_cache is not None and index_k_cache is not None, "a compressed layer's cache"
 
@@ -351,7 +472,10 @@ class Attention(nn.Module):
             entry_T = torch.div(positions_T, role.ratio, rounding_mode="floor")
             entry_pos_T = entry_T * role.ratio  # compressed rope at the group's first position
             slot_T = torch.where(completes_T, cache_slot_T, kv.num_slots)
-            ckv_cache.index_put_((slot_T, entry_T), apply_rope(ckv_Td, entry_pos_T, inv_freq))
+            rotated_Td = apply_rope(ckv_Td, entry_pos_T, inv_freq)
+            if rounding.compressed_kv:
+                rotated_Td = fp4_rows(rotated_Td)
+            ckv_cache.index_put_((slot_T, entry_T), rotated_Td)
             index_k_cache.index_put_(
                 (slot_T, entry_T), self.indexer.keys(ckv_Td, entry_pos_T, inv_freq)
             )
@@ -377,7 +501,12 @@ class Attention(nn.Module):
                 assert candidates_TC is not None, "candidate source must run before its users"
                 scores_TC = scores_TC.masked_fill(~candidates_TC, float("-inf"))
             idx_TK, picked_TK = select_topk(scores_TC, self.index_topk)
+            if rounding.probabilities:
+                idx_TK, picked_TK = in_position_order(idx_TK, picked_TK, scores_TC.shape[1])
             made = (
                 (idx_TK, picked_TK, candidates_TC) if role.makes_candidates else (idx_TK, picked_TK)
             )
-        return ckv_cache[cache_slot_T[:, None], idx_TK], picked_TK, made
+        ckv_TKd = ckv_cache[cache_slot_T[:, None], idx_TK]
+        if rounding.compressed_kv:
+            ckv_TKd = from_fp4_rows(ckv_TKd)
+        return ckv_TKd, picked_TK, made

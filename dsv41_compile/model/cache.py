@@ -7,6 +7,10 @@ window_size]`): attention reads no older one. Each kv-source layer (one that own
 ratio-2 source keeps the fp32 projections of an incomplete pair's first token
 (`pair_state`), so a pair split across two calls pools exactly as in one prefill.
 
+Under `ModelConfig.numerics="official"` the window KV is held as FP8 and the compressed KV as
+FP4, a row's codes followed by its scales (`numerics.fp8_rows`, `numerics.fp4_rows`): the
+official numerics in the official formats' bytes.
+
 All tensors have one extra slot at index `num_slots`, the scratch slot: padding rows
 (`slots == -1`) and writes that must not land (an incomplete pair's entry) go there, so no row of
 a real request is touched and no write needs a data-dependent shape.
@@ -45,9 +49,11 @@ class KVCache:
     """int64 [num_slots]: tokens held per slot (the next position a request must continue at)."""
     window_kv: list[Tensor]
     """Per layer, [num_slots + 1, window_size, head_dim]: the KV latent of the last
-    `window_size` positions, position p in row p % window_size."""
+    `window_size` positions, position p in row p % window_size. Official numerics: uint8
+    [num_slots + 1, window_size, head_dim + head_dim / 32], FP8 codes then e8m0 scales."""
     compressed_kv: dict[int, Tensor]
-    """Per kv-source layer, [num_slots + 1, ceil(max_len / ratio), head_dim]."""
+    """Per kv-source layer, [num_slots + 1, ceil(max_len / ratio), head_dim]. Official numerics:
+    uint8 [..., head_dim / 2 + head_dim / 16], packed e2m1 pairs then e4m3 scales."""
     index_k: dict[int, Tensor]
     """Per kv-source layer, [num_slots + 1, ceil(max_len / ratio), index_head_dim]."""
     pair_state: dict[int, Tensor]

@@ -18,6 +18,10 @@ import torch
 
 from dsv41_compile.model.hf_config import fields_from_hf
 from dsv41_compile.model.ngram import hash_primes
+from dsv41_compile.model.quant import BLOCK
+
+NUMERICS = ("bf16", "official")
+"""The values of `ModelConfig.numerics`."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -65,7 +69,17 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base of the sliding-window-only layers (no YaRN)."""
     dtype: str = "float32"
-    """Weights and activations: "float32" or "bfloat16". mHC, router, norms and sink stay fp32."""
+    """Weights and activations: "float32" or "bfloat16". mHC, router, norms, sink and head stay
+    fp32."""
+    numerics: str = "bf16"
+    """How activations are rounded. "bf16": computed in `dtype` from the dequantised weights.
+    "official": rounded as the official inference code rounds them (`Rounding`; docs/model.md,
+    "Numerics"): FP8 activations into the FP8 / FP4 GEMMs, FP8 window KV, FP4 compressed KV and
+    index queries and keys, bf16 index scores and attention probabilities; it needs `dtype`
+    "bfloat16"."""
+    numerics_off: tuple[str, ...] = ()
+    """Steps of "official" left out (`Rounding` field names), to measure what each one does: the
+    result is then no longer the official numerics."""
 
     # --- compressed attention (see `layer_plan`) ---------------------------------------------
     compress_ratios: tuple[int, ...] = ()
@@ -151,6 +165,7 @@ class ModelConfig:
         layer_plan(self)  # raises ValueError on an inconsistent compressed-attention schedule
         if self.engram_layer_ids:
             self._check_engram()
+        self._check_numerics()
 
     def _check_engram(self) -> None:
         ids = self.engram_layer_ids
@@ -191,9 +206,54 @@ class ModelConfig:
             self.engram_vocab_size,
         )
 
+    def _check_numerics(self) -> None:
+        if self.numerics not in NUMERICS:
+            raise ValueError(
+                f"ModelConfig.numerics must be one of {list(NUMERICS)}, got {self.numerics!r}"
+            )
+        steps = [f.name for f in dataclasses.fields(Rounding)]
+        if self.numerics_off and self.numerics != "official":
+            raise ValueError(
+                f"numerics_off {self.numerics_off} leaves out steps of numerics='official'; "
+                f"numerics is {self.numerics!r}"
+            )
+        if unknown := sorted(set(self.numerics_off) - set(steps)):
+            raise ValueError(f"numerics_off names unknown steps {unknown}; the steps are {steps}")
+        if self.numerics != "official":
+            return
+        if self.dtype != "bfloat16":
+            raise ValueError(
+                f"numerics='official' computes in bfloat16, as the official code does: use "
+                f"dtype='bfloat16' (got {self.dtype!r}), or numerics='bf16'"
+            )
+        rounding, compressed = self.rounding, any(self.ratios)
+        widths = (  # what each rounding quantises, in blocks of 32 along it
+            ("dim", self.dim, rounding.gemm_inputs or rounding.expert_inputs),
+            ("q_lora_rank", self.q_lora_rank, rounding.gemm_inputs),
+            ("o_groups * o_lora_rank", self.o_groups * self.o_lora_rank, rounding.gemm_inputs),
+            ("moe_inter_dim", self.moe_inter_dim, rounding.expert_hidden),
+            ("head_dim", self.head_dim, rounding.window_kv or rounding.compressed_kv),
+            (
+                "index_head_dim",
+                self.index_head_dim,
+                compressed and (rounding.index_q or rounding.index_k),
+            ),
+        )
+        for name, width, quantised in widths:
+            if quantised and width % BLOCK:
+                raise ValueError(
+                    f"numerics='official' quantises in blocks of {BLOCK}: {name} ({width}) "
+                    f"must be a multiple of {BLOCK}, or use numerics='bf16'"
+                )
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def rounding(self) -> Rounding:
+        """The roundings the model makes (`numerics` without `numerics_off`)."""
+        return Rounding.of(self.numerics, self.numerics_off)
 
     @property
     def hc_mix_dim(self) -> int:
@@ -235,7 +295,53 @@ class ModelConfig:
         fields = fields_from_hf(
             source, defaults=defaults, skip_unimplemented_parts=skip_unimplemented_parts
         )
-        return dataclasses.replace(ModelConfig(**fields), **overrides)
+        return ModelConfig(**(fields | overrides))
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """The official inference code's roundings (`model.numerics`), each on or off: all on for
+    `ModelConfig.numerics` "official", all off for "bf16" (the model computes in its dtype from
+    the dequantised weights, with fp32 where it says so). A field's name is the step's name in
+    `ModelConfig.numerics_off`. Each is per token (and per head after the heads)."""
+
+    gemm_inputs: bool
+    """FP8 quantise-dequantise (`numerics.act_quant`) of the input of the attention's FP8 GEMMs: `wq_a`
+    and `wkv` (their common input), `wq_b` and the indexer's `wq_b` (theirs), `wo_b`; and of
+    Engram's `wkv` (its looked-up rows). Not of
+    `wo_a`, the compressor's `wkv` / `wgate`, the indexer's `wk` / `weights_proj`, the router or
+    the head, which are not FP8 GEMMs there."""
+    expert_inputs: bool
+    """FP8 quantise-dequantise of the experts' input, before `w1` / `w3` of the routed and the
+    shared experts (once, before the routed-experts op)."""
+    expert_hidden: bool
+    """FP8 quantise-dequantise of each expert's hidden activation (SwiGLU times the routing
+    weight, cast to bf16) before `w2`: inside the routed-experts op."""
+    wo_b_output: bool
+    """`wo_b`'s output in bf16, as the FP8 GEMM returns it (fp32 otherwise)."""
+    window_kv: bool
+    """FP8 quantise-dequantise of the window KV after RoPE, over all `head_dim` values; the ring
+    holds FP8 rows (`numerics.fp8_rows`)."""
+    compressed_kv: bool
+    """FP4 quantise-dequantise, e4m3 scale per 16, of a compressed entry after RoPE; the cache
+    holds FP4 rows (`numerics.fp4_rows`)."""
+    index_q: bool
+    """FP4 quantise-dequantise, e8m0 scale per 32, of the indexer's queries after RoPE."""
+    index_k: bool
+    """FP4 quantise-dequantise, e8m0 scale per 32, of the index keys after RoPE."""
+    index_scores: bool
+    """The index scores in bf16: `q . k` rounded, relu, times the bf16 head weights (rounded),
+    summed over heads (rounded); fp32 otherwise."""
+    probabilities: bool
+    """Attention probabilities in bf16 before the value sum, as the official kernel rounds them:
+    `exp(logit - running max)`, the max running over blocks of 64 keys in the kernel's order
+    (`attention.blockwise_sink_attention`); the denominator stays fp32."""
+
+    @staticmethod
+    def of(numerics: str, off: tuple[str, ...] = ()) -> Rounding:
+        """The roundings of `numerics` ("bf16" or "official") without the steps named in `off`."""
+        on = numerics == "official"
+        return Rounding(**{f.name: on and f.name not in off for f in dataclasses.fields(Rounding)})
 
 
 ATTENTION_MODES = ("swa", "full", "reindex", "reuse")

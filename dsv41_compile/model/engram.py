@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from dsv41_compile.model.config import ModelConfig
 from dsv41_compile.model.layers import StaticFloat
 from dsv41_compile.model.ngram import column_offsets, hash_multipliers
+from dsv41_compile.model.numerics import act_quant_dequant
 from dsv41_compile.model.ops import engram_lookup
 
 __all__ = ["Engram", "EngramHash", "EngramTable", "engram_gate", "ngram_window"]
@@ -67,10 +68,12 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=cfg.torch_dtype))
         self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=cfg.torch_dtype))
         self.eps = StaticFloat(cfg.rms_norm_eps)
+        self.fp8_input = cfg.rounding.gemm_inputs  # wkv is an FP8 GEMM
         self.clamp = StaticFloat(1e-6)
 
     def forward(self, x_TND: Tensor, rows_TC: Tensor) -> Tensor:
-        kv = self.wkv(self.embed(rows_TC, self.wkv.weight.dtype).flatten(1))
+        rows_TW = self.embed(rows_TC, self.wkv.weight.dtype).flatten(1)
+        kv = self.wkv(act_quant_dequant(rows_TW) if self.fp8_input else rows_TW)
         key_TN_D, value_TD = kv.split([self.streams * self.dim, self.dim], dim=-1)
         key_TND = key_TN_D.float().unflatten(-1, (self.streams, self.dim))
         weight_ND = self.q_weight.float() * self.k_weight.float()

@@ -88,7 +88,8 @@ IGNORED = {
     "eos_token_id": "a tokenizer id: the model takes token ids",
     "pad_token_id": "a tokenizer id: the model takes token ids",
     "torch_dtype": "the compute dtype is `ModelConfig.dtype` (bfloat16 unless overridden); "
-    "FP8 / FP4 weights are dequantised to it",
+    'FP8 / FP4 weights are dequantised to it, and `ModelConfig.numerics` ("official" unless '
+    "overridden) rounds the activations as the official FP8 / FP4 kernels do",
     "dtype": "as torch_dtype",
     "transformers_version": "metadata",
     "architectures": "metadata",
@@ -112,8 +113,9 @@ QUANTIZATION = {
     "scale_fmt": "ue8m0",
     "expert_dtype": "fp4",
 }
-"""The released weight format (`model.quant`); `activation_scheme` describes the
-official kernels, which quantise activations on the fly: this model computes in its dtype."""
+"""The released weight format (`model.quant`); `activation_scheme` "dynamic" describes the
+official kernels, which quantise activations on the fly: `ModelConfig.numerics` "official"
+(`from_hf`'s default) does the same."""
 
 _TOP_LEVEL = {"text_config", "quantization_config", "vision_config", "image_token_id"}
 
@@ -162,7 +164,8 @@ def fields_from_hf(
             f"{where}: quantization_config {quant} is not the released format {QUANTIZATION}"
         )
 
-    fields: dict[str, Any] = {"dtype": "bfloat16"}
+    # The released checkpoint runs in bf16 with the official FP8 / FP4 activation numerics.
+    fields: dict[str, Any] = {"dtype": "bfloat16", "numerics": "official"}
     parts: dict[str, list[str]] = {}
     for key, value in text.items():
         if key in FIELDS:
@@ -228,7 +231,7 @@ def _check_fixed(key: str, value: Any, where: str) -> None:
 def config_to_hf(cfg: Any) -> dict[str, Any]:
     """The `config.json` of a checkpoint of `cfg` (a `ModelConfig`) in the released layout (no
     DSpark or vision): what `ModelConfig.from_hf` reads back as `cfg` (with `dtype`
-    bfloat16)."""
+    bfloat16 and `numerics` "official", which the file does not hold)."""
     text: dict[str, Any] = {"model_type": "deepseek_v41_text"}
     written = set()
     for key, field in FIELDS.items():

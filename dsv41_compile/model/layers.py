@@ -43,8 +43,9 @@ class Embedding(nn.Embedding):
 
 class Fp32Linear(nn.Linear):
     """A linear layer computed in fp32 (input and weight upcast, fp32 out): the attention
-    output projection `wo_b`, whose output the fp32 residual stream adds. A module of its own
-    so that a layout can place what enters it: its input, in the activation dtype."""
+    output projection `wo_b`, whose output the fp32 residual stream adds (a module of its own
+    so that a layout can place what enters it: its input, in the activation dtype), and the
+    head, whose fp32 weight gives fp32 logits as in the official inference code."""
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x.float(), self.weight.float())

@@ -19,12 +19,14 @@ from dsv41_compile.model.config import LayerRole, ModelConfig, layer_plan
 from dsv41_compile.model.engram import Engram, EngramHash, EngramTable
 from dsv41_compile.model.layers import (
     Embedding,
+    Fp32Linear,
     HyperConnection,
     RMSNorm,
     hc_collapse,
     hc_expand,
 )
 from dsv41_compile.model.moe import MoE
+from dsv41_compile.model.numerics import fp4_rows_width, fp8_rows_width
 from dsv41_compile.model.quant import quantize_fp8
 from dsv41_compile.storage import has_no_weights
 
@@ -123,7 +125,8 @@ class DeepseekV41(nn.Module):
         self.plan = layer_plan(cfg)
         self.layers = nn.ModuleList(Block(cfg, i, role) for i, role in enumerate(self.plan))
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=cfg.torch_dtype)
+        # fp32 weight and logits, as the official head (bf16 in the checkpoint)
+        self.head = Fp32Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=torch.float32)
         self.reset_parameters()
         # Inference-only: the routed-experts op has no autograd formula, and AOT would otherwise
         # trace a joint forward/backward graph whenever the caller forgets `no_grad`.
@@ -175,7 +178,9 @@ class DeepseekV41(nn.Module):
                 nn.init.normal_(module.gate.bias, std=0.1)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """An empty cache for `num_slots` requests of up to `max_len` positions each."""
+        """An empty cache for `num_slots` requests of up to `max_len` positions each. Under the
+        official numerics the window KV is FP8 and the compressed KV FP4, each row its codes
+        and then its scales (`numerics.fp8_rows`, `numerics.fp4_rows`)."""
         if num_slots <= 0 or max_len <= 0:
             raise ValueError(f"num_slots and max_len must be positive, got {num_slots}, {max_len}")
         cfg, device = self.cfg, self.embed.weight.device
@@ -184,14 +189,25 @@ class DeepseekV41(nn.Module):
         def zeros(*shape: int, dtype: torch.dtype = cfg.torch_dtype) -> Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
+        def kv(entries: int, quantised: bool, row_width: int) -> Tensor:
+            """`entries` KV rows per slot: bytes of quantised rows, or values."""
+            if quantised:
+                return zeros(rows, entries, row_width, dtype=torch.uint8)
+            return zeros(rows, entries, cfg.head_dim)
+
+        rounding, d = cfg.rounding, cfg.head_dim
         sources = {i: role.ratio for i, role in enumerate(self.plan) if role.mode == "full"}
         return KVCache(
             num_slots=num_slots,
             max_len=max_len,
             lengths=zeros(num_slots, dtype=torch.int64),
-            window_kv=[zeros(rows, cfg.window_size, cfg.head_dim) for _ in range(cfg.n_layers)],
+            window_kv=[
+                kv(cfg.window_size, rounding.window_kv, fp8_rows_width(d))
+                for _ in range(cfg.n_layers)
+            ],
             compressed_kv={
-                i: zeros(rows, -(-max_len // r), cfg.head_dim) for i, r in sources.items()
+                i: kv(-(-max_len // r), rounding.compressed_kv, fp4_rows_width(d))
+                for i, r in sources.items()
             },
             index_k={
                 i: zeros(rows, -(-max_len // r), cfg.index_head_dim) for i, r in sources.items()
@@ -257,7 +273,7 @@ class DeepseekV41(nn.Module):
 
         # The last FFN site's pre collapses the streams (V4.1 has no learned hc_head).
         y_TD = self.norm(hc_collapse(x_TND, pre_TN))
-        logits_TV = self.head(y_TD).float().masked_fill(~valid_T[:, None], 0.0)
+        logits_TV = self.head(y_TD).masked_fill(~valid_T[:, None], 0.0)
 
         held = torch.where(valid_T, positions + 1, 0)
         cache.lengths.scatter_reduce_(0, cache_slot_T.clamp(max=cache.num_slots - 1), held, "amax")

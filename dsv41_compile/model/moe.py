@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from dsv41_compile.model.config import ModelConfig
 from dsv41_compile.model.layers import StaticFloat
+from dsv41_compile.model.numerics import act_quant_dequant
 from dsv41_compile.model.ops import routed_experts, swiglu_expert
 
 
@@ -47,13 +48,22 @@ class RoutedExperts(nn.Module):
         super().__init__()
         E, I, D, dtype = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim, cfg.torch_dtype
         self.swiglu_limit = StaticFloat(cfg.swiglu_limit)
+        self.fp8_hidden = cfg.rounding.expert_hidden
         self.w1 = nn.Parameter(torch.empty(E, I, D, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(E, D, I, dtype=dtype))
         self.w3 = nn.Parameter(torch.empty(E, I, D, dtype=dtype))
 
     def forward(self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor) -> Tensor:
+        # A constant at its default is left out of a traced call: bf16 graphs are unchanged.
         return routed_experts(
-            x_TD, topk_idx_TK, topk_weight_TK, self.w1, self.w2, self.w3, self.swiglu_limit
+            x_TD,
+            topk_idx_TK,
+            topk_weight_TK,
+            self.w1,
+            self.w2,
+            self.w3,
+            self.swiglu_limit,
+            self.fp8_hidden,
         )
 
 
@@ -62,24 +72,37 @@ class SharedExpert(nn.Module):
         super().__init__()
         D, I, dtype = cfg.dim, cfg.moe_inter_dim, cfg.torch_dtype
         self.swiglu_limit = StaticFloat(cfg.swiglu_limit)
+        self.fp8_hidden = cfg.rounding.expert_hidden
         self.w1 = nn.Linear(D, I, bias=False, dtype=dtype)
         self.w2 = nn.Linear(I, D, bias=False, dtype=dtype)
         self.w3 = nn.Linear(D, I, bias=False, dtype=dtype)
 
     def forward(self, x_TD: Tensor) -> Tensor:
         return swiglu_expert(
-            x_TD, self.w1.weight, self.w2.weight, self.w3.weight, self.swiglu_limit
+            x_TD,
+            self.w1.weight,
+            self.w2.weight,
+            self.w3.weight,
+            self.swiglu_limit,
+            fp8_hidden=self.fp8_hidden,
         )
 
 
 class MoE(nn.Module):
+    """Router, routed experts and shared expert. Official numerics (`config.Rounding`): the
+    experts' input is FP8-quantised once, before the routed-experts op (so that dispatch can
+    move its FP8 codes), for the routed and the shared experts alike, and not for the router;
+    the hidden activation before `w2`, inside the op."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.fp8_inputs = cfg.rounding.expert_inputs
         self.gate = Gate(cfg)
         self.experts = RoutedExperts(cfg)
         self.shared_expert = SharedExpert(cfg)
 
     def forward(self, x_TD: Tensor, valid_T: Tensor) -> Tensor:
         topk_idx_TK, topk_weight_TK = self.gate(x_TD, valid_T)
-        routed_TD = self.experts(x_TD, topk_idx_TK, topk_weight_TK)  # fp32 accumulation
-        return (routed_TD + self.shared_expert(x_TD).float()).to(x_TD.dtype)
+        experts_x_TD = act_quant_dequant(x_TD) if self.fp8_inputs else x_TD
+        routed_TD = self.experts(experts_x_TD, topk_idx_TK, topk_weight_TK)  # fp32 accumulation
+        return (routed_TD + self.shared_expert(experts_x_TD).float()).to(x_TD.dtype)

@@ -5,10 +5,14 @@ The compiler sees one node with a declared sharding rule instead of a data-depen
 experts. Contract (global, single-device view):
 
     routed_experts(x [T, D], topk_idx [T, K] int64, topk_weight [T, K] fp32,
-                   w1 [E, I, D], w2 [E, D, I], w3 [E, I, D], swiglu_limit) -> [T, D] fp32
+                   w1 [E, I, D], w2 [E, D, I], w3 [E, I, D], swiglu_limit,
+                   fp8_hidden=False) -> [T, D] fp32
 
 `out[t] = sum_k topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t])`, accumulated in fp32.
-`topk_idx == -1` marks "no assignment" (padding rows): it contributes nothing.
+`topk_idx == -1` marks "no assignment" (padding rows): it contributes nothing. `fp8_hidden`
+(the official numerics) FP8-quantises each expert's hidden activation before `w2`, per row:
+the op takes `x` as it comes (the official numerics quantise it before the op, once for the
+routed and the shared experts), so a row's result depends on that row alone either way.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from dsv41_compile.model.numerics import act_quant_dequant
 
 aten = torch.ops.aten
 
@@ -37,19 +43,25 @@ def swiglu_expert(
     w3_ID: Tensor,
     swiglu_limit: float,
     weight_T: Tensor | None = None,
+    fp8_hidden: bool = False,
 ) -> Tensor:
     """Clamped SwiGLU expert: `w2((silu(clamp(w1 x)) * clamp(w3 x)) * weight)`.
 
     Gate and up are taken to fp32; the up projection is clamped to [-L, L] and the gate from
-    above only. The routing weight multiplies the hidden activation in fp32, before `w2`.
-    Output in the activation dtype.
+    above only. The routing weight multiplies the hidden activation in fp32, before `w2`; the
+    product is cast to the activation dtype, then (`fp8_hidden`) FP8-quantised per 32 values
+    (`numerics.act_quant_dequant`), as the official FP8 / FP4 GEMM of `w2` takes it. Output in
+    the activation dtype.
     """
     gate_TI = F.linear(x_TD, w1_ID).float()
     up_TI = F.linear(x_TD, w3_ID).float()
     h_TI = clamped_swiglu(gate_TI, up_TI, swiglu_limit)
     if weight_T is not None:
         h_TI = h_TI * weight_T[:, None]
-    return F.linear(h_TI.to(x_TD.dtype), w2_DI)
+    h_TI = h_TI.to(x_TD.dtype)
+    if fp8_hidden:
+        h_TI = act_quant_dequant(h_TI)
+    return F.linear(h_TI, w2_DI)
 
 
 @torch.library.custom_op("dsv41::routed_experts", mutates_args=())
@@ -61,6 +73,7 @@ def routed_experts(
     w2: Tensor,
     w3: Tensor,
     swiglu_limit: float,
+    fp8_hidden: bool = False,
 ) -> Tensor:
     """Reference kernel: sort the (token, k) assignments by expert, run each expert on its
     contiguous group, scatter-add the weighted outputs back to their tokens in fp32."""
@@ -82,14 +95,16 @@ def routed_experts(
     for e, count in enumerate(counts):
         if count:
             rows = slice(start, start + count)
-            y = swiglu_expert(x_AD[rows], w1[e], w2[e], w3[e], swiglu_limit, weight_A[rows])
+            y = swiglu_expert(
+                x_AD[rows], w1[e], w2[e], w3[e], swiglu_limit, weight_A[rows], fp8_hidden
+            )
             out_TD.index_add_(0, token_A[rows], y.float())
         start += count
     return out_TD
 
 
 @routed_experts.register_fake
-def _(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit):
+def _(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, fp8_hidden=False):
     torch._check(topk_idx.shape == topk_weight.shape, lambda: "topk_idx / topk_weight mismatch")
     torch._check(topk_idx.shape[0] == x.shape[0], lambda: "topk_idx rows must match x rows")
     torch._check(w1.shape[2] == x.shape[1], lambda: "w1 must be [E, I, D]")

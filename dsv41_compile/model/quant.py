@@ -26,9 +26,13 @@ __all__ = [
     "BLOCK",
     "CODECS",
     "E2M1",
+    "E2M1_MAX",
+    "E4M3_MAX",
     "Codec",
     "dequantize_fp4",
     "dequantize_fp8",
+    "e2m1_values",
+    "e8m0_powers",
     "e8m0_values",
     "fp4_error_bound",
     "fp8_error_bound",
@@ -41,6 +45,9 @@ BLOCK = 32
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The value of each 4-bit e2m1 code (bit 3 is the sign)."""
+
+E4M3_MAX, E2M1_MAX = 448.0, 6.0
+"""The largest magnitudes of e4m3 (`float8_e4m3fn`) and of e2m1."""
 
 _E2M1_PAIRS = torch.tensor([[E2M1[b & 0xF], E2M1[b >> 4]] for b in range(256)])
 """Byte -> the values of its low and high nibble: one lookup decodes two inputs."""
@@ -61,6 +68,21 @@ def _per_element(
     return s.repeat_interleave(rows, 0)[r0 : r0 + out].repeat_interleave(BLOCK, 1)[:, c0 : c0 + inp]
 
 
+def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of packed e2m1 pairs (int8 or uint8 `[..., n]`, element `2k` in the low
+    nibble of byte k): `[..., 2n]`. Unscaled; no checks (the callers check their shapes)."""
+    pairs = _E2M1_PAIRS.to(packed.device)[packed.view(torch.uint8).long()]
+    return pairs.flatten(-2)
+
+
+def e8m0_powers(exponent: torch.Tensor) -> torch.Tensor:
+    """fp32 `2^(byte - 127)` of e8m0 bytes (uint8), 255 included (as 2^128 = inf): no checks
+    and no e8m0 dtype, so that a compiled forward can decode with it (Inductor's CPU code has
+    no e8m0 type). `e8m0_values` checks a checkpoint's scales first."""
+    ones = torch.ones(exponent.shape, device=exponent.device)
+    return torch.ldexp(ones, exponent.int() - 127)
+
+
 def e8m0_values(scale: torch.Tensor, name: str, first: tuple[int, ...] = (0, 0)) -> torch.Tensor:
     """The fp32 powers of two an e8m0 scale stands for (`float8_e8m0fnu`, or its bytes as
     uint8). A NaN byte (255) is an error naming `name` and the first index holding one
@@ -78,7 +100,7 @@ def e8m0_values(scale: torch.Tensor, name: str, first: tuple[int, ...] = (0, 0))
             f"{name}: scale byte 255 (NaN) at {at}, {int(nan.sum())} in all: the checkpoint "
             "is damaged (a released scale is a power of two)"
         )
-    return exponent.view(torch.float8_e8m0fnu).float()
+    return e8m0_powers(exponent)
 
 
 def _check_scale(scale: torch.Tensor, expected: tuple[int, ...], weight: str, name: str) -> None:
@@ -130,14 +152,12 @@ def dequantize_fp4(
         raise NotImplementedError(f"{name}: an FP4 weight is decoded in whole rows")
     out, inp = packed.shape[0], 2 * packed.shape[1]
     _check_scale(scale, (out, _blocks(inp)), f"int8 {list(packed.shape)} (in = {inp})", name)
-    values = _E2M1_PAIRS[packed.view(torch.uint8).long()].flatten(1)  # input 2k: low nibble
+    values = e2m1_values(packed)
     scales = e8m0_values(scale, name, (start[0], 0))
     return (values * _per_element(scales, values.shape, 1)).to(dtype)
 
 
 # --- the inverse, for synthetic checkpoints (tools/make_checkpoint.py) -----------------------
-
-_E4M3_MAX, _E2M1_MAX = 448.0, 6.0
 
 
 def _block_exponents(amax: torch.Tensor, top: float) -> torch.Tensor:
@@ -160,7 +180,7 @@ def quantize_fp8(w: torch.Tensor, rows: int = BLOCK) -> tuple[torch.Tensor, torc
     32 block: 32 x 32 for a linear's weight, 1 x 32 for an Engram table's rows), each block
     scaled so its largest magnitude fits e4m3."""
     w = w.float()
-    scale = _block_exponents(_per_block_amax(w, rows), _E4M3_MAX).view(torch.float8_e8m0fnu)
+    scale = _block_exponents(_per_block_amax(w, rows), E4M3_MAX).view(torch.float8_e8m0fnu)
     s = _per_element(e8m0_values(scale, "scale"), w.shape, rows)
     return (w / s).to(torch.float8_e4m3fn), scale
 
@@ -169,7 +189,7 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`w [out, in]` (even `in`) as the released FP4 pair: (int8 `[out, in/2]` of e2m1 codes,
     e8m0 scale per 32 inputs), each code the nearest e2m1 value (ties to the lower code)."""
     w = w.float()
-    scale = _block_exponents(_per_block_amax(w, 1), _E2M1_MAX).view(torch.float8_e8m0fnu)
+    scale = _block_exponents(_per_block_amax(w, 1), E2M1_MAX).view(torch.float8_e8m0fnu)
     y = w / _per_element(e8m0_values(scale, "scale"), w.shape, 1)
     grid = torch.tensor(E2M1[:8])
     magnitude = (y.abs().unsqueeze(-1) - grid).abs().argmin(-1)

@@ -6,6 +6,11 @@ file while the other still writes it ("file too short"). So every inductor compi
 `dsv41_sp` program holds a host-wide lock (a file lock in the cache directory). With the
 per-rank graph the same on every rank (`core.mesh` names the TP group alike everywhere), the
 first rank compiles and the others find every kernel in inductor's caches.
+
+Inductor keeps a fused kernel's intermediates in fp32 unless told to round where the graph
+casts (`emulate_precision_casts`); the program rounds where the model does, so a bf16 model
+(and the official numerics' FP8 / bf16 roundings) computes what the single-device model
+computes.
 """
 
 from __future__ import annotations
@@ -23,4 +28,4 @@ __all__ = ["compile_inductor"]
 
 def compile_inductor(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     with host_lock("inductor"):
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, emulate_precision_casts=True)

@@ -200,3 +200,30 @@ def test_a_config_without_the_class_count_names_it(written, tmp_path):
         f"{root / 'config.json'}: no engram_compressed_vocab_size, which the Engram token map's "
         "class count is checked against; this checkpoint's model has Engram layers"
     )
+
+
+def test_official_numerics_quantise_the_rows_into_wkv():
+    """Under numerics="official", Engram's `wkv` (an FP8 GEMM in the official code) gets its
+    input FP8 quantise-dequantised per 32 (`numerics.act_quant`), as the attention's FP8 GEMMs
+    do. On looked-up rows the step is exact: a row's blocks of 32 are the table's, whose values
+    are e4m3 codes times a power of two, so a power-of-two scale no larger than the table's
+    keeps every value (a block whose largest magnitude is under the 1e-4 floor would not)."""
+    from dsv41_compile.model.numerics import act_quant_dequant
+
+    cfg = ModelConfig.from_name("tiny", dtype="bfloat16", numerics="official", index_head_dim=32)
+    torch.manual_seed(0)
+    engram = DeepseekV41(cfg).layers[1].engram
+    assert engram.fp8_input
+    x = torch.randn(5, cfg.hc_mult, cfg.dim, dtype=torch.bfloat16)
+    bounds = engram.embed.columns
+    rows = torch.stack([torch.randint(a, b, (5,)) for a, b in zip(bounds, bounds[1:])], 1)
+    looked_up = engram.embed(rows, torch.bfloat16).flatten(1)
+    assert torch.equal(act_quant_dequant(looked_up), looked_up)
+    kv = engram.wkv(act_quant_dequant(looked_up))
+    key, value = kv.split([cfg.hc_mult * cfg.dim, cfg.dim], dim=-1)
+    gate = engram_gate(
+        x.float(), key.float().unflatten(-1, (cfg.hc_mult, cfg.dim)),
+        engram.q_weight.float() * engram.k_weight.float(), engram.eps, engram.clamp,
+    )  # fmt: skip
+    expected = (x.float() + gate[..., None] * value.float()[:, None, :]).to(x.dtype)
+    assert torch.equal(engram(x, rows), expected)

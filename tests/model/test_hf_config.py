@@ -16,16 +16,20 @@ from dsv41_compile.model import PRESETS, ModelConfig
 from dsv41_compile.model.hf_config import config_to_hf
 
 RELEASED = json.loads((Path(__file__).parent / "data" / "v41_flash_config.json").read_text())
+FLASH_OFFICIAL = PRESETS["flash"].replace(numerics="official")
+"""What the released config reads as: the flash preset with the official numerics."""
 
 
-def test_the_released_config_is_the_flash_preset():
-    assert ModelConfig.from_hf(RELEASED, skip_unimplemented_parts=True) == PRESETS["flash"]
+def test_the_released_config_is_the_flash_preset_with_the_official_numerics():
+    assert ModelConfig.from_hf(RELEASED, skip_unimplemented_parts=True) == FLASH_OFFICIAL
+    bf16 = ModelConfig.from_hf(RELEASED, skip_unimplemented_parts=True, numerics="bf16")
+    assert bf16 == PRESETS["flash"]
 
 
 def test_a_checkpoint_directory_or_its_config_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(RELEASED))
     for source in (tmp_path, tmp_path / "config.json", str(tmp_path)):
-        assert ModelConfig.from_hf(source, skip_unimplemented_parts=True) == PRESETS["flash"]
+        assert ModelConfig.from_hf(source, skip_unimplemented_parts=True) == FLASH_OFFICIAL
 
 
 def test_the_parts_this_model_lacks_are_refused_unless_skipped_by_name(tmp_path):
@@ -45,12 +49,20 @@ def test_the_parts_this_model_lacks_are_refused_unless_skipped_by_name(tmp_path)
 def test_a_config_written_for_a_model_reads_back_as_that_model():
     for name in ("tiny", "tiny-swa", "flash"):
         cfg = PRESETS[name]
-        assert ModelConfig.from_hf(config_to_hf(cfg), dtype=cfg.dtype) == cfg, name
+        read = ModelConfig.from_hf(config_to_hf(cfg), dtype=cfg.dtype, numerics=cfg.numerics)
+        assert read == cfg, name
 
 
 def test_overrides_replace_fields_after_reading():
-    cfg = ModelConfig.from_hf(RELEASED, skip_unimplemented_parts=True, dtype="float32")
+    cfg = ModelConfig.from_hf(
+        RELEASED, skip_unimplemented_parts=True, dtype="float32", numerics="bf16"
+    )
     assert cfg.dtype == "float32" and cfg.dim == 5120
+    # "official" computes in bf16: a float32 override must say numerics="bf16" too
+    with pytest.raises(
+        ValueError, match="use dtype='bfloat16' .got 'float32'., or numerics='bf16'"
+    ):
+        ModelConfig.from_hf(RELEASED, skip_unimplemented_parts=True, dtype="float32")
 
 
 def edited(change) -> dict:
@@ -107,7 +119,7 @@ def test_a_setting_the_model_does_not_implement_is_an_error_naming_it(change, me
 
 def test_top_level_keys_are_read_checked_or_refused():
     repeated = copy.deepcopy(RELEASED) | {"tie_word_embeddings": False, "torch_dtype": "bfloat16"}
-    assert ModelConfig.from_hf(repeated, skip_unimplemented_parts=True) == PRESETS["flash"]
+    assert ModelConfig.from_hf(repeated, skip_unimplemented_parts=True) == FLASH_OFFICIAL
     with pytest.raises(ValueError, match="tie_word_embeddings is True; this model implements"):
         ModelConfig.from_hf(repeated | {"tie_word_embeddings": True})
     with pytest.raises(ValueError, match=r"unknown top-level keys \['rope_parameters'\]"):

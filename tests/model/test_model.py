@@ -118,6 +118,7 @@ def test_bf16_runs_with_fp32_islands(preset: str, max_rel_err: float) -> None:
     assert model.layers[0].ffn.experts.w1.dtype == torch.bfloat16
     for fp32_param in ("hc_attn.fn", "attn_norm.weight", "ffn.gate.weight", "attn.attn_sink"):
         assert model.layers[0].get_parameter(fp32_param).dtype == torch.float32
+    assert model.head.weight.dtype == torch.float32  # as the official head: fp32 logits
 
     reference = DeepseekV41(cfg.replace(dtype="float32")).eval()
     reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})

@@ -9,6 +9,7 @@ from dsv41_compile.model.quant import (
     E2M1,
     dequantize_fp4,
     dequantize_fp8,
+    e8m0_powers,
     e8m0_values,
 )
 
@@ -26,6 +27,13 @@ def test_e8m0_bytes_are_powers_of_two_from_2_pow_minus_127_to_2_pow_127():
         1.0,
         2.0**127,
     ]
+
+
+def test_the_unchecked_decoder_gives_every_power_of_two_exactly():
+    exponent = torch.arange(255, dtype=torch.uint8)
+    want = torch.exp2(exponent.double() - 127)
+    assert torch.equal(e8m0_powers(exponent).double(), want)
+    assert torch.equal(e8m0_values(exponent, "s").double(), want)
 
 
 def test_a_nan_scale_is_refused_naming_the_tensor_and_where():

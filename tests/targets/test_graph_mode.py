@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from dsv41_compile.models.deepseek_v41.graph_mode import routed_experts_grouped
 from dsv41_compile.targets.graph_mode import rewrite_for_graph_mode
 from dsv41_compile.testing.graphs import rewritten_for_graph_mode
 
@@ -90,3 +91,11 @@ def test_copysign_keeps_the_sign_of_a_negative_zero():
     check(
         aten.copysign.Tensor, randn(8), torch.tensor([1.0, -1.0, 0.0, -0.0, 3.0, -3.0, 2.0, -2.0])
     )
+
+
+def test_routed_experts_refuse_the_official_fp8_hidden_step():
+    """Graph mode's grouped matmul has no FP8 hidden step: a model with numerics="official"
+    gets an error saying what to compile with, not a program without the step."""
+    args = (None,) * 9
+    with pytest.raises(NotImplementedError, match="lowering='eager' or 'inductor'"):
+        routed_experts_grouped(*args, fp8_hidden=True)
