@@ -36,7 +36,7 @@ class BackendOptions:
     """What one dispatched row is: "per_assignment" (one row per (token, expert) pair; a token
     goes to a rank once per expert of it the rank holds) or "per_rank" (one row per (token,
     destination rank) with that rank's expert ids and weights; the expert rank sums its experts'
-    outputs in fp32 and sends one row back, in the activation dtype: DeepEP's normal mode).
+    outputs in fp32 and sends one row back, in the activation dtype).
     "auto": per MoE layer, the one with fewer expected bytes under uniform routing (the
     choice and both figures are in graph.py, comm.json and tools/explain.py)."""
     attn_entry: str = "auto"

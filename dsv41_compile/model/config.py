@@ -372,7 +372,7 @@ class LayerRole:
 
 def layer_plan(cfg: ModelConfig) -> tuple[LayerRole, ...]:
     """Each layer's role: the source a layer uses is the latest source at or before it with the
-    same compress ratio (as vllm-ascend's `build_layer_plan` and pypto-lib's `layer_config`)."""
+    same compress ratio."""
     ratios = cfg.ratios
     if len(ratios) != cfg.n_layers:
         raise ValueError(

@@ -25,10 +25,8 @@ The model's forward computes with the scales in fp32 and keeps an e8m0 scale as 
 `exponent + 127`: the e8m0 dtype appears only in the views `act_quant` and `fp4_quant` return
 (Inductor's CPU code generator has no e8m0 type).
 
-Sources: DeepSeek-V4.1-Flash `inference/model.py` and `kernel.py` (as vendored in
-tenstorrent/tt-metal `models/demos/deepseek_v3_d_p/reference/deepseek_v41/`, `kernel_cpu.py`
-being its torch port): `act_quant` and `fp4_act_quant` there; where each is applied is in
-`config.Rounding` and docs/model.md ("Numerics").
+The formats are the official inference code's `act_quant` and `fp4_act_quant`; where each is
+applied is in `config.Rounding` and docs/model.md ("Numerics").
 """
 
 from __future__ import annotations

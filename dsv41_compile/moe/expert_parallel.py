@@ -20,7 +20,7 @@ plus one `[2, ep]` int64 output per MoE layer -- the assignments this rank sent 
 from each rank -- appended to the graph's outputs and described by `EpLayers` (`moe.stats.ep_layers(ctx)`).
 
 That is one row per (token, expert) assignment (`ep_rows="per_assignment"`). With
-`ep_rows="per_rank"` (DeepEP's normal mode) a row is a (token, destination rank) pair: the
+`ep_rows="per_rank"` a row is a (token, destination rank) pair: the
 token's row goes once to each rank holding at least one of its experts, with its K routes (the
 other ranks' set to -1), the expert rank's kernel sums its experts' weighted outputs in fp32,
 one row comes back, and the source adds the ranks' sums in rank order (= expert order).
@@ -294,7 +294,7 @@ def _exchange(
     y = _local_experts(emit, op, rows, routes, k)
     y_back = emit.named(
         # the expert outputs in the activation dtype: exact for one route per row (computed in
-        # it); per rank, each rank's fp32 partial sum is rounded once (DeepEP's combine)
+        # it); per rank, each rank's fp32 partial sum is rounded once
         emit.a2a(cast(y, torch.float32, op.dtype), send_splits, recv_splits),
         "ep_combined",
         why[2],

@@ -10,7 +10,7 @@ A region with a Replicate anchor (sp's attention) receives its token-sharded inp
 every op in it runs on all T rows. Some of those ops act row by row with replicated weights
 (V4.1: `wq_a` -> `q_norm`, `wkv` -> `kv_norm` -> rope, the compressor's projections, the
 indexer's `weights_proj`), and what they make is narrower than x. They could run on the Tl rows
-of the shard, and their outputs be gathered instead (vLLM's and vllm-ascend's hand-written
+of the shard, and their outputs be gathered instead (what serving stacks write by hand as
 "gather the latents"). Which of them is worth it is a minimum cut:
 
 - the per-token subgraph: the region's ops that depend on x and whose rule maps token shards to

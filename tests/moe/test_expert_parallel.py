@@ -180,7 +180,7 @@ def test_auto_picks_the_form_with_fewer_expected_bytes_and_says_why(exact_rank5)
 
 
 def test_expected_rows_per_token_at_flash_sizes():
-    """384 experts, top-6, ep=8: 4.43 destination ranks per token (DeepEP's dedup) against 6;
+    """384 experts, top-6, ep=8: 4.43 destination ranks per token against 6;
     with one expert per rank the forms send the same rows, and the per-assignment form's
     smaller routes win."""
     flash = EpLayer(
