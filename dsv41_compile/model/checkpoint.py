@@ -9,7 +9,9 @@ format:
   Engram's `wkv`);
 - `"e4m3"` / `"e8m0"`: an Engram table's rows and their scales, kept as stored;
 - `"fp4"`: the routed experts, one `ffn.experts.{e}.w{1,2,3}.weight` + `.scale` per expert,
-  stacked here into `ffn.experts.w{1,2,3}[e]`;
+  stacked here into `ffn.experts.w{1,2,3}[e]`; a model holding them as released
+  (`weight_format="released"`) keeps the codes (`"fp4_codes"`, into `ffn.experts.w1[e]`) and
+  the scales (`"e8m0"`, into `ffn.experts.w1_scale[e]`) as stored;
 - `"fp32"`: the mHC parameters (`hc_attn_fn` is this model's `hc_attn.fn`), the sink, the
   gate's selection bias;
 - `"bf16"`: the rest (embedding, head, norms, gate, compressors, the indexer's other weights).
@@ -81,12 +83,13 @@ _FP8 = re.compile(
     r"|engram\.wkv)\.weight"
 )
 _FP32 = re.compile(r"layers\.\d+\.(hc_(attn|ffn)\.(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias)")
-_EXPERTS = re.compile(r"(layers\.\d+\.ffn\.experts)\.(w[123])")
+_EXPERTS = re.compile(r"(layers\.\d+\.ffn\.experts)\.(w[123])(_scale)?")
 _TABLE = re.compile(r"layers\.\d+\.engram\.embed\.(weight|scale)")
 _UNIMPLEMENTED = re.compile(r"^(mtp\.|vision\.|aligner\.|image_)|\.ffn\.gate\.bias_vl$")
 _STORED = {
     "fp8": torch.float8_e4m3fn,
     "fp4": torch.int8,
+    "fp4_codes": torch.int8,
     "fp32": torch.float32,
     "e4m3": torch.float8_e4m3fn,
     "e8m0": torch.float8_e8m0fnu,
@@ -104,7 +107,8 @@ class CheckpointEntry:
     param: str
     fmt: str
     """"fp8", "fp4" (each with a `.scale` sibling: decoded to the parameter's dtype), "fp32",
-    "bf16", or "e4m3" / "e8m0" (an Engram table's rows and their scales, kept as stored)."""
+    "bf16", or kept as stored: "e4m3" / "e8m0" (an Engram table's rows and their scales),
+    "fp4_codes" / "e8m0" (a routed expert's packed FP4 weight and its scale)."""
     expert: int | None = None
 
     @property
@@ -145,9 +149,11 @@ def checkpoint_layout(
             fmt = "e4m3" if param.endswith(".weight") else "e8m0"
             layout[param] = CheckpointEntry(param, fmt)
         elif match := _EXPERTS.fullmatch(param):
+            released = f"{match[1]}.{match[2]}_scale" in shapes  # weight_format="released"
+            fmt = "e8m0" if match[3] else "fp4_codes" if released else "fp4"
+            suffix = "scale" if match[3] else "weight"
             for e in range(shape[0]):
-                name = f"{match[1]}.{e}.{match[2]}.weight"
-                layout[name] = CheckpointEntry(param, "fp4", e)
+                layout[f"{match[1]}.{e}.{match[2]}.{suffix}"] = CheckpointEntry(param, fmt, e)
         elif _FP8.fullmatch(param):
             layout[_checkpoint_name(param)] = CheckpointEntry(param, "fp8")
         elif _FP32.fullmatch(param):

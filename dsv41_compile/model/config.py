@@ -23,6 +23,9 @@ from dsv41_compile.model.quant import BLOCK
 NUMERICS = ("bf16", "official")
 """The values of `ModelConfig.numerics`."""
 
+WEIGHT_FORMATS = ("dequantized", "released")
+"""The values of `ModelConfig.weight_format`."""
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -80,6 +83,12 @@ class ModelConfig:
     numerics_off: tuple[str, ...] = ()
     """Steps of "official" left out (`Rounding` field names), to measure what each one does: the
     result is then no longer the official numerics."""
+    weight_format: str = "dequantized"
+    """How the routed experts' weights are held. "dequantized": in `dtype`, decoded from the
+    checkpoint's FP4 when loaded. "released": as the checkpoint stores them, e2m1 codes packed
+    two per byte (int8) with one e8m0 scale per 32 inputs, decoded per expert inside the
+    routed-experts op (`model.ops.routed_experts_fp4`): the same values, about a quarter of
+    the bytes in bf16. The FP8 linears are held in `dtype` either way."""
 
     # --- compressed attention (see `layer_plan`) ---------------------------------------------
     compress_ratios: tuple[int, ...] = ()
@@ -166,6 +175,17 @@ class ModelConfig:
         if self.engram_layer_ids:
             self._check_engram()
         self._check_numerics()
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"ModelConfig.weight_format must be one of {list(WEIGHT_FORMATS)}, got "
+                f"{self.weight_format!r}"
+            )
+        if self.weight_format == "released" and (self.dim % BLOCK or self.moe_inter_dim % BLOCK):
+            raise ValueError(
+                f"weight_format='released' holds the experts' FP4 weights with one scale per "
+                f"{BLOCK} inputs: dim ({self.dim}) and moe_inter_dim ({self.moe_inter_dim}) must "
+                f"be multiples of {BLOCK}, or use weight_format='dequantized'"
+            )
 
     def _check_engram(self) -> None:
         ids = self.engram_layer_ids
@@ -284,9 +304,10 @@ class ModelConfig:
     ) -> ModelConfig:
         """The config of a released checkpoint: `source` is its directory, its `config.json`,
         or that file's contents. Every key is read, checked or knowingly ignored
-        (`model.hf_config`); Engram, the DSpark draft blocks and the vision tower,
-        which this model lacks, are refused unless `skip_unimplemented_parts=True`. The dtype
-        is bfloat16 unless `overrides` say otherwise."""
+        (`model.hf_config`); the DSpark draft blocks and the vision tower, which this model
+        lacks, are refused unless `skip_unimplemented_parts=True`. The model computes in
+        bfloat16 with the official numerics and holds its routed experts as released
+        (`weight_format`) unless `overrides` say otherwise."""
         defaults = {
             f.name
             for f in dataclasses.fields(ModelConfig)

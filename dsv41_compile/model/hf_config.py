@@ -88,8 +88,10 @@ IGNORED = {
     "eos_token_id": "a tokenizer id: the model takes token ids",
     "pad_token_id": "a tokenizer id: the model takes token ids",
     "torch_dtype": "the compute dtype is `ModelConfig.dtype` (bfloat16 unless overridden); "
-    'FP8 / FP4 weights are dequantised to it, and `ModelConfig.numerics` ("official" unless '
-    "overridden) rounds the activations as the official FP8 / FP4 kernels do",
+    "FP8 weights are dequantised to it, the routed experts' FP4 weights too or kept as stored "
+    '(`ModelConfig.weight_format`, "released" unless overridden), and '
+    '`ModelConfig.numerics` ("official" unless overridden) rounds the activations as the '
+    "official FP8 / FP4 kernels do",
     "dtype": "as torch_dtype",
     "transformers_version": "metadata",
     "architectures": "metadata",
@@ -164,8 +166,13 @@ def fields_from_hf(
             f"{where}: quantization_config {quant} is not the released format {QUANTIZATION}"
         )
 
-    # The released checkpoint runs in bf16 with the official FP8 / FP4 activation numerics.
-    fields: dict[str, Any] = {"dtype": "bfloat16", "numerics": "official"}
+    # The released checkpoint runs in bf16 with the official FP8 / FP4 activation numerics,
+    # its routed experts held in FP4 as stored.
+    fields: dict[str, Any] = {
+        "dtype": "bfloat16",
+        "numerics": "official",
+        "weight_format": "released",
+    }
     parts: dict[str, list[str]] = {}
     for key, value in text.items():
         if key in FIELDS:
@@ -231,7 +238,8 @@ def _check_fixed(key: str, value: Any, where: str) -> None:
 def config_to_hf(cfg: Any) -> dict[str, Any]:
     """The `config.json` of a checkpoint of `cfg` (a `ModelConfig`) in the released layout (no
     DSpark or vision): what `ModelConfig.from_hf` reads back as `cfg` (with `dtype`
-    bfloat16 and `numerics` "official", which the file does not hold)."""
+    bfloat16, `numerics` "official" and `weight_format` "released", which the file does not
+    hold)."""
     text: dict[str, Any] = {"model_type": "deepseek_v41_text"}
     written = set()
     for key, field in FIELDS.items():

@@ -171,9 +171,7 @@ class DeepseekV41(nn.Module):
                 rows = torch.randn(module.weight.shape) * 2.0 ** torch.randint(-4, 2, (1,))
                 module.weight.data, module.scale.data = quantize_fp8(rows, rows=1)
             elif isinstance(module, MoE):
-                experts = module.experts
-                for w in (experts.w1, experts.w3, experts.w2):
-                    nn.init.normal_(w, std=w.shape[-1] ** -0.5)
+                module.experts.reset_parameters()
                 nn.init.normal_(module.gate.weight, std=module.gate.weight.shape[1] ** -0.5)
                 nn.init.normal_(module.gate.bias, std=0.1)
 

@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from dsv41_compile.model.config import ModelConfig
 from dsv41_compile.model.layers import StaticFloat
 from dsv41_compile.model.numerics import act_quant_dequant
-from dsv41_compile.model.ops import routed_experts, swiglu_expert
+from dsv41_compile.model.ops import routed_experts, routed_experts_fp4, swiglu_expert
+from dsv41_compile.model.quant import BLOCK, quantize_fp4
 
 
 class Gate(nn.Module):
@@ -42,19 +43,60 @@ class Gate(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """The E routed experts' weights, stacked on a leading expert dim (the EP shard dim)."""
+    """The E routed experts' weights, stacked on a leading expert dim (the EP shard dim).
+
+    `weight_format="released"` holds each as the checkpoint stores it: `w1` int8 [E, I, D/2]
+    (e2m1 codes, two per byte) and `w1_scale` float8_e8m0fnu [E, I, D/32], likewise `w2`,
+    `w3`; the op decodes an expert's weights when it has rows (`ops.routed_experts_fp4`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         E, I, D, dtype = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim, cfg.torch_dtype
         self.swiglu_limit = StaticFloat(cfg.swiglu_limit)
         self.fp8_hidden = cfg.rounding.expert_hidden
-        self.w1 = nn.Parameter(torch.empty(E, I, D, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(E, D, I, dtype=dtype))
-        self.w3 = nn.Parameter(torch.empty(E, I, D, dtype=dtype))
+        self.released = cfg.weight_format == "released"
+        shapes = {"w1": (E, I, D), "w2": (E, D, I), "w3": (E, I, D)}
+        for name, (e, rows, inputs) in shapes.items():
+            if self.released:
+                codes = torch.empty(e, rows, inputs // 2, dtype=torch.int8)
+                scale = torch.empty(e, rows, inputs // BLOCK, dtype=torch.float8_e8m0fnu)
+                setattr(self, name, nn.Parameter(codes, requires_grad=False))
+                setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+            else:
+                setattr(self, name, nn.Parameter(torch.empty(e, rows, inputs, dtype=dtype)))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Fan-in-scaled normals (in the released format: quantised to FP4, row by row)."""
+        for name in ("w1", "w3", "w2"):
+            w = getattr(self, name)
+            if not self.released:
+                nn.init.normal_(w, std=w.shape[-1] ** -0.5)
+                continue
+            if w.is_meta:  # a model built for its shapes: nothing to quantise
+                continue
+            inputs = 2 * w.shape[-1]
+            values = torch.randn(*w.shape[:-1], inputs) * inputs**-0.5
+            codes, scale = quantize_fp4(values.flatten(0, 1))
+            w.copy_(codes.view(w.shape))
+            getattr(self, f"{name}_scale").copy_(scale.view(w.shape[0], w.shape[1], -1))
 
     def forward(self, x_TD: Tensor, topk_idx_TK: Tensor, topk_weight_TK: Tensor) -> Tensor:
         # A constant at its default is left out of a traced call: bf16 graphs are unchanged.
+        if self.released:
+            return routed_experts_fp4(
+                x_TD,
+                topk_idx_TK,
+                topk_weight_TK,
+                self.w1,
+                self.w1_scale,
+                self.w2,
+                self.w2_scale,
+                self.w3,
+                self.w3_scale,
+                self.swiglu_limit,
+                self.fp8_hidden,
+            )
         return routed_experts(
             x_TD,
             topk_idx_TK,

@@ -1,5 +1,6 @@
-"""Custom ops of the model: the routed experts as one opaque node `dsv41::routed_experts`,
-and an Engram table's lookup, `dsv41::engram_lookup` (at the end).
+"""Custom ops of the model: the routed experts as one opaque node `dsv41::routed_experts`
+(`dsv41::routed_experts_fp4` with the weights as released), and an Engram table's lookup,
+`dsv41::engram_lookup` (at the end).
 
 The compiler sees one node with a declared sharding rule instead of a data-dependent loop over
 experts. Contract (global, single-device view):
@@ -13,6 +14,15 @@ experts. Contract (global, single-device view):
 (the official numerics) FP8-quantises each expert's hidden activation before `w2`, per row:
 the op takes `x` as it comes (the official numerics quantise it before the op, once for the
 routed and the shared experts), so a row's result depends on that row alone either way.
+
+    routed_experts_fp4(x, topk_idx, topk_weight, w1 [E, I, D/2] int8, s1 [E, I, D/32] e8m0,
+                       w2 [E, D, I/2], s2 [E, D, I/32], w3 [E, I, D/2], s3 [E, I, D/32],
+                       swiglu_limit, fp8_hidden=False) -> [T, D] fp32
+
+is the same op with each weight as the checkpoint stores it (`model.quant`, "FP4": e2m1 codes
+two per byte, one e8m0 scale per 32 inputs): an expert's weights are decoded to `x`'s dtype
+when the expert has rows, so the result is `routed_experts` of the decoded weights, bit for
+bit, and no decoded copy outlives the call.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dsv41_compile.model.numerics import act_quant_dequant
+from dsv41_compile.model.quant import e2m1_values, e8m0_powers
 
 aten = torch.ops.aten
 
@@ -64,6 +75,23 @@ def swiglu_expert(
     return F.linear(h_TI, w2_DI)
 
 
+def _by_expert(
+    x: Tensor, topk_idx: Tensor, topk_weight: Tensor, n_experts: int
+) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+    """The valid (token, k) assignments sorted by expert (stable): their tokens, rows of `x`,
+    fp32 weights, and the count per expert."""
+    T, K = topk_idx.shape
+    expert_A = topk_idx.reshape(-1)
+    token_A = torch.arange(T, device=x.device).repeat_interleave(K)
+    weight_A = topk_weight.reshape(-1).float()
+    assigned = expert_A >= 0
+    expert_A, token_A, weight_A = expert_A[assigned], token_A[assigned], weight_A[assigned]
+    order = torch.argsort(expert_A, stable=True)
+    expert_A, token_A, weight_A = expert_A[order], token_A[order], weight_A[order]
+    counts = torch.bincount(expert_A, minlength=n_experts).tolist()
+    return token_A, x[token_A], weight_A, counts
+
+
 @torch.library.custom_op("dsv41::routed_experts", mutates_args=())
 def routed_experts(
     x: Tensor,
@@ -77,20 +105,8 @@ def routed_experts(
 ) -> Tensor:
     """Reference kernel: sort the (token, k) assignments by expert, run each expert on its
     contiguous group, scatter-add the weighted outputs back to their tokens in fp32."""
-    T, K = topk_idx.shape
-    n_experts = w1.shape[0]
-    expert_A = topk_idx.reshape(-1)
-    token_A = torch.arange(T, device=x.device).repeat_interleave(K)
-    weight_A = topk_weight.reshape(-1).float()
-
-    assigned = expert_A >= 0
-    expert_A, token_A, weight_A = expert_A[assigned], token_A[assigned], weight_A[assigned]
-    order = torch.argsort(expert_A, stable=True)
-    expert_A, token_A, weight_A = expert_A[order], token_A[order], weight_A[order]
-    counts = torch.bincount(expert_A, minlength=n_experts).tolist()
-
-    out_TD = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-    x_AD = x[token_A]
+    token_A, x_AD, weight_A, counts = _by_expert(x, topk_idx, topk_weight, w1.shape[0])
+    out_TD = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     start = 0
     for e, count in enumerate(counts):
         if count:
@@ -109,6 +125,59 @@ def _(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, fp8_hidden=False):
     torch._check(topk_idx.shape[0] == x.shape[0], lambda: "topk_idx rows must match x rows")
     torch._check(w1.shape[2] == x.shape[1], lambda: "w1 must be [E, I, D]")
     torch._check(w2.shape[1] == x.shape[1], lambda: "w2 must be [E, D, I]")
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+def fp4_weight(packed: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """One expert's weight from its released bytes: `packed` int8 [out, in/2] (e2m1 pairs, low
+    nibble first), `scale` e8m0 [out, in/32] -> `dtype` [out, in], each value a code times its
+    block's power of two, in fp32 (exact), then `dtype` -- what loading the checkpoint into a
+    "dequantized" model writes (`quant.dequantize_fp4`), without its checks (made on load)."""
+    values = e2m1_values(packed)
+    powers = e8m0_powers(scale.view(torch.uint8))
+    return (values.unflatten(-1, (-1, 32)) * powers[..., None]).flatten(-2).to(dtype)
+
+
+@torch.library.custom_op("dsv41::routed_experts_fp4", mutates_args=())
+def routed_experts_fp4(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weight: Tensor,
+    w1: Tensor,
+    s1: Tensor,
+    w2: Tensor,
+    s2: Tensor,
+    w3: Tensor,
+    s3: Tensor,
+    swiglu_limit: float,
+    fp8_hidden: bool = False,
+) -> Tensor:
+    """`routed_experts` with FP4 weights: each expert with rows is decoded (`fp4_weight`) for
+    its group only."""
+    token_A, x_AD, weight_A, counts = _by_expert(x, topk_idx, topk_weight, w1.shape[0])
+    out_TD = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = slice(start, start + count)
+            w1_e, w2_e, w3_e = (
+                fp4_weight(w[e], s[e], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))
+            )
+            y = swiglu_expert(
+                x_AD[rows], w1_e, w2_e, w3_e, swiglu_limit, weight_A[rows], fp8_hidden
+            )
+            out_TD.index_add_(0, token_A[rows], y.float())
+        start += count
+    return out_TD
+
+
+@routed_experts_fp4.register_fake
+def _(x, topk_idx, topk_weight, w1, s1, w2, s2, w3, s3, swiglu_limit, fp8_hidden=False):
+    torch._check(topk_idx.shape == topk_weight.shape, lambda: "topk_idx / topk_weight mismatch")
+    torch._check(topk_idx.shape[0] == x.shape[0], lambda: "topk_idx rows must match x rows")
+    torch._check(2 * w1.shape[2] == x.shape[1], lambda: "w1 must be [E, I, D/2]")
+    torch._check(w2.shape[1] == x.shape[1], lambda: "w2 must be [E, D, I/2]")
+    torch._check(32 * s1.shape[2] == x.shape[1], lambda: "s1 must be [E, I, D/32]")
     return x.new_empty(x.shape, dtype=torch.float32)
 
 

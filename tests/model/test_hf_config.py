@@ -16,13 +16,16 @@ from dsv41_compile.model import PRESETS, ModelConfig
 from dsv41_compile.model.hf_config import config_to_hf
 
 RELEASED = json.loads((Path(__file__).parent / "data" / "v41_flash_config.json").read_text())
-FLASH_OFFICIAL = PRESETS["flash"].replace(numerics="official")
-"""What the released config reads as: the flash preset with the official numerics."""
+FLASH_OFFICIAL = PRESETS["flash"].replace(numerics="official", weight_format="released")
+"""What the released config reads as: the flash preset with the official numerics, its routed
+experts held as released."""
 
 
 def test_the_released_config_is_the_flash_preset_with_the_official_numerics():
     assert ModelConfig.from_hf(RELEASED, skip_unimplemented_parts=True) == FLASH_OFFICIAL
-    bf16 = ModelConfig.from_hf(RELEASED, skip_unimplemented_parts=True, numerics="bf16")
+    bf16 = ModelConfig.from_hf(
+        RELEASED, skip_unimplemented_parts=True, numerics="bf16", weight_format="dequantized"
+    )
     assert bf16 == PRESETS["flash"]
 
 
@@ -49,7 +52,12 @@ def test_the_parts_this_model_lacks_are_refused_unless_skipped_by_name(tmp_path)
 def test_a_config_written_for_a_model_reads_back_as_that_model():
     for name in ("tiny", "tiny-swa", "flash"):
         cfg = PRESETS[name]
-        read = ModelConfig.from_hf(config_to_hf(cfg), dtype=cfg.dtype, numerics=cfg.numerics)
+        read = ModelConfig.from_hf(
+            config_to_hf(cfg),
+            dtype=cfg.dtype,
+            numerics=cfg.numerics,
+            weight_format=cfg.weight_format,
+        )
         assert read == cfg, name
 
 
