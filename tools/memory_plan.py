@@ -3,9 +3,11 @@ KV cache's bytes per request and per token, read from the planned per-rank graph
 
     python tools/memory_plan.py --preset flash --tp 4 --ep 8 --max-len 65536
 
-It answers "does it fit on 8 devices of N GiB?" for the weights as the program holds them (the
-model's dtype: FP8 / FP4 checkpoint weights are dequantised at load; the Engram tables stay
-FP8 codes with e8m0 scales) and the cache as the model lays it out: per request, a ring of
+It answers "does it fit on 8 devices of N GiB?" for the weights as the program holds them, by
+dtype (`--weight-format`: "released", the default, holds the routed experts as the checkpoint
+stores them, int8 FP4 codes with float8_e8m0fnu scales; "dequantized" holds them in the
+model's dtype; the FP8 linears are dequantised to it either way; the Engram tables stay FP8
+codes with e8m0 scales) and the cache as the model lays it out: per request, a ring of
 `window` rows per layer (a fixed size) and the compressed caches' `max_len / ratio` entries
 (which grow with the length). Activations are not counted. The Engram tables are counted apart,
 in device and in host memory, for the placement `--engram` asks for (`all`: each placement, one
@@ -105,9 +107,13 @@ def main() -> None:
         "--engram", default="auto", choices=("auto", "replicated", "sharded", "host", "all"),
         help="the Engram tables' placement (all: plan each)",
     )  # fmt: skip
+    parser.add_argument(
+        "--weight-format", default="released", choices=("released", "dequantized"),
+        help="the routed experts' weights: as released (FP4) or in the model's dtype",
+    )  # fmt: skip
     args = parser.parse_args()
     print(provenance(), flush=True)  # the docs/benchmarks.md block's header
-    cfg = ModelConfig.from_name(args.preset)
+    cfg = ModelConfig.from_name(args.preset, weight_format=args.weight_format)
     placements = ("replicated", "sharded", "host") if args.engram == "all" else (args.engram,)
     for engram in placements:
         options = {
@@ -120,7 +126,7 @@ def main() -> None:
 def _print(cfg: ModelConfig, options: dict[str, Any], args: argparse.Namespace) -> None:
     gm, ctx = plan(cfg, options, world_size=args.world, max_len=args.max_len, num_slots=args.slots)
     report = memory_plan(gm, ctx, max_len=args.max_len)
-    print(f"{args.preset}, {options}, world {args.world}: rank 0 holds")
+    print(f"{args.preset} ({cfg.weight_format}), {options}, world {args.world}: rank 0 holds")
     total = 0
     for dtype, kinds in sorted(report["weights"].items()):
         for kind, size in kinds.items():

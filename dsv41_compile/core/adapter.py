@@ -54,17 +54,25 @@ class RoutedExperts:
         op(x [T, D], topk_idx [T, K] int64, topk_weight [T, K] fp32, *weights, *constants)
             -> [T, D] fp32,   out[t] = sum_k topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t])
 
-    `weights` are the `n_weights` stacked expert weights, expert dim first (the EP shard dim);
+    `weights` are the `n_weights` stacked expert weights, expert dim first (the EP shard dim):
+    the matrices, each followed by its scale when `scaled` (a quantised format), each matrix
+    holding `inputs_per_element` of its inputs per element of its last dim (2: packed FP4);
     `topk_idx == -1` is "no assignment" (a padding row routes nowhere)."""
 
     op: OpOverload
     n_weights: int = 3
+    inputs_per_element: int = 1
+    scaled: bool = False
 
     TOKEN_ARGS = (0, 1, 2)
     NO_EXPERT = -1
 
     def weight_args(self) -> range:
         return range(3, 3 + self.n_weights)
+
+    def matrix_args(self) -> range:
+        """The positions of the weight matrices among the op's arguments (their scales not)."""
+        return range(3, 3 + self.n_weights, 2 if self.scaled else 1)
 
     def pad_value(self, position: int) -> int:
         """The value of a padding row of token input `position`: -1 for `topk_idx`, else 0."""

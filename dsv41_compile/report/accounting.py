@@ -193,9 +193,9 @@ def _flops(node: Node, ctx: CompileContext) -> sympy.Expr:
             # expectation K/ep assignments per token and peer over its expected rows
             expected = _rows_per_peer(info)
             routes = info.top_k / (info.ep * expected)
-        per_expert = sum(
+        per_expert = spec.inputs_per_element * sum(
             sympy.Mul(*(_size(s) for s in node.args[i].meta["val"].shape[1:]))
-            for i in spec.weight_args()
+            for i in spec.matrix_args()
         )
         return 2 * rows * routes * per_expert
     if node.target in (aten.mm.default, aten.addmm.default):

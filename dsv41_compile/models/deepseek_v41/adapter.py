@@ -37,6 +37,7 @@ from dsv41_compile.model.checkpoint import read_weights
 from dsv41_compile.model.ops import engram_dequantize
 from dsv41_compile.models.deepseek_v41.graph_mode import (
     engram_lookup_gathered,
+    routed_experts_fp4_grouped,
     routed_experts_grouped,
 )
 from dsv41_compile.models.deepseek_v41.plan import deepseek_v41_plan
@@ -50,6 +51,9 @@ _ATTENTION = ("hc_attn", "attn_norm", "attn")
 _MOE = ("hc_ffn", "ffn_norm", "ffn")
 _TOP_LEVEL = ("embed", "layers", "norm", "head")
 ROUTED_EXPERTS = RoutedExperts(torch.ops.dsv41.routed_experts.default)
+ROUTED_EXPERTS_FP4 = RoutedExperts(
+    torch.ops.dsv41.routed_experts_fp4.default, n_weights=6, inputs_per_element=2, scaled=True
+)
 ENGRAM_LOOKUP = torch.ops.dsv41.engram_lookup.default
 
 
@@ -130,14 +134,16 @@ class DeepseekV41Adapter(ModelAdapter):
     token_inputs = ("input_ids", "positions", "slots")
     layouts = ("sp", "replicated")
     whole_model_modules = ("embed", "head")
-    routed_experts = (ROUTED_EXPERTS,)
+    routed_experts = (ROUTED_EXPERTS, ROUTED_EXPERTS_FP4)
     table_lookups = (ENGRAM,)
     rules = {
         ROUTED_EXPERTS.op: routed_experts_rule(ROUTED_EXPERTS),
+        ROUTED_EXPERTS_FP4.op: routed_experts_rule(ROUTED_EXPERTS_FP4),
         ENGRAM_LOOKUP: engram_lookup_rule,
     }
     graph_mode_rewrites = {
         ROUTED_EXPERTS.op: routed_experts_grouped,
+        ROUTED_EXPERTS_FP4.op: routed_experts_fp4_grouped,
         ENGRAM_LOOKUP: engram_lookup_gathered,
     }
     tp_divides = "n_heads and o_groups"

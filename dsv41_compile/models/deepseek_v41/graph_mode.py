@@ -13,7 +13,12 @@ from torch.fx import Proxy
 from dsv41_compile.core.emitter import cast
 from dsv41_compile.model.ops import clamped_swiglu, engram_dequantize
 
-__all__ = ["engram_lookup_gathered", "grouped_matmul", "routed_experts_grouped"]
+__all__ = [
+    "engram_lookup_gathered",
+    "grouped_matmul",
+    "routed_experts_fp4_grouped",
+    "routed_experts_grouped",
+]
 
 
 def engram_lookup_gathered(emit, val, table, scale, rows, columns, dtype):
@@ -75,6 +80,17 @@ def routed_experts_grouped(
     y = aten.where.self(assigned, y, zero)
     # each row's outputs added in fp32 in expert order (the order they come in): the kernel's
     return aten.index_add.default(aten.zeros_like.default(x, dtype=torch.float32), 0, row, y)
+
+
+def routed_experts_fp4_grouped(emit, val, *args):
+    """`dsv41::routed_experts_fp4` has no graph-mode form yet (torch_npu's grouped matmul with
+    FP4 weights and their e8m0 scales is not mapped): an error saying what compiles, not a
+    program that decodes every expert's weights on every call."""
+    raise NotImplementedError(
+        "lowering='torchair' does not yet run the routed experts with their weights as "
+        "released (FP4 codes and e8m0 scales, weight_format='released'): compile with "
+        "lowering='eager' or 'inductor', or a model with weight_format='dequantized'"
+    )
 
 
 def _grouped(x: Proxy, weights: Proxy, counts: Proxy) -> Proxy:

@@ -53,7 +53,11 @@ def deepseek_v41_plan(
     if embedding == "vocab_sharded":
         params.append(("embed.weight", Shard(0)))
     if ep > 1:
+        # (with weight_format="released", their FP4 codes and their scales: `w1_scale`, ...)
         params += [(f"layers.*.ffn.experts.{w}", ExpertShard(0)) for w in ("w1", "w2", "w3")]
+        params += [
+            (f"layers.*.ffn.experts.{w}_scale", ExpertShard(0)) for w in ("w1", "w2", "w3")
+        ]
     if engram in ("sharded", "host"):  # the tables split by their hash columns over the world
         table = ColumnShard(host=engram == "host")
         params += [(f"layers.*.engram.embed.{t}", table) for t in ("weight", "scale")]
