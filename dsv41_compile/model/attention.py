@@ -38,6 +38,7 @@ from dsv41_compile.model.numerics import (
     from_fp4_rows,
     from_fp8_rows,
 )
+from dsv41_compile.model.released import Fp8Linear, linear, weight_of
 
 ATTENTION_BLOCK = 64
 """Keys per block of the official attention kernel's online softmax."""
@@ -262,8 +263,9 @@ class Indexer(nn.Module):
         dtype = cfg.torch_dtype
         self.rounding = cfg.rounding
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.wq_b = nn.Linear(
-            cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype
+        released = cfg.weight_format == "released"
+        self.wq_b = linear(
+            cfg.q_lora_rank, self.n_heads * self.head_dim, released=released, dtype=dtype
         )
         self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False, dtype=dtype)
         if owns_keys:
@@ -357,19 +359,25 @@ class Attention(nn.Module):
         self.index_topk = cfg.index_topk
         self.candidate_block_size = cfg.candidate_block_size
         self.candidate_topk_blocks = cfg.candidate_topk_blocks
-        self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False, dtype=dtype)
+        released = cfg.weight_format == "released"
+        self.wq_a = linear(cfg.dim, cfg.q_lora_rank, released=released, dtype=dtype)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, bias=False, dtype=dtype)
-        self.wkv = nn.Linear(cfg.dim, cfg.head_dim, bias=False, dtype=dtype)
+        self.wq_b = linear(
+            cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, released=released, dtype=dtype
+        )
+        self.wkv = linear(cfg.dim, cfg.head_dim, released=released, dtype=dtype)
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.attn_sink = nn.Parameter(torch.empty(cfg.n_heads, dtype=torch.float32))
         group_width = cfg.n_heads // cfg.o_groups * cfg.head_dim
-        self.wo_a = nn.Linear(group_width, cfg.o_groups * cfg.o_lora_rank, bias=False, dtype=dtype)
-        self.wo_b = OutputProjection(
-            cfg.o_groups * cfg.o_lora_rank,
-            cfg.dim,
-            fp8_input=self.rounding.gemm_inputs,
-            dtype=dtype,
+        self.wo_a = linear(
+            group_width, cfg.o_groups * cfg.o_lora_rank, released=released, dtype=dtype
+        )
+        out_args = (cfg.o_groups * cfg.o_lora_rank, cfg.dim)
+        fp8_input = self.rounding.gemm_inputs
+        self.wo_b = (
+            Fp8Linear(*out_args, fp32=True, fp8_input=fp8_input)
+            if released
+            else OutputProjection(*out_args, fp8_input=fp8_input, dtype=dtype)
         )
         if role.mode == "full":
             self.compressor = Compressor(cfg, role.ratio)
@@ -439,7 +447,7 @@ class Attention(nn.Module):
         o_THd = attend(q_THd, keys_TSd, visible_TS, self.attn_sink)
         o_THd = apply_rope(o_THd, positions_T, inv_freq, inverse=True)
 
-        wo_a_GOK = self.wo_a.weight.view(G, self.o_lora_rank, -1)
+        wo_a_GOK = weight_of(self.wo_a, o_THd.dtype).view(G, self.o_lora_rank, -1)
         z_TGO = torch.einsum("tgk,gok->tgo", o_THd.reshape(T, G, H // G * d), wo_a_GOK)
         z_TF = z_TGO.flatten(1)
         # fp32 output: under tensor parallelism either the partial sum that is reduce-scattered,

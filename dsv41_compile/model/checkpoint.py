@@ -6,7 +6,8 @@ format:
 
 - `"fp8"`: `X.weight` float8_e4m3fn plus `X.scale` (the attention projections `wq_a`, `wq_b`,
   `wkv`, `wo_a`, `wo_b`, the indexer's `wq_b`, the shared expert, there `shared_experts`,
-  Engram's `wkv`);
+  Engram's `wkv`); a model holding them as released (`weight_format="released"`) keeps both as
+  stored (`"e4m3"` into `X.weight`, `"e8m0"` into `X.scale`);
 - `"e4m3"` / `"e8m0"`: an Engram table's rows and their scales, kept as stored;
 - `"fp4"`: the routed experts, one `ffn.experts.{e}.w{1,2,3}.weight` + `.scale` per expert,
   stacked here into `ffn.experts.w{1,2,3}[e]`; a model holding them as released
@@ -79,8 +80,8 @@ class WantedWeight(NamedTuple):
 
 
 _FP8 = re.compile(
-    r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_expert\.w[123]"
-    r"|engram\.wkv)\.weight"
+    r"(layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_expert\.w[123]"
+    r"|engram\.wkv))\.(weight|scale)"
 )
 _FP32 = re.compile(r"layers\.\d+\.(hc_(attn|ffn)\.(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias)")
 _EXPERTS = re.compile(r"(layers\.\d+\.ffn\.experts)\.(w[123])(_scale)?")
@@ -107,8 +108,9 @@ class CheckpointEntry:
     param: str
     fmt: str
     """"fp8", "fp4" (each with a `.scale` sibling: decoded to the parameter's dtype), "fp32",
-    "bf16", or kept as stored: "e4m3" / "e8m0" (an Engram table's rows and their scales),
-    "fp4_codes" / "e8m0" (a routed expert's packed FP4 weight and its scale)."""
+    "bf16", or kept as stored: "e4m3" / "e8m0" (an Engram table's rows or an FP8 linear's
+    weight, and their scales), "fp4_codes" / "e8m0" (a routed expert's packed FP4 weight and
+    its scale)."""
     expert: int | None = None
 
     @property
@@ -154,8 +156,12 @@ def checkpoint_layout(
             suffix = "scale" if match[3] else "weight"
             for e in range(shape[0]):
                 layout[f"{match[1]}.{e}.{match[2]}.{suffix}"] = CheckpointEntry(param, fmt, e)
-        elif _FP8.fullmatch(param):
-            layout[_checkpoint_name(param)] = CheckpointEntry(param, "fp8")
+        elif match := _FP8.fullmatch(param):
+            # held as released (weight_format="released": a `.scale` parameter beside it), or
+            # decoded
+            released = f"{match[1]}.scale" in shapes
+            fmt = "e8m0" if match[4] == "scale" else "e4m3" if released else "fp8"
+            layout[_checkpoint_name(param)] = CheckpointEntry(param, fmt)
         elif _FP32.fullmatch(param):
             layout[_checkpoint_name(param)] = CheckpointEntry(param, "fp32")
         else:

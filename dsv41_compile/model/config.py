@@ -84,11 +84,13 @@ class ModelConfig:
     """Steps of "official" left out (`Rounding` field names), to measure what each one does: the
     result is then no longer the official numerics."""
     weight_format: str = "dequantized"
-    """How the routed experts' weights are held. "dequantized": in `dtype`, decoded from the
-    checkpoint's FP4 when loaded. "released": as the checkpoint stores them, e2m1 codes packed
-    two per byte (int8) with one e8m0 scale per 32 inputs, decoded per expert inside the
-    routed-experts op (`model.ops.routed_experts_fp4`): the same values, about a quarter of
-    the bytes in bf16. The FP8 linears are held in `dtype` either way."""
+    """How the checkpoint's quantised weights are held. "dequantized": in `dtype`, decoded when
+    loaded. "released": as the checkpoint stores them, decoded where they are used to the
+    same values (the logits are the same bit for bit): the FP8 linears (`released.Fp8Linear`:
+    e4m3 codes and an e8m0 scale per 32 x 32 block, `ops.fp8_weight`) and the routed experts
+    (e2m1 codes packed two per byte and an e8m0 scale per 32 inputs,
+    `ops.routed_experts_fp4`), a half and about a quarter of their bytes in bf16. Split over
+    tensor parallelism, an FP8 weight must split in whole blocks."""
 
     # --- compressed attention (see `layer_plan`) ---------------------------------------------
     compress_ratios: tuple[int, ...] = ()

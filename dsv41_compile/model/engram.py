@@ -25,6 +25,7 @@ from dsv41_compile.model.layers import StaticFloat
 from dsv41_compile.model.ngram import column_offsets, hash_multipliers
 from dsv41_compile.model.numerics import act_quant_dequant
 from dsv41_compile.model.ops import engram_lookup
+from dsv41_compile.model.released import linear
 
 __all__ = ["Engram", "EngramHash", "EngramTable", "engram_gate", "ngram_window"]
 
@@ -64,7 +65,13 @@ class Engram(nn.Module):
         columns = (*column_offsets(primes), sum(primes))
         self.embed = EngramTable(sum(primes), cfg.engram_head_dim, columns)
         width = cfg.engram_columns * cfg.engram_head_dim
-        self.wkv = nn.Linear(width, cfg.dim * (cfg.hc_mult + 1), bias=False, dtype=cfg.torch_dtype)
+        self.wkv = linear(
+            width,
+            cfg.dim * (cfg.hc_mult + 1),
+            released=cfg.weight_format == "released",
+            dtype=cfg.torch_dtype,
+        )
+        self.dtype = cfg.torch_dtype  # what the looked-up rows are decoded to
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=cfg.torch_dtype))
         self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=cfg.torch_dtype))
         self.eps = StaticFloat(cfg.rms_norm_eps)
@@ -72,7 +79,7 @@ class Engram(nn.Module):
         self.clamp = StaticFloat(1e-6)
 
     def forward(self, x_TND: Tensor, rows_TC: Tensor) -> Tensor:
-        rows_TW = self.embed(rows_TC, self.wkv.weight.dtype).flatten(1)
+        rows_TW = self.embed(rows_TC, self.dtype).flatten(1)
         kv = self.wkv(act_quant_dequant(rows_TW) if self.fp8_input else rows_TW)
         key_TN_D, value_TD = kv.split([self.streams * self.dim, self.dim], dim=-1)
         key_TND = key_TN_D.float().unflatten(-1, (self.streams, self.dim))

@@ -28,6 +28,7 @@ from dsv41_compile.model.layers import (
 from dsv41_compile.model.moe import MoE
 from dsv41_compile.model.numerics import fp4_rows_width, fp8_rows_width
 from dsv41_compile.model.quant import quantize_fp8
+from dsv41_compile.model.released import Fp8Linear
 from dsv41_compile.storage import has_no_weights
 
 # Distinct layer kinds `torch.compile` may keep (nested_compile_region's reuse entries, each a
@@ -159,6 +160,8 @@ class DeepseekV41(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=module.in_features**-0.5)
+            elif isinstance(module, Fp8Linear):
+                module.reset_parameters()
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight)
             elif isinstance(module, HyperConnection):

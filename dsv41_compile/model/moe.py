@@ -15,6 +15,7 @@ from dsv41_compile.model.layers import StaticFloat
 from dsv41_compile.model.numerics import act_quant_dequant
 from dsv41_compile.model.ops import routed_experts, routed_experts_fp4, swiglu_expert
 from dsv41_compile.model.quant import BLOCK, quantize_fp4
+from dsv41_compile.model.released import linear, weight_of
 
 
 class Gate(nn.Module):
@@ -115,16 +116,18 @@ class SharedExpert(nn.Module):
         D, I, dtype = cfg.dim, cfg.moe_inter_dim, cfg.torch_dtype
         self.swiglu_limit = StaticFloat(cfg.swiglu_limit)
         self.fp8_hidden = cfg.rounding.expert_hidden
-        self.w1 = nn.Linear(D, I, bias=False, dtype=dtype)
-        self.w2 = nn.Linear(I, D, bias=False, dtype=dtype)
-        self.w3 = nn.Linear(D, I, bias=False, dtype=dtype)
+        released = cfg.weight_format == "released"
+        self.w1 = linear(D, I, released=released, dtype=dtype)
+        self.w2 = linear(I, D, released=released, dtype=dtype)
+        self.w3 = linear(D, I, released=released, dtype=dtype)
 
     def forward(self, x_TD: Tensor) -> Tensor:
+        dtype = x_TD.dtype
         return swiglu_expert(
             x_TD,
-            self.w1.weight,
-            self.w2.weight,
-            self.w3.weight,
+            weight_of(self.w1, dtype),
+            weight_of(self.w2, dtype),
+            weight_of(self.w3, dtype),
             self.swiglu_limit,
             fp8_hidden=self.fp8_hidden,
         )

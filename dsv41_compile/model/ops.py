@@ -1,5 +1,6 @@
 """Custom ops of the model: the routed experts as one opaque node `dsv41::routed_experts`
-(`dsv41::routed_experts_fp4` with the weights as released), and an Engram table's lookup,
+(`dsv41::routed_experts_fp4` with the weights as released), an FP8 linear's weight decoded
+from its released bytes, `dsv41::fp8_weight`, and an Engram table's lookup,
 `dsv41::engram_lookup` (at the end).
 
 The compiler sees one node with a declared sharding rule instead of a data-dependent loop over
@@ -179,6 +180,33 @@ def _(x, topk_idx, topk_weight, w1, s1, w2, s2, w3, s3, swiglu_limit, fp8_hidden
     torch._check(w2.shape[1] == x.shape[1], lambda: "w2 must be [E, D, I/2]")
     torch._check(32 * s1.shape[2] == x.shape[1], lambda: "s1 must be [E, I, D/32]")
     return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv41::fp8_weight", mutates_args=())
+def fp8_weight(weight: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """A linear's weight from its released bytes (one opaque node, so that the compiler places
+    the codes and their scales together, by a declared rule):
+
+        fp8_weight(weight float8_e4m3fn [out, in], scale float8_e8m0fnu [ceil(out/32),
+                   ceil(in/32)], dtype) -> dtype [out, in]
+
+    each value its code times its 32 x 32 block's power of two, in fp32 (exact), then `dtype`:
+    what loading the checkpoint into a "dequantized" model writes (`quant.dequantize_fp8`),
+    without its checks (made on load). A part of the weight made of whole blocks, with the
+    scales of those blocks, decodes to that part."""
+    out, inputs = weight.shape
+    powers = e8m0_powers(scale.view(torch.uint8))
+    per_value = powers.repeat_interleave(32, 0)[:out].repeat_interleave(32, 1)[:, :inputs]
+    return (weight.float() * per_value).to(dtype)
+
+
+@fp8_weight.register_fake
+def _(weight, scale, dtype):
+    torch._check(
+        scale.shape[0] * 32 >= weight.shape[0] and scale.shape[1] * 32 >= weight.shape[1],
+        lambda: "one scale per 32 x 32 block of the weight",
+    )
+    return weight.new_empty(weight.shape, dtype=dtype)
 
 
 @torch.library.custom_op("dsv41::engram_lookup", mutates_args=())

@@ -30,9 +30,10 @@ Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPo
 - one window-only layer, the seed layout exactly (sp, the input gathered, the wo_b partial
   reduce-scattered, ep=8 exact with one row per assignment), inductor, vocab-sharded embedding: a cold compile cache
   shared by the 8 ranks (the session's);
-- one window-only layer under the official numerics (bf16), the routed experts held as
-  released (FP4 codes and e8m0 scales, each rank its own experts'), ep=8 exact and ep=8
-  padded, one EP row per assignment, eager;
+- one window-only layer under the official numerics (bf16), the weights held as released
+  (FP8 linears with their block scales, each rank its heads' and output groups' blocks; FP4
+  routed experts with theirs, each rank its own experts'), ep=8 exact and ep=8 padded, one EP
+  row per assignment, eager;
 - on one rank: the five every-mode layers as handed to torchair.
 These call the model with `mark_token_dim`; tests/distributed/test_front_door.py calls it the
 other ways. The EP runs also check the requirement's assignment counts and the traffic each
@@ -77,8 +78,15 @@ pytestmark = pytest.mark.slow
 WORLD, TP, EP = 8, 4, 8
 STEPS = SERVING_STEPS
 FP32_BOUND = {"atol": 1e-5, "rtol": 1e-5}
-OFFICIAL = (("dtype", "bfloat16"), ("numerics", "official"), ("weight_format", "released"))
-"""The released model: bf16, the official numerics, the routed experts held in FP4."""
+OFFICIAL = (
+    ("dtype", "bfloat16"),
+    ("numerics", "official"),
+    ("weight_format", "released"),
+    ("o_lora_rank", 32),
+)
+"""The released model: bf16, the official numerics, its FP8 linears and FP4 routed experts held
+as released; `wo_a`'s 4 x 32 output rows split over tp=4 in whole 32 x 32 blocks of its
+scales (tiny's 4 x 16 would not be)."""
 
 
 def capture_points(cfg: ModelConfig) -> tuple[str, ...]:

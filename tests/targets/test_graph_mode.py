@@ -9,7 +9,11 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dsv41_compile.models.deepseek_v41.graph_mode import routed_experts_grouped
+from dsv41_compile.models.deepseek_v41.graph_mode import (
+    fp8_weight_decoded,
+    routed_experts_fp4_grouped,
+    routed_experts_grouped,
+)
 from dsv41_compile.targets.graph_mode import rewrite_for_graph_mode
 from dsv41_compile.testing.graphs import rewritten_for_graph_mode
 
@@ -99,3 +103,11 @@ def test_routed_experts_refuse_the_official_fp8_hidden_step():
     args = (None,) * 9
     with pytest.raises(NotImplementedError, match="lowering='eager' or 'inductor'"):
         routed_experts_grouped(*args, fp8_hidden=True)
+
+
+@pytest.mark.parametrize("rewrite", [fp8_weight_decoded, routed_experts_fp4_grouped])
+def test_weights_held_as_released_are_refused_with_what_compiles(rewrite):
+    """torch_npu's quantised matmuls are not mapped yet: a model with weight_format="released"
+    gets an error saying what to compile with, not a graph that decodes every weight."""
+    with pytest.raises(NotImplementedError, match="weight_format='dequantized'"):
+        rewrite(None, None)

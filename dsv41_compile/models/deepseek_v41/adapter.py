@@ -35,8 +35,10 @@ from dsv41_compile.model import (
 from dsv41_compile.model.batches import Request, pack
 from dsv41_compile.model.checkpoint import read_weights
 from dsv41_compile.model.ops import engram_dequantize
+from dsv41_compile.model.quant import BLOCK
 from dsv41_compile.models.deepseek_v41.graph_mode import (
     engram_lookup_gathered,
+    fp8_weight_decoded,
     routed_experts_fp4_grouped,
     routed_experts_grouped,
 )
@@ -55,6 +57,36 @@ ROUTED_EXPERTS_FP4 = RoutedExperts(
     torch.ops.dsv41.routed_experts_fp4.default, n_weights=6, inputs_per_element=2, scaled=True
 )
 ENGRAM_LOOKUP = torch.ops.dsv41.engram_lookup.default
+FP8_WEIGHT = torch.ops.dsv41.fp8_weight.default
+
+
+def fp8_weight_rule(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    """An FP8 weight held as released decodes where it is, with its block scales placed as it
+    is: both replicated, or both split along one dim (in whole 32-wide blocks:
+    `_check_fp8_shards`)."""
+    weight, scale = given
+    if weight == scale and isinstance(weight, (Replicate, Shard)):
+        return Strategy(inputs=(weight, scale), outputs=(weight,))
+    return None
+
+
+def _check_fp8_shards(plan: ShardingPlan, tp: int, params: Mapping[str, torch.Tensor]) -> None:
+    """Each rank decodes its part of a split FP8 weight with the scales of its blocks: the
+    part must be whole 32 x 32 blocks."""
+    for fqn, value in params.items():
+        if (
+            value.dtype != torch.float8_e4m3fn
+            or f"{fqn.removesuffix('.weight')}.scale" not in params
+        ):
+            continue
+        placement = plan.param_placement(fqn)
+        if isinstance(placement, Shard) and value.shape[placement.dim] % (BLOCK * tp):
+            raise ValueError(
+                f"weight_format='released': {fqn} {list(value.shape)} is split over tp={tp} "
+                f"along dim {placement.dim}, {value.shape[placement.dim] // tp} per rank: not "
+                f"whole {BLOCK}-wide blocks of its FP8 scales. Use a tp that splits it in whole "
+                "blocks, or a model with weight_format='dequantized'"
+            )
 
 
 def engram_lookup_rule(node: Node, given: Sequence[Placement]) -> Strategy | None:
@@ -139,11 +171,13 @@ class DeepseekV41Adapter(ModelAdapter):
     rules = {
         ROUTED_EXPERTS.op: routed_experts_rule(ROUTED_EXPERTS),
         ROUTED_EXPERTS_FP4.op: routed_experts_rule(ROUTED_EXPERTS_FP4),
+        FP8_WEIGHT: fp8_weight_rule,
         ENGRAM_LOOKUP: engram_lookup_rule,
     }
     graph_mode_rewrites = {
         ROUTED_EXPERTS.op: routed_experts_grouped,
         ROUTED_EXPERTS_FP4.op: routed_experts_fp4_grouped,
+        FP8_WEIGHT: fp8_weight_decoded,
         ENGRAM_LOOKUP: engram_lookup_gathered,
     }
     tp_divides = "n_heads and o_groups"
@@ -169,6 +203,7 @@ class DeepseekV41Adapter(ModelAdapter):
         (`_resolve_engram`), decided for a model with these parameters."""
         options, exit_why = self._resolve_attn_exit(options, params)
         options, engram_why = _resolve_engram(options, params)
+        _check_fp8_shards(self.plan(options), options.tp, params)
         return options, {**exit_why, **engram_why}
 
     def _resolve_attn_exit(
@@ -181,7 +216,8 @@ class DeepseekV41Adapter(ModelAdapter):
         wo_b = [v for fqn, v in params.items() if fqn.endswith(".attn.wo_b.weight")]
         if options.layout != "sp" or options.tp == 1 or not wo_b:  # nothing to cut
             return dataclasses.replace(options, attn_exit="reduce_scatter", attn_entry="input"), {}
-        tp, (dim, width), act = options.tp, wo_b[0].shape, wo_b[0].element_size()
+        # the activations are in the embedding's dtype (wo_b may be held as FP8 codes)
+        tp, (dim, width), act = options.tp, wo_b[0].shape, params["embed.weight"].element_size()
         cost = {  # ring collectives: (tp-1)/tp of each token's row leaves the rank
             "reduce_scatter": (tp - 1) / tp * dim * 4,
             "all_to_all": (tp - 1) / tp * (width // tp) * act,

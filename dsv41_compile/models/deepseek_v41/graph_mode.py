@@ -15,6 +15,7 @@ from dsv41_compile.model.ops import clamped_swiglu, engram_dequantize
 
 __all__ = [
     "engram_lookup_gathered",
+    "fp8_weight_decoded",
     "grouped_matmul",
     "routed_experts_fp4_grouped",
     "routed_experts_grouped",
@@ -80,6 +81,16 @@ def routed_experts_grouped(
     y = aten.where.self(assigned, y, zero)
     # each row's outputs added in fp32 in expert order (the order they come in): the kernel's
     return aten.index_add.default(aten.zeros_like.default(x, dtype=torch.float32), 0, row, y)
+
+
+def fp8_weight_decoded(emit, val, *args):
+    """`dsv41::fp8_weight` has no graph-mode form yet (torch_npu's quantised matmul with e8m0
+    block scales is not mapped): an error saying what compiles."""
+    raise NotImplementedError(
+        "lowering='torchair' does not yet run the FP8 linears with their weights as released "
+        "(e4m3 codes and e8m0 block scales, weight_format='released'): compile with "
+        "lowering='eager' or 'inductor', or a model with weight_format='dequantized'"
+    )
 
 
 def routed_experts_fp4_grouped(emit, val, *args):

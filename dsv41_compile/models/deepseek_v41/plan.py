@@ -42,22 +42,24 @@ def deepseek_v41_plan(
     `engram="sharded"` / `"host"` (sp, ep = world): the Engram tables split by their hash
     columns over the world (`placements.ColumnShard`), in device or host memory; each rank
     looks up its token shard's rows through an exchange (`tables.exchange`)."""
+    # (an FP8 weight held as released, `weight_format="released"`: its block scales with it)
     params: list[tuple[str, Placement]] = [
         ("layers.*.attn.wq_b.weight", Shard(0)),  # [H*d, q_lora]: heads
+        ("layers.*.attn.wq_b.scale", Shard(0)),
         ("layers.*.attn.attn_sink", Shard(0)),  # [H]
         ("layers.*.attn.wo_a.weight", Shard(0)),  # [G*o_lora, H/G*d]: output groups
+        ("layers.*.attn.wo_a.scale", Shard(0)),
     ]
     exit_all_to_all = layout == "sp" and attn_exit == "all_to_all"
     if not exit_all_to_all:
         params.append(("layers.*.attn.wo_b.weight", Shard(1)))  # [D, G*o_lora]: row-parallel
+        params.append(("layers.*.attn.wo_b.scale", Shard(1)))
     if embedding == "vocab_sharded":
         params.append(("embed.weight", Shard(0)))
     if ep > 1:
         # (with weight_format="released", their FP4 codes and their scales: `w1_scale`, ...)
         params += [(f"layers.*.ffn.experts.{w}", ExpertShard(0)) for w in ("w1", "w2", "w3")]
-        params += [
-            (f"layers.*.ffn.experts.{w}_scale", ExpertShard(0)) for w in ("w1", "w2", "w3")
-        ]
+        params += [(f"layers.*.ffn.experts.{w}_scale", ExpertShard(0)) for w in ("w1", "w2", "w3")]
     if engram in ("sharded", "host"):  # the tables split by their hash columns over the world
         table = ColumnShard(host=engram == "host")
         params += [(f"layers.*.engram.embed.{t}", table) for t in ("weight", "scale")]
