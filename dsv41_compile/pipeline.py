@@ -16,6 +16,7 @@ from dsv41_compile.spmd.annotate import annotate
 from dsv41_compile.spmd.entry_cut import entry_cut
 from dsv41_compile.spmd.insert import insert_collectives
 from dsv41_compile.spmd.localize import localize
+from dsv41_compile.spmd.quantised_transport import quantised_transport
 from dsv41_compile.spmd.token_shifts import token_shifts
 from dsv41_compile.spmd.token_sizes import token_sizes
 from dsv41_compile.tables.exchange import table_exchange
@@ -34,6 +35,8 @@ REWRITES: tuple[Pass, ...] = (
     Pass("localize", localize),  # global shapes -> per-rank shapes, the program's signature
     Pass("expert_parallel", expert_parallel, enabled=lambda ctx: ctx.mesh.ep > 1),
     Pass("tables", table_exchange, enabled=lambda ctx: ctx.mesh.ep > 1),  # column-split tables
+    # a TP collective of what the activation quantisation makes or only feeds: quantised rows
+    Pass("quantised_transport", quantised_transport),
 )
 VERIFY = Pass("verify", verify)  # fake re-propagation, local shapes, the layout's invariants
 

@@ -140,6 +140,22 @@ class WeightRange(NamedTuple):
         return self.start, self.stop
 
 
+@dataclass(frozen=True)
+class ActivationRows:
+    """A model's activation quantisation, for moving quantised rows (`spmd.quantised_transport`,
+    the EP dispatch): `quantize(x)` rounds each block of `block` values along the last dim on
+    its own (rows and blocks independent); `encode(x)` gives each row as `width(n)` bytes
+    (uint8) and `decode(encode(x)) == quantize(x)`, bit for bit. `name` says what is moved
+    (in `graph.py` and `comm.json`)."""
+
+    quantize: OpOverload
+    encode: OpOverload
+    decode: OpOverload
+    width: Callable[[int], int]
+    block: int
+    name: str
+
+
 class WeightInput(NamedTuple):
     """A parameter a per-rank program takes: its FQN, global shape and dtype, and the slice of
     it this rank holds (None: all of it)."""
@@ -167,6 +183,9 @@ class ModelAdapter(abc.ABC):
     """Sharding rules of the model's custom ops (`spmd.rules.RuleFn`), asked first."""
     graph_mode_rewrites: Mapping[OpOverload, GraphModeRewrite] = {}
     """How graph mode computes the model's custom ops from ops torchair converts."""
+    activation_rows: ActivationRows | None = None
+    """The model's activation quantisation, if it has one: collectives whose value it makes,
+    or only feeds, move its quantised rows (`spmd.quantised_transport`)."""
     tp_divides: str = ""
     """What tp must divide in this family, in its own words, for the messages of the passes
     (DeepSeek V4.1: "n_heads and o_groups"); empty: the size of the sharded dim."""

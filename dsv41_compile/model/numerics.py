@@ -126,10 +126,26 @@ def act_dequant(codes: Tensor, scales: Tensor) -> Tensor:
     return _fp8_values(codes, e8m0_powers(scales.view(torch.uint8)))
 
 
+@torch.library.custom_op("dsv41::act_quant_dequant", mutates_args=())
 def act_quant_dequant(x: Tensor) -> Tensor:
-    """bf16 `x` through FP8 and back: what the official FP8 / FP4 GEMMs multiply."""
+    """bf16 `x` through FP8 and back: what the official FP8 / FP4 GEMMs multiply. One opaque
+    node: each row's blocks of 32 are quantised on their own, so the compiler places it by a
+    rule of its own, and can move the FP8 rows a collective would feed it (`fp8_rows`)."""
     codes_BK, s_B, _ = _fp8(x)
     return (codes_BK.float() * s_B[..., None]).flatten(-2).to(torch.bfloat16)
+
+
+@act_quant_dequant.register_fake
+def _(x: Tensor) -> Tensor:
+    torch._check(x.dtype == torch.bfloat16, lambda: f"FP8 quantisation takes bf16, got {x.dtype}")
+    torch._check(
+        x.shape[-1] % ACT_BLOCK == 0,
+        lambda: (
+            f"FP8 quantisation takes whole blocks of {ACT_BLOCK} values along the last dim, got "
+            f"{x.shape[-1]}: a tp split of that dim must leave whole blocks on each rank"
+        ),
+    )
+    return torch.empty_like(x)
 
 
 def _e2m1(v: Tensor) -> Tensor:
@@ -216,6 +232,32 @@ def from_fp8_rows(rows: Tensor) -> Tensor:
     n = rows.shape[-1] * ACT_BLOCK // (ACT_BLOCK + 1)
     codes, scales = rows.split((n, n // ACT_BLOCK), dim=-1)
     return _fp8_values(codes.view(torch.float8_e4m3fn), e8m0_powers(scales))
+
+
+# --- the same, as opaque ops: what a collective moves in place of bf16 rows -------------------
+
+
+@torch.library.custom_op("dsv41::fp8_encode_rows", mutates_args=())
+def fp8_encode_rows(x: Tensor) -> Tensor:
+    """`fp8_rows(x)`, one node: the FP8 rows a collective moves instead of bf16 `x`."""
+    return fp8_rows(x)
+
+
+@fp8_encode_rows.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], fp8_rows_width(x.shape[-1])), dtype=torch.uint8)
+
+
+@torch.library.custom_op("dsv41::fp8_decode_rows", mutates_args=())
+def fp8_decode_rows(rows: Tensor) -> Tensor:
+    """`from_fp8_rows(rows)`, one node: `act_quant_dequant` of the rows encoded."""
+    return from_fp8_rows(rows)
+
+
+@fp8_decode_rows.register_fake
+def _(rows: Tensor) -> Tensor:
+    n = rows.shape[-1] * ACT_BLOCK // (ACT_BLOCK + 1)
+    return rows.new_empty((*rows.shape[:-1], n), dtype=torch.bfloat16)
 
 
 def fp4_rows_width(n: int) -> int:

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node, Proxy
 
-from dsv41_compile.core.adapter import RoutedExperts
+from dsv41_compile.core.adapter import ActivationRows, RoutedExperts
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.emitter import Emitter, cast
 from dsv41_compile.core.meta import (
@@ -134,6 +134,10 @@ class _Routed:
     constants: tuple[Any, ...]
     dtype: torch.dtype  # of x, the activation dtype
     dim: int  # D
+    rows: ActivationRows | None = None
+    """The quantisation `x` comes from, when the op's input is the model's quantised
+    activation: `x` is then its input, and the dispatch moves its quantised rows
+    (`rows.encode`), which the receiver decodes to the op's input rows, bit for bit."""
 
 
 def _rewrite(
@@ -142,6 +146,8 @@ def _rewrite(
     x, idx, w = node.args[:3]
     weights = [node.args[i] for i in spec.weight_args()]
     constants = node.args[3 + spec.n_weights :]
+    codec = ctx.adapter.activation_rows
+    quantised = codec is not None and x.op == "call_function" and x.target == codec.quantize
     x_val, w_val = x.meta[GLOBAL_VAL], weights[0].meta[GLOBAL_VAL]
     ep, n_experts = ctx.mesh.ep, w_val.shape[0]
     region = node.meta.get(REGION, "")
@@ -154,6 +160,7 @@ def _rewrite(
             experts_per_rank=n_experts // ep,
             top_k=idx.meta[GLOBAL_VAL].shape[1],
             token_row_bytes=x_val.shape[1] * x_val.element_size(),
+            dispatch_row_bytes=codec.width(x_val.shape[1]) if quantised else None,
         ),
         ctx.options.ep_rows,
     )
@@ -161,8 +168,9 @@ def _rewrite(
     with emit.inserting_before(node) as added:
         p = emit.proxy
         routed = _Routed(
-            spec.op, p(x), p(idx), p(w), tuple(p(v) for v in weights), tuple(constants),
-            x_val.dtype, x_val.shape[1],
+            spec.op, p(x.args[0] if quantised else x), p(idx), p(w),
+            tuple(p(v) for v in weights), tuple(constants), x_val.dtype, x_val.shape[1],
+            codec if quantised else None,
         )  # fmt: skip
         lower = _LOWERINGS[info.dispatch, info.rows]
         if ep_tokens is None:
@@ -281,11 +289,14 @@ def _exchange(
 ) -> Any:
     """Dispatch the token rows and routes, run the local experts, combine: the expert outputs
     of the sent rows, back in send order (and the received routes, if asked)."""
-    rows = emit.named(
-        emit.a2a(x_send, recv_splits, send_splits),
-        "ep_rows",
-        why[0],
-    )
+    if op.rows is None:
+        rows = emit.named(emit.a2a(x_send, recv_splits, send_splits), "ep_rows", why[0])
+    else:  # the quantised rows of the op's input, decoded to it
+        what = f"{why[0]}; {op.rows.name} rows of the quantisation's input"
+        encoded = op.rows.encode(x_send)
+        rows = op.rows.decode(
+            emit.named(emit.a2a(encoded, recv_splits, send_splits), "ep_rows", what)
+        )
     routes = emit.named(
         emit.a2a(route_send, recv_splits, send_splits),
         "ep_routes",

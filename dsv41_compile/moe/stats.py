@@ -45,11 +45,20 @@ class EpLayer:
     experts_per_rank: int
     top_k: int
     token_row_bytes: int
-    """D * element size: the bytes of one token row (dispatch) or one output row (combine)."""
+    """D * element size: the bytes of one output row (combine), and of one token row
+    (dispatch) unless `dispatch_row_bytes` says otherwise."""
+    dispatch_row_bytes: int | None = None
+    """The bytes of one dispatched token row when they are not `token_row_bytes`: the
+    quantised rows (`core.adapter.ActivationRows`) of an input the model quantises."""
     rows: str = "per_assignment"
     """One of EP_ROWS: a row per (token, expert) assignment, or per (token, destination rank)."""
     why: str = ""
     """Why `rows` was chosen (with `ep_rows="auto"`: the expected bytes of both)."""
+
+    @property
+    def token_out_bytes(self) -> int:
+        """The bytes of one dispatched token row."""
+        return self.dispatch_row_bytes or self.token_row_bytes
 
     @property
     def routes_per_row(self) -> int:
@@ -87,7 +96,8 @@ class EpLayer:
         ranks: expected under uniform routing ("exact"), or its padded rows ("padded")."""
         dispatch = dispatch or self.dispatch
         rows = self.expected_rows_per_peer if dispatch == "exact" else self.rows_per_token
-        return float((self.ep - 1) * rows * (2 * self.token_row_bytes + self.route_row_bytes))
+        row = self.token_out_bytes + self.token_row_bytes + self.route_row_bytes
+        return float((self.ep - 1) * rows * row)
 
     def step_record(self, stats: torch.Tensor, ep_tokens: int, rank: int) -> dict[str, Any]:
         """The bytes rank `rank` sent in one call, from the graph's `[2, ep]` statistics output
@@ -105,7 +115,7 @@ class EpLayer:
         else:
             rows_out = rows_back = (self.ep - 1) * ep_tokens * self.rows_per_token
             count_bytes = 0
-        row_out = self.token_row_bytes + self.route_row_bytes
+        row_out = self.token_out_bytes + self.route_row_bytes
         return {
             "layer": self.layer,
             "rows": self.rows,

@@ -348,7 +348,10 @@ def test_ep_traffic_adds_up_on_every_step(name):
     case, results = RUNS[name], results_of(name)
     cfg = model_config(case)
     K, D, per_rank = cfg.n_activated_experts, cfg.dim, cfg.n_routed_experts // EP
-    size = cfg.torch_dtype.itemsize  # the token rows move in the activation dtype
+    size = cfg.torch_dtype.itemsize  # the expert outputs move in the activation dtype
+    # the token rows too, or (official numerics: the experts' input is quantised) as FP8 rows:
+    # D codes and D / 32 scales
+    token = D + D // 32 if cfg.numerics == "official" else D * size
     padded = dict(case.options).get("ep_dispatch") == "padded"
     for i, step in enumerate(STEPS):
         calls = [r["comm"]["ep_steps"][i] for r in results]
@@ -360,7 +363,7 @@ def test_ep_traffic_adds_up_on_every_step(name):
         for layer in range(cfg.n_layers):
             records = [c["layers"][layer] for c in calls]
             per_row = K if records[0]["rows"] == "per_rank" else 1  # routes per row
-            row = D * size + 8 * per_row  # token row + (local expert, weight) per route
+            row = token + 8 * per_row  # token row + (local expert, weight) per route
             sent = [rec["assignments_sent_per_rank"] for rec in records]
             received = [rec["assignments_received_per_rank"] for rec in records]
             assert sent == [list(col) for col in zip(*received)], (name, i, layer)
@@ -467,3 +470,30 @@ def test_each_rank_read_only_its_slices_of_the_checkpoint():
         if not name.endswith(".scale") and name.removesuffix(".weight").endswith(tuple(TP_SHARDED)):
             read = sum(results[r]["checkpoint_read"][name] for r in range(TP))
             assert read == math.prod(shape) * SIZE[dtype], name
+
+
+@pytest.mark.parametrize("name", sorted(n for n in RUNS if "official" in n))
+def test_the_official_runs_move_fp8_rows_where_the_receiver_quantises(name):
+    """Under the official numerics every layer's attention entry gather (of what wq_a / wkv
+    quantise), its exit all-to-all (of what wo_b quantises) and its EP dispatch (of the experts'
+    quantised input) move FP8 rows, D codes and D / 32 scales as bytes; the head's gather and
+    the EP combine, which no quantisation reads, move bf16, the routes fp32 and (exact) the
+    counts int64 (`spmd.quantised_transport`). The logits above are equal all the same."""
+    cfg = model_config(RUNS[name])
+    for result in results_of(name):
+        layers = [c for c in result["comm"]["collectives"] if c["layer"] is not None]
+        moved = sorted((c["axis"], c["kind"], c["dtype"]) for c in layers)
+        assert (
+            moved
+            == sorted(
+                [("tp", "all_gather", "uint8"), ("tp", "all_to_all", "uint8")]
+                + [("ep", "all_to_all", t) for t in ("uint8", "float32", "bfloat16")]
+                + [("ep", "all_to_all", "int64")]
+                * (dict(RUNS[name].options)["ep_dispatch"] == "exact")
+            )
+            * cfg.n_layers
+        ), moved
+        gathered = next(c for c in layers if c["kind"] == "all_gather")
+        assert gathered["input_shape"][1] == str(cfg.dim + cfg.dim // 32)
+        (head,) = [c for c in result["comm"]["collectives"] if c["layer"] is None]
+        assert head["dtype"] == "bfloat16"

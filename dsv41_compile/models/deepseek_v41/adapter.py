@@ -17,6 +17,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.fx import Node
 
 from dsv41_compile.core.adapter import (
+    ActivationRows,
     LayerCollectives,
     ModelAdapter,
     RoutedExperts,
@@ -34,9 +35,11 @@ from dsv41_compile.model import (
 )
 from dsv41_compile.model.batches import Request, pack
 from dsv41_compile.model.checkpoint import read_weights
+from dsv41_compile.model.numerics import fp8_rows_width
 from dsv41_compile.model.ops import engram_dequantize
 from dsv41_compile.model.quant import BLOCK
 from dsv41_compile.models.deepseek_v41.graph_mode import (
+    act_quant_dequant_refused,
     engram_lookup_gathered,
     fp8_weight_decoded,
     routed_experts_fp4_grouped,
@@ -58,6 +61,18 @@ ROUTED_EXPERTS_FP4 = RoutedExperts(
 )
 ENGRAM_LOOKUP = torch.ops.dsv41.engram_lookup.default
 FP8_WEIGHT = torch.ops.dsv41.fp8_weight.default
+ACT_QUANT = torch.ops.dsv41.act_quant_dequant.default
+
+
+def act_quant_rule(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    """The official FP8 quantisation of an activation, in blocks of 32 along its last dim: where
+    the value is, replicated or split along any dim (split along the last, each rank's part
+    must be whole blocks: the op's shape check says so). Not a partial sum: quantising is not
+    linear."""
+    (x,) = given
+    if isinstance(x, (Replicate, Shard)):
+        return Strategy(inputs=(x,), outputs=(x,))
+    return None
 
 
 def fp8_weight_rule(node: Node, given: Sequence[Placement]) -> Strategy | None:
@@ -172,14 +187,24 @@ class DeepseekV41Adapter(ModelAdapter):
         ROUTED_EXPERTS.op: routed_experts_rule(ROUTED_EXPERTS),
         ROUTED_EXPERTS_FP4.op: routed_experts_rule(ROUTED_EXPERTS_FP4),
         FP8_WEIGHT: fp8_weight_rule,
+        ACT_QUANT: act_quant_rule,
         ENGRAM_LOOKUP: engram_lookup_rule,
     }
     graph_mode_rewrites = {
         ROUTED_EXPERTS.op: routed_experts_grouped,
         ROUTED_EXPERTS_FP4.op: routed_experts_fp4_grouped,
         FP8_WEIGHT: fp8_weight_decoded,
+        ACT_QUANT: act_quant_dequant_refused,
         ENGRAM_LOOKUP: engram_lookup_gathered,
     }
+    activation_rows = ActivationRows(
+        quantize=ACT_QUANT,
+        encode=torch.ops.dsv41.fp8_encode_rows.default,
+        decode=torch.ops.dsv41.fp8_decode_rows.default,
+        width=fp8_rows_width,
+        block=BLOCK,
+        name="FP8",
+    )
     tp_divides = "n_heads and o_groups"
 
     def matches(self, param_fqns: Iterable[str], inputs: Iterable[str]) -> bool:

@@ -14,6 +14,7 @@ from dsv41_compile.core.emitter import cast
 from dsv41_compile.model.ops import clamped_swiglu, engram_dequantize
 
 __all__ = [
+    "act_quant_dequant_refused",
     "engram_lookup_gathered",
     "fp8_weight_decoded",
     "grouped_matmul",
@@ -81,6 +82,16 @@ def routed_experts_grouped(
     y = aten.where.self(assigned, y, zero)
     # each row's outputs added in fp32 in expert order (the order they come in): the kernel's
     return aten.index_add.default(aten.zeros_like.default(x, dtype=torch.float32), 0, row, y)
+
+
+def act_quant_dequant_refused(emit, val, *args):
+    """`dsv41::act_quant_dequant` (numerics="official") has no graph-mode form yet: an error
+    saying what compiles."""
+    raise NotImplementedError(
+        "lowering='torchair' does not yet quantise activations as numerics='official' does "
+        "(FP8 per 32 values before each FP8 GEMM): compile with lowering='eager' or "
+        "'inductor', or a model with numerics='bf16'"
+    )
 
 
 def fp8_weight_decoded(emit, val, *args):
