@@ -36,9 +36,13 @@ SEED = {
 }  # fmt: skip
 
 
-def configs(args: argparse.Namespace) -> list[tuple[str, str]]:
+def configs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(layout, EP dispatch, numerics): every layout in the model's numerics, or (`--numerics
+    both`) sp in both numerics."""
     dispatches = ("exact", "padded") if args.dispatch == "both" else (args.dispatch,)
-    return [(layout, dispatch) for dispatch in dispatches for layout in LAYOUTS]
+    if args.numerics == "both":
+        return [("sp", d, n) for d in dispatches for n in ("bf16", "official")]
+    return [(layout, d, args.numerics) for d in dispatches for layout in LAYOUTS]
 
 
 def scenarios(prefill: int) -> dict[str, list[list[Any]]]:
@@ -68,15 +72,16 @@ def _progress(done: int, total: int, what: str) -> None:
 
 def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     import dsv41_compile
+    from dsv41_compile.model import DeepseekV41
     from dsv41_compile.model.validate import validate_batch
     from dsv41_compile.testing.batches import pack
     from dsv41_compile.testing.capture import capture_lowered
 
-    cfg = model_config(args)
-    torch.manual_seed(0)
-    from dsv41_compile.model import DeepseekV41
-
-    model = DeepseekV41(cfg)
+    models = {}
+    for numerics in {config[2] for config in configs(args)}:
+        torch.manual_seed(0)
+        models[numerics] = DeepseekV41(model_config(args, numerics))
+    cfg = next(iter(models.values())).cfg
     cases = scenarios(args.prefill)
     max_len = args.prefill + 8
     configs_ = configs(args)
@@ -95,7 +100,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     # code object (a reset between them would throw the earlier ones away).
     torch._dynamo.reset()
     for config in configs_:
-        layout, dispatch = config
+        layout, dispatch, numerics = config
+        model = models[numerics]
         options = {
             "tp": TP,
             "ep": EP,
@@ -113,13 +119,13 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
             compiled[config](ids, positions, slots, caches[config])
         compile_s[config] = time.perf_counter() - start
         (programs[config],) = lowered
-        tick(f"compiled {layout}/{dispatch}")
+        tick(f"compiled {'/'.join(config)}")
     out: dict[str, Any] = {"compile_s": compile_s, "cases": {}}
     for name, batches in cases.items():
         requests = batches[rank // TP]
         ids, positions, slots = pack(requests)
         # Each case is timed by replaying one step; it is checked against the cache it continues.
-        continued = model.new_cache(16, max_len)
+        continued = models[configs_[0][2]].new_cache(16, max_len)
         for request in requests:
             continued.lengths[request.slot] = request.start
         validate_batch(ids, positions, slots, continued, vocab_size=cfg.vocab_size)
@@ -152,12 +158,21 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     return out
 
 
-def model_config(args: argparse.Namespace):
+def model_config(args: argparse.Namespace, numerics: str = "bf16"):
+    """The preset (`--dim` wide); under the official numerics as the released checkpoint runs
+    it: bf16, the weights held as released (so with `--numerics both` the bf16 side is bf16
+    too, its weights dequantised)."""
     from dsv41_compile.model import ModelConfig
 
     cfg = ModelConfig.from_name(args.preset)
     if args.dim:
         cfg = cfg.replace(dim=args.dim)
+    if numerics == "official" or args.numerics == "both":
+        # wo_a's output rows split over tp in whole 32-row blocks of its FP8 scales
+        o_lora_rank = max(cfg.o_lora_rank, 32 * TP // cfg.o_groups)
+        cfg = cfg.replace(dtype="bfloat16", o_lora_rank=o_lora_rank)
+    if numerics == "official":
+        cfg = cfg.replace(numerics="official", weight_format="released")
     return cfg
 
 
@@ -171,14 +186,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
     parser.add_argument("--dispatch", choices=("both", "exact", "padded"), default="both")
+    parser.add_argument(
+        "--numerics", choices=("bf16", "official", "both"), default="bf16",
+        help="both: sp with the bf16 and the official numerics side by side (bf16 weights, "
+        "against FP8 / FP4 weights and activations, quantised rows moved)",
+    )  # fmt: skip
     args = parser.parse_args()
     from dsv41_compile.report.provenance import provenance
 
     print(provenance(), flush=True)  # the docs/benchmarks.md block's header
-    cfg = model_config(args)
     configs_ = configs(args)
+    cfg = model_config(args, configs_[0][2])
     print(
-        f"{args.preset} (D={cfg.dim}, {cfg.n_layers} layers), 8 ranks (tp={TP}, "
+        f"{args.preset} (D={cfg.dim}, {cfg.n_layers} layers, {cfg.dtype}, o_lora_rank "
+        f"{cfg.o_lora_rank}), 8 ranks (tp={TP}, "
         f"dp={WORLD // TP}, ep={EP}), {args.lowering} lowering, {args.repeats} repeats; "
         f"compiling {len(configs_)} configurations on every rank..."
     )
@@ -189,16 +210,18 @@ def main() -> None:
             f"{'/'.join(c)} {max(r['compile_s'][c] for r in results):.0f} s" for c in configs_
         )
     )
+    both = args.numerics == "both"
     print(
-        f"\n{'scenario':<9} {'T/group':>7} {'layout':<11} {'EP':<7} {'step ms':>8} "
-        f"{'sp/repl':>8} {'sp/seed':>8} {'EP bytes/layer/rank':>20} {'/ valid':>8}"
+        f"\n{'scenario':<9} {'T/group':>7} {'layout':<11} {'EP':<7} {'numerics':<9} "
+        f"{'step ms':>8} {'off/bf16' if both else 'sp/repl':>8} {'' if both else 'sp/seed':>8} "
+        f"{'EP bytes/layer/rank':>20} {'/ valid':>8}"
     )
     for name in results[0]["cases"]:
         step_ms = {}
         for config in configs_:
             step_ms[config] = 1e3 * max(r["cases"][name][config]["median_s"] for r in results)
         for config in configs_:
-            layout, dispatch = config
+            layout, dispatch, numerics = config
             per_rank = [r["cases"][name][config] for r in results]
             n_layers = max(len(per_rank[0]["ep"]), 1)
             sent = sum(
@@ -211,19 +234,27 @@ def main() -> None:
                 for r in per_rank
                 for x in r["ep"]
             )
-            ratios = [
-                f"{step_ms[config] / step_ms[(other, dispatch)]:.2f}" if layout == "sp" else ""
-                for other in ("replicated", "seed")
-            ]
+            if both:
+                ratio = step_ms[config] / step_ms[(layout, dispatch, "bf16")]
+                ratios = [f"{ratio:.2f}" if numerics == "official" else "", ""]
+            else:
+                ratios = [
+                    f"{step_ms[config] / step_ms[(other, dispatch, numerics)]:.2f}"
+                    if layout == "sp"
+                    else ""
+                    for other in ("replicated", "seed")
+                ]
             overhead = f"{sent / valid:.2f}" if valid else "-"
             print(
                 f"{name if config == configs_[0] else '':<9} {per_rank[0]['T']:>7} {layout:<11} "
-                f"{dispatch:<7} {step_ms[config]:>8.1f} {ratios[0]:>8} {ratios[1]:>8} "
+                f"{dispatch:<7} {numerics:<9} {step_ms[config]:>8.1f} {ratios[0]:>8} "
+                f"{ratios[1]:>8} "
                 f"{sent / WORLD / n_layers:>20.0f} {overhead:>8}"
             )
     print(
         "\nstep ms: slowest rank's median; sp/repl, sp/seed: sp's step time over the replicated "
-        "baseline's and the seed layout's with the same EP dispatch; EP bytes: dispatch + combine sent to other ranks, "
+        "baseline's and the seed layout's with the same EP dispatch; off/bf16: the official "
+        "numerics' over the bf16 numerics'; EP bytes: dispatch + combine sent to other ranks, "
         "mean over ranks and MoE layers; / valid: over an ideal dispatch of only the valid "
         "rows"
     )

@@ -68,6 +68,16 @@ KINDS = (
 )  # fmt: skip
 
 
+def model_config(preset: str, numerics: str) -> ModelConfig:
+    """The preset; with the official numerics, as the released checkpoint runs it (bf16, its
+    weights held as released), where the collectives the quantisation feeds move FP8 rows."""
+    if numerics == "bf16":
+        return ModelConfig.from_name(preset)
+    return ModelConfig.from_name(
+        preset, dtype="bfloat16", numerics="official", weight_format="released"
+    )
+
+
 def attention_lower_bound(cfg: ModelConfig, tokens: int, tp: int) -> int:
     tl = -(-tokens // tp)
     rows = max(tokens - tl, 0)
@@ -80,7 +90,7 @@ def report(
 ) -> dict:
     """The report as a JSON-ready dict; `plan` plans one rank (`planning.plan_rank`), `cfg` is
     the model (`args.preset` when None)."""
-    cfg = cfg or ModelConfig.from_name(args.preset)
+    cfg = cfg or model_config(args.preset, getattr(args, "numerics", "bf16"))
     world = args.ep if args.ep > 1 else args.tp * args.dp
     costs, seconds = {}, {}
     choices = {}
@@ -106,6 +116,7 @@ def report(
         )
     return {
         "preset": args.preset,
+        "numerics": cfg.numerics,
         "tp": args.tp,
         "ep": args.ep,
         "world_size": world,
@@ -254,6 +265,11 @@ def main() -> None:
     parser.add_argument(
         "--engram", choices=("auto", "replicated", "sharded", "host"), default="auto",
         help="the Engram tables' placement, in every configuration the layout allows it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--numerics", choices=("bf16", "official"), default="bf16",
+        help="official: bf16, the official FP8 numerics and the weights as released (FP8 rows "
+        "moved where a quantisation reads them)",
     )  # fmt: skip
     parser.add_argument("--json", help="write the report as JSON here")
     parser.add_argument("--plot", help="draw bytes per collective kind per layer (PNG) here")
