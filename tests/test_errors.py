@@ -368,7 +368,7 @@ def test_bad_options(options, message):
             {"tp": 4, "dump_after": ["insert", "lower"]},
             "dump_after names no pass: ['lower']; the passes are ('inline_regions', "
             "'token_sizes', 'annotate', 'token_shifts', 'entry_cut', 'insert', 'localize', "
-            "'expert_parallel', 'tables', 'graph_mode', 'verify')",
+            "'expert_parallel', 'tables', 'quantised_transport', 'graph_mode', 'verify')",
         ),
         (
             {"tp": 4, "layout": "replicated"},

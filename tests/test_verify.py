@@ -23,11 +23,12 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.errors import InternalError
+from dsv41_compile.core.fake_prop import _OnceProp
 from dsv41_compile.core.meta import EP_SOURCE, IN, OUT, REASON, REGION
 from dsv41_compile.testing.cases import layer_collectives
 from dsv41_compile.testing.fake_rank import compile_on_fake_rank
 from dsv41_compile.testing.presets import compile_config
-from dsv41_compile.verify import _OnceProp, verify
+from dsv41_compile.verify import verify
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
