@@ -28,6 +28,8 @@ bit, and no decoded copy outlives the call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -93,6 +95,29 @@ def _by_expert(
     return token_A, x[token_A], weight_A, counts
 
 
+def _by_expert_groups(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weight: Tensor,
+    n_experts: int,
+    weights: Callable[[int], tuple[Tensor, Tensor, Tensor]],
+    swiglu_limit: float,
+    fp8_hidden: bool,
+) -> Tensor:
+    """Each expert with rows on its contiguous group (`weights(e)`: its w1, w2, w3), the
+    weighted outputs added back to their tokens in fp32."""
+    token_A, x_AD, weight_A, counts = _by_expert(x, topk_idx, topk_weight, n_experts)
+    out_TD = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = slice(start, start + count)
+            y = swiglu_expert(x_AD[rows], *weights(e), swiglu_limit, weight_A[rows], fp8_hidden)
+            out_TD.index_add_(0, token_A[rows], y.float())
+        start += count
+    return out_TD
+
+
 @torch.library.custom_op("dsv41::routed_experts", mutates_args=())
 def routed_experts(
     x: Tensor,
@@ -106,18 +131,10 @@ def routed_experts(
 ) -> Tensor:
     """Reference kernel: sort the (token, k) assignments by expert, run each expert on its
     contiguous group, scatter-add the weighted outputs back to their tokens in fp32."""
-    token_A, x_AD, weight_A, counts = _by_expert(x, topk_idx, topk_weight, w1.shape[0])
-    out_TD = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            rows = slice(start, start + count)
-            y = swiglu_expert(
-                x_AD[rows], w1[e], w2[e], w3[e], swiglu_limit, weight_A[rows], fp8_hidden
-            )
-            out_TD.index_add_(0, token_A[rows], y.float())
-        start += count
-    return out_TD
+    weights = lambda e: (w1[e], w2[e], w3[e])  # noqa: E731
+    return _by_expert_groups(
+        x, topk_idx, topk_weight, w1.shape[0], weights, swiglu_limit, fp8_hidden
+    )
 
 
 @routed_experts.register_fake
@@ -155,21 +172,12 @@ def routed_experts_fp4(
 ) -> Tensor:
     """`routed_experts` with FP4 weights: each expert with rows is decoded (`fp4_weight`) for
     its group only."""
-    token_A, x_AD, weight_A, counts = _by_expert(x, topk_idx, topk_weight, w1.shape[0])
-    out_TD = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            rows = slice(start, start + count)
-            w1_e, w2_e, w3_e = (
-                fp4_weight(w[e], s[e], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))
-            )
-            y = swiglu_expert(
-                x_AD[rows], w1_e, w2_e, w3_e, swiglu_limit, weight_A[rows], fp8_hidden
-            )
-            out_TD.index_add_(0, token_A[rows], y.float())
-        start += count
-    return out_TD
+    weights = lambda e: tuple(  # noqa: E731
+        fp4_weight(w[e], s[e], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))
+    )
+    return _by_expert_groups(
+        x, topk_idx, topk_weight, w1.shape[0], weights, swiglu_limit, fp8_hidden
+    )
 
 
 @routed_experts_fp4.register_fake
