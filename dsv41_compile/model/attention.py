@@ -160,10 +160,19 @@ def compressed_visible(positions_T: Tensor, n_entries: int, ratio: int) -> Tenso
     return torch.arange(n_entries, device=positions_T.device)[None, :] < n_visible_T[:, None]
 
 
+def top_k(values_TC: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest values along the last dim and their indices, equal values in index order.
+    (`torch.topk` breaks ties as its kernel happens to: with the relu's exact zeros in the index
+    scores, the choice would then change with the number of entries, i.e. with the cache's
+    length, and with the batch.)"""
+    values_TC, idx_TC = torch.sort(values_TC, dim=-1, descending=True, stable=True)
+    return values_TC[..., :k], idx_TC[..., :k]
+
+
 def select_topk(scores_TC: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The `min(k, C)` best entries per token: indices [T, K] and a mask [T, K] that drops picks
-    whose score is -inf (fewer visible entries than K)."""
-    values_TK, idx_TK = torch.topk(scores_TC, min(k, scores_TC.shape[1]), dim=-1)
+    """The `min(k, C)` best entries per token (`top_k`): indices [T, K] and a mask [T, K] that
+    drops picks whose score is -inf (fewer visible entries than K)."""
+    values_TK, idx_TK = top_k(scores_TC, min(k, scores_TC.shape[1]))
     return idx_TK, values_TK > float("-inf")
 
 
@@ -183,7 +192,7 @@ def candidate_blocks(
         block_ids[None, :] == torch.div(last_entry_T, block, rounding_mode="floor")[:, None]
     ) & (last_entry_T >= 0)[:, None]
     block_scores_TB = block_scores_TB.masked_fill(holds_last_TB, float("inf"))
-    values, top_TB = torch.topk(block_scores_TB, min(n_blocks, blocks), dim=-1)
+    values, top_TB = top_k(block_scores_TB, min(n_blocks, blocks))
     keep_TB = torch.zeros_like(holds_last_TB).scatter(1, top_TB, values > float("-inf"))
     return keep_TB.repeat_interleave(block, dim=1)[:, :C]
 
@@ -398,19 +407,10 @@ class Attention(nn.Module):
         same forward: an index source's top-k `(idx_TK, picked_TK)`, and the candidate source's
         candidate mask after them (empty otherwise). A REUSE layer takes its top-k source's
         `topk`, a candidate-filtered index layer the candidate source's `candidates_TC`."""
-        T = x_TD.shape[0]
-        H, d, G = self.n_heads, self.head_dim, self.o_groups
-        inv_freq, rounding = self.rope_inv_freq, self.rounding
-
+        rounding = self.rounding
         gemm_x_TD = act_quant_dequant(x_TD) if rounding.gemm_inputs else x_TD
-        q_TQ = self.q_norm(self.wq_a(gemm_x_TD))
-        gemm_q_TQ = act_quant_dequant(q_TQ) if rounding.gemm_inputs else q_TQ
-        q_THd = apply_rope(self.wq_b(gemm_q_TQ).view(T, H, d), positions_T, inv_freq)
-        kv_Td = apply_rope(self.kv_norm(self.wkv(gemm_x_TD)), positions_T, inv_freq)
-        kv_rows_Td = kv_Td  # what the ring holds
-        if rounding.window_kv:
-            kv_rows_Td = fp8_rows(kv_Td)
-            kv_Td = from_fp8_rows(kv_rows_Td)
+        gemm_q_TQ, q_THd = self.queries(gemm_x_TD, positions_T)
+        kv_Td, kv_rows_Td = self.window_kv(gemm_x_TD, positions_T)
 
         # Read, then write: a token's window takes this call's rows from kv_Td and the older
         # ones from the ring, which this call then overwrites.
@@ -443,9 +443,36 @@ class Attention(nn.Module):
             keys_TSd = torch.cat((keys_TSd, ckv_TKd), dim=1)
             visible_TS = torch.cat((visible_TS, picked_TK), dim=1)
 
+        return self.attend(q_THd, keys_TSd, visible_TS, positions_T), made
+
+    def queries(self, gemm_x_TD: Tensor, positions_T: Tensor) -> tuple[Tensor, Tensor]:
+        """The input of `wq_b` (FP8-quantised under the official numerics) and the rotated
+        queries [T, H, d], from the attention input as the FP8 GEMMs take it."""
+        T, H, d = gemm_x_TD.shape[0], self.n_heads, self.head_dim
+        q_TQ = self.q_norm(self.wq_a(gemm_x_TD))
+        gemm_q_TQ = act_quant_dequant(q_TQ) if self.rounding.gemm_inputs else q_TQ
+        q_THd = apply_rope(self.wq_b(gemm_q_TQ).view(T, H, d), positions_T, self.rope_inv_freq)
+        return gemm_q_TQ, q_THd
+
+    def window_kv(self, gemm_x_TD: Tensor, positions_T: Tensor) -> tuple[Tensor, Tensor]:
+        """The rotated KV latent [T, d] as attention reads it, and the rows the window ring
+        holds (`numerics.fp8_rows` under the official numerics, the values otherwise)."""
+        kv_Td = apply_rope(self.kv_norm(self.wkv(gemm_x_TD)), positions_T, self.rope_inv_freq)
+        if not self.rounding.window_kv:
+            return kv_Td, kv_Td
+        kv_rows_Td = fp8_rows(kv_Td)
+        return from_fp8_rows(kv_rows_Td), kv_rows_Td
+
+    def attend(
+        self, q_THd: Tensor, keys_TSd: Tensor, visible_TS: Tensor, positions_T: Tensor
+    ) -> Tensor:
+        """The sink attention of the queries over their keys, un-rotated, through `wo_a` and
+        `wo_b`: the layer's output [T, D]."""
+        T, H, d, G = q_THd.shape[0], self.n_heads, self.head_dim, self.o_groups
+        rounding = self.rounding
         attend = blockwise_sink_attention if rounding.probabilities else sink_attention
         o_THd = attend(q_THd, keys_TSd, visible_TS, self.attn_sink)
-        o_THd = apply_rope(o_THd, positions_T, inv_freq, inverse=True)
+        o_THd = apply_rope(o_THd, positions_T, self.rope_inv_freq, inverse=True)
 
         wo_a_GOK = weight_of(self.wo_a, o_THd.dtype).view(G, self.o_lora_rank, -1)
         z_TGO = torch.einsum("tgk,gok->tgo", o_THd.reshape(T, G, H // G * d), wo_a_GOK)
@@ -456,7 +483,7 @@ class Attention(nn.Module):
         out_TD = self.wo_b(z_TF)
         if rounding.wo_b_output:
             out_TD = out_TD.to(torch.bfloat16)
-        return out_TD, made
+        return out_TD
 
     def compressed_keys(
         self,
