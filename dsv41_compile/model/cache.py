@@ -87,3 +87,18 @@ class KVCache:
         for table in (self.compressed_kv, self.index_k, self.pair_state):
             out += [table[k] for k in sorted(table)]
         return [*out, *self.ngram]
+
+
+@dataclass
+class SavedRows:
+    """Rows of a cache as they were before a call (`DeepseekV41.save_rows`), each with the
+    position whose write would change it: `DeepseekV41.cut_cache` puts back the rows written
+    by positions the cache is cut before."""
+
+    slot: int
+    first: int
+    """The call's first position for the slot (what the cache held before it)."""
+    rows: list[tuple[Tensor, tuple[int, list[int]], Tensor, list[int]]] = field(
+        default_factory=list
+    )
+    """(tensor, (slot, row indices), the rows' values, the position that writes each row)."""

@@ -21,9 +21,12 @@ format:
 (`model.safetensors.index.json` and its shards), decoding FP8 / FP4 to each parameter's dtype;
 `write_checkpoint(model, path)` writes one (tools/make_checkpoint.py). Loading is strict: a
 missing tensor, a wrong dtype or shape, a scale that does not fit its weight or a NaN scale is
-an error naming the tensor and its file; tensors of the parts this model lacks (the DSpark
-draft blocks, the vision tower) are refused unless `skip_unimplemented_parts=True`, and any other
-tensor the model does not know is an error. Engram's token map is read from the checkpoint's
+an error naming the tensor and its file; tensors of the parts this model lacks (the vision
+tower; the DSpark draft blocks of a model built without them) are refused unless
+`skip_unimplemented_parts=True`, and any other tensor the model does not know is an error. The
+DSpark stages (`model.mtp.layers.i`) are the checkpoint's `mtp.i`; the drafter's `main_proj`
+/ `main_norm` are stored under `mtp.0`, its `norm` and heads under the last stage, and its
+embedding and head are the backbone's. Engram's token map is read from the checkpoint's
 `tokenizer.json` (`token_map`).
 
 `read_weights(path, weights)` reads only the given slices of the given parameters (what the
@@ -80,13 +83,19 @@ class WantedWeight(NamedTuple):
 
 
 _FP8 = re.compile(
-    r"(layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_expert\.w[123]"
-    r"|engram\.wkv))\.(weight|scale)"
+    r"((?:mtp\.)?layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
+    r"|ffn\.shared_expert\.w[123]|engram\.wkv)|mtp\.main_proj)\.(weight|scale)"
 )
-_FP32 = re.compile(r"layers\.\d+\.(hc_(attn|ffn)\.(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias)")
-_EXPERTS = re.compile(r"(layers\.\d+\.ffn\.experts)\.(w[123])(_scale)?")
+_FP32 = re.compile(
+    r"(?:mtp\.)?layers\.\d+\.(hc_(attn|ffn)\.(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias)"
+)
+_EXPERTS = re.compile(r"((?:mtp\.)?layers\.\d+\.ffn\.experts)\.(w[123])(_scale)?")
+_SHARED = re.compile(r"mtp\.(embed|head)\.weight")
+"""The drafter's views of the backbone's embedding and head: stored once, as the backbone's."""
+_STAGE = re.compile(r"mtp\.layers\.(\d+)\.")
 _TABLE = re.compile(r"layers\.\d+\.engram\.embed\.(weight|scale)")
-_UNIMPLEMENTED = re.compile(r"^(mtp\.|vision\.|aligner\.|image_)|\.ffn\.gate\.bias_vl$")
+_UNIMPLEMENTED = re.compile(r"^(vision\.|aligner\.|image_)|\.ffn\.gate\.bias_vl$")
+_DRAFTER = re.compile(r"^mtp\.")
 _STORED = {
     "fp8": torch.float8_e4m3fn,
     "fp4": torch.int8,
@@ -127,9 +136,14 @@ class CheckpointEntry:
         return value if self.expert is None else value[self.expert]
 
 
-def _checkpoint_name(param: str) -> str:
+def _checkpoint_name(param: str, last_stage: int = 0) -> str:
+    """The checkpoint's name of `param`; a DSpark stage `mtp.layers.i` is `mtp.i`, the
+    drafter's input projection belongs to the first stage and its heads to the last."""
     name = re.sub(r"\.hc_(attn|ffn)\.(fn|base|scale)$", r".hc_\1_\2", param)
-    return name.replace(".ffn.shared_expert.", ".ffn.shared_experts.")
+    name = name.replace(".ffn.shared_expert.", ".ffn.shared_experts.")
+    name = _STAGE.sub(r"mtp.\1.", name)
+    name = re.sub(r"^mtp\.(main_proj|main_norm)\.", r"mtp.0.\1.", name)
+    return re.sub(r"^mtp\.(norm|markov_head|confidence_head)\.", rf"mtp.{last_stage}.\1.", name)
 
 
 def checkpoint_layout(
@@ -144,9 +158,11 @@ def checkpoint_layout(
         if isinstance(model, nn.Module)
         else model
     )
+    stages = [int(m[1]) for p in shapes if (m := _STAGE.match(p))]
+    last = max(stages, default=0)
     for param, shape in shapes.items():
-        if param == TOKEN_MAP:
-            continue  # from the tokenizer (`token_map`)
+        if param == TOKEN_MAP or _SHARED.fullmatch(param):
+            continue  # from the tokenizer (`token_map`); the backbone's
         if _TABLE.fullmatch(param):
             fmt = "e4m3" if param.endswith(".weight") else "e8m0"
             layout[param] = CheckpointEntry(param, fmt)
@@ -155,17 +171,18 @@ def checkpoint_layout(
             fmt = "e8m0" if match[3] else "fp4_codes" if released else "fp4"
             suffix = "scale" if match[3] else "weight"
             for e in range(shape[0]):
-                layout[f"{match[1]}.{e}.{match[2]}.{suffix}"] = CheckpointEntry(param, fmt, e)
+                name = _checkpoint_name(f"{match[1]}.{e}.{match[2]}.{suffix}", last)
+                layout[name] = CheckpointEntry(param, fmt, e)
         elif match := _FP8.fullmatch(param):
             # held as released (weight_format="released": a `.scale` parameter beside it), or
             # decoded
             released = f"{match[1]}.scale" in shapes
             fmt = "e8m0" if match[4] == "scale" else "e4m3" if released else "fp8"
-            layout[_checkpoint_name(param)] = CheckpointEntry(param, fmt)
+            layout[_checkpoint_name(param, last)] = CheckpointEntry(param, fmt)
         elif _FP32.fullmatch(param):
-            layout[_checkpoint_name(param)] = CheckpointEntry(param, "fp32")
+            layout[_checkpoint_name(param, last)] = CheckpointEntry(param, "fp32")
         else:
-            layout[_checkpoint_name(param)] = CheckpointEntry(param, "bf16")
+            layout[_checkpoint_name(param, last)] = CheckpointEntry(param, "bf16")
     return layout
 
 
@@ -307,11 +324,27 @@ class _Checkpoint:
         self._files: dict[str, Any] = {}
 
     def check_names(
-        self, layout: dict[str, CheckpointEntry], skip_unimplemented_parts: bool
+        self,
+        layout: dict[str, CheckpointEntry],
+        skip_unimplemented_parts: bool,
+        drafter_elsewhere: bool = False,
     ) -> None:
+        """`drafter_elsewhere`: the DSpark drafter's tensors (`mtp.*`) belong to another
+        program (the backend compiles the backbone and the drafter apart) when these weights
+        hold none of them."""
         where = self.root / INDEX
         expected = set(layout) | {_scale_name(n) for n, e in layout.items() if e.quantized}
         unknown = sorted(set(self.weight_map) - expected)
+        drafter = [n for n in unknown if _DRAFTER.search(n)]
+        if drafter and not any(_DRAFTER.search(n) for n in expected):
+            unknown = [n for n in unknown if not _DRAFTER.search(n)]
+            if not drafter_elsewhere and not skip_unimplemented_parts:
+                raise ValueError(
+                    f"{where}: {len(drafter)} tensors of the DSpark draft blocks, e.g. "
+                    f"{drafter[:3]}, which this model was built without: build it from a "
+                    "config with them (ModelConfig.from_hf reads num_nextn_predict_layers), or "
+                    "pass skip_unimplemented_parts=True to load the backbone alone"
+                )
         parts = [n for n in unknown if _UNIMPLEMENTED.search(n)]
         others = [n for n in unknown if not _UNIMPLEMENTED.search(n)]
         if others:
@@ -322,7 +355,7 @@ class _Checkpoint:
         if parts and not skip_unimplemented_parts:
             raise ValueError(
                 f"{where}: {len(parts)} tensors of parts this model does not implement "
-                f"(DSpark draft blocks, vision), e.g. {parts[:3]}. Its outputs would "
+                f"(vision), e.g. {parts[:3]}. Its outputs would "
                 "differ from the released model's. Pass skip_unimplemented_parts=True to load "
                 "without them"
             )
@@ -431,7 +464,7 @@ def read_weights(
     header before a byte of it is read. The Engram token map comes from its tokenizer, its
     class count checked against `token_classes` (default: the checkpoint's `config.json`)."""
     checkpoint = _Checkpoint(path)
-    local = _read(checkpoint, weights, skip_unimplemented_parts, into, token_classes)
+    local = _read(checkpoint, weights, skip_unimplemented_parts, into, token_classes, True)
     return local, checkpoint.read
 
 
@@ -441,10 +474,11 @@ def _read(
     skip_unimplemented_parts: bool,
     into: Sequence[torch.Tensor] | None,
     token_classes: int | None = None,
+    drafter_elsewhere: bool = False,
 ) -> list[torch.Tensor]:
     shapes = {w.fqn: w.shape for w in weights}
     layout = checkpoint_layout(shapes)
-    checkpoint.check_names(layout, skip_unimplemented_parts)
+    checkpoint.check_names(layout, skip_unimplemented_parts, drafter_elsewhere)
     local = list(into) if into is not None else []
     by_fqn: dict[str, int] = {}
     for i, w in enumerate(weights):
@@ -495,8 +529,8 @@ def load_checkpoint(
     A model built on the meta device or by `DeepseekV41.without_weights` gets its parameters
     allocated here, on the CPU. Loading is strict: a missing tensor, a wrong dtype or shape, a
     scale that does not fit its weight or a NaN scale is an error naming the tensor and its
-    file; tensors of the parts this model lacks (the DSpark draft blocks, the vision tower) are
-    refused unless `skip_unimplemented_parts=True`, and any other tensor the model does not
+    file; tensors of the parts this model lacks (the vision tower; the DSpark draft blocks of a
+    model built without them) are refused unless `skip_unimplemented_parts=True`, and any other tensor the model does not
     know is an error. The Engram token map is built from the checkpoint's `tokenizer.json`,
     its class count checked against the model's config."""
     params = dict(model.named_parameters())

@@ -5,6 +5,7 @@ exists. Presets:
 
 - ``"tiny"``: small enough for CPU tests, same structure as the real model.
 - ``"flash"``: the released V4.1-Flash sizes (build it on the meta device).
+- ``"tiny-dspark"``, ``"flash-dspark"``: the same with the DSpark draft blocks (`model.dspark`).
 """
 
 from __future__ import annotations
@@ -145,6 +146,26 @@ class ModelConfig:
     """Classes of the compressed token map (the tokenizer's ids that normalise alike share one):
     the hash multipliers' bound; a tokenizer that gives another count is refused."""
 
+    # --- DSpark draft blocks (see `model.dspark`) ---------------------------------------------
+    num_nextn_predict_layers: int = 0
+    """DSpark stages (`mtp.0` ..): 0 = no drafter. Each is a window-only V4.1 block with its own
+    weights and experts; the embedding and the head are the backbone's."""
+    dspark_block_size: int = 5
+    """Rows of a draft block: the next token, then `dspark_block_size - 1` noise tokens; it
+    proposes `dspark_block_size` tokens."""
+    dspark_noise_token_id: int = 128799
+    """The token that fills a draft block after its first row."""
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    """Layers whose input residual (the mean over the mHC streams, after Engram) the drafter
+    reads: concatenated, projected by `main_proj` back to `dim`."""
+    dspark_markov_rank: int = 256
+    """Width of the Markov head: an embedding of the previous token whose product with a
+    `[vocab, rank]` head biases the draft logits."""
+    dspark_n_routed_experts: int = 0
+    """Routed experts of a DSpark stage's MoE."""
+    dspark_n_activated_experts: int = 0
+    """Top-k routed experts per token in a DSpark stage."""
+
     def __post_init__(self) -> None:
         positive = (
             "vocab_size dim n_layers n_heads head_dim rope_head_dim q_lora_rank o_groups "
@@ -176,6 +197,8 @@ class ModelConfig:
         layer_plan(self)  # raises ValueError on an inconsistent compressed-attention schedule
         if self.engram_layer_ids:
             self._check_engram()
+        if self.num_nextn_predict_layers:
+            self._check_dspark()
         self._check_numerics()
         if self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(
@@ -212,6 +235,49 @@ class ModelConfig:
                 f"the hash primes make, {rows} (engram_vocab_size {self.engram_vocab_size}, "
                 f"{self.engram_n_heads} heads, orders 2..{self.engram_max_ngram_size})"
             )
+
+    def _check_dspark(self) -> None:
+        ids = self.dspark_target_layer_ids
+        if not ids or list(ids) != sorted(set(ids)) or any(not 0 <= i < self.n_layers for i in ids):
+            raise ValueError(
+                f"dspark_target_layer_ids must be sorted, unique layer ids of the {self.n_layers} "
+                f"layers, at least one, got {ids}"
+            )
+        for name in ("dspark_block_size", "dspark_markov_rank", "dspark_n_routed_experts"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive with DSpark stages")
+        if not 0 < self.dspark_n_activated_experts <= self.dspark_n_routed_experts:
+            raise ValueError(
+                f"dspark_n_activated_experts ({self.dspark_n_activated_experts}) must be in 1 .. "
+                f"dspark_n_routed_experts ({self.dspark_n_routed_experts})"
+            )
+        if both := sorted(set(ids) & set(self.engram_layer_ids)):
+            raise ValueError(
+                f"dspark_target_layer_ids {both} are Engram layers: the drafter reads a "
+                "layer's input after its Engram lookup, which this model makes inside the "
+                "block; choose target layers without Engram"
+            )
+        if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+            raise ValueError(
+                f"dspark_noise_token_id {self.dspark_noise_token_id} is not a token id"
+            )
+
+    @property
+    def dspark_stage(self) -> ModelConfig:
+        """The config of a DSpark stage's block: window-only, no Engram, its own expert count."""
+        return dataclasses.replace(
+            self,
+            n_routed_experts=self.dspark_n_routed_experts,
+            n_activated_experts=self.dspark_n_activated_experts,
+            compress_ratios=(),
+            kv_source_layer_ids=(),
+            index_source_layer_ids=(),
+            candidate_source_layer_id=-1,
+            engram_layer_ids=(),
+            engram_num_embeddings=(),
+            num_nextn_predict_layers=0,
+            dspark_target_layer_ids=(),
+        )
 
     @property
     def engram_columns(self) -> int:
@@ -522,6 +588,29 @@ PRESETS: dict[str, ModelConfig] = {
         engram_compressed_vocab_size=99092,
     ),
 }
+# The released V4.1-Flash with its three DSpark draft blocks (config.json's dspark_* keys).
+PRESETS["flash-dspark"] = PRESETS["flash"].replace(
+    num_nextn_predict_layers=3,
+    dspark_block_size=5,
+    dspark_noise_token_id=128799,
+    dspark_target_layer_ids=(37, 38, 39),
+    dspark_markov_rank=256,
+    dspark_n_routed_experts=128,
+    dspark_n_activated_experts=3,
+)
+# "tiny" with three DSpark stages reading its last three layers (as flash's read 37-39), two
+# experts per rank at ep=8, top-3 as released; a window of 8, which holds a verify call's rows
+# (`serving`: a cache is cut back only within its window).
+PRESETS["tiny-dspark"] = PRESETS["tiny"].replace(
+    window_size=8,
+    num_nextn_predict_layers=3,
+    dspark_block_size=5,
+    dspark_noise_token_id=511,
+    dspark_target_layer_ids=(5, 6, 7),
+    dspark_markov_rank=16,
+    dspark_n_routed_experts=16,
+    dspark_n_activated_experts=3,
+)
 # Window-only variant of "tiny" for fast tests of everything that is not compressed attention.
 PRESETS["tiny-swa"] = PRESETS["tiny"].replace(
     n_layers=2,

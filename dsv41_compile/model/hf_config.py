@@ -4,7 +4,7 @@ Every key of `text_config` is accounted for, in one of four tables below: a `Mod
 (`FIELDS`, plus `compress_ratios` and `rope_scaling`, which need reshaping), a constant the model
 hard-codes and the file must agree with (`FIXED`), a key that does not change what the model
 computes (`IGNORED`, each with the reason), or a part of the released model this one does not
-implement (`PARTS`: the DSpark draft blocks, the vision tower). A part is refused unless the
+implement (`PARTS`: the vision tower). A part is refused unless the
 caller passes `skip_unimplemented_parts=True`. Any other key is an error naming it: a key nobody
 has read could change the maths.
 """
@@ -57,6 +57,14 @@ FIELDS = {
     "engram_pad_token_id": "engram_pad_id",
     "engram_pad_id": "engram_pad_id",  # the official inference code's name for it
     "engram_compressed_vocab_size": "engram_compressed_vocab_size",
+    "num_nextn_predict_layers": "num_nextn_predict_layers",
+    "dspark_block_size": "dspark_block_size",
+    "dspark_noise_token_id": "dspark_noise_token_id",
+    "dspark_target_layer_ids": "dspark_target_layer_ids",
+    "dspark_markov_rank": "dspark_markov_rank",
+    "dspark_n_routed_experts": "dspark_n_routed_experts",
+    "dspark_num_experts_per_tok": "dspark_n_activated_experts",
+    "dspark_n_activated_experts": "dspark_n_activated_experts",  # the official code's name
 }
 """text_config key -> `ModelConfig` field."""
 
@@ -103,7 +111,6 @@ IGNORED = {
 """Keys that do not change what the model computes, with why."""
 
 PARTS = {
-    "dspark": "the DSpark draft blocks (speculative decoding)",
     "vision": "the vision tower",
 }
 """Parts of the released model this one does not implement."""
@@ -120,12 +127,6 @@ official kernels, which quantise activations on the fly: `ModelConfig.numerics` 
 (`from_hf`'s default) does the same."""
 
 _TOP_LEVEL = {"text_config", "quantization_config", "vision_config", "image_token_id"}
-
-
-def _part(key: str) -> str | None:
-    if key.startswith("dspark_") or key == "num_nextn_predict_layers":
-        return "dspark"
-    return None
 
 
 def _load(source: str | Path | dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -179,8 +180,6 @@ def fields_from_hf(
             fields[FIELDS[key]] = tuple(value) if isinstance(value, list) else value
         elif key in FIXED:
             _check_fixed(f"text_config.{key}", value, where)
-        elif (part := _part(key)) is not None:
-            parts.setdefault(part, []).append(key)
         elif key not in IGNORED and key not in ("compress_ratios", "rope_scaling"):
             raise ValueError(
                 f"{where}: text_config.{key} is not a setting this model reads, implements or "
@@ -190,8 +189,6 @@ def fields_from_hf(
         parts.setdefault("vision", []).extend(
             k for k in top if k in ("vision_config", "image_token_id")
         )
-    if not text.get("num_nextn_predict_layers"):
-        parts.pop("dspark", None)
     if parts and not skip_unimplemented_parts:
         described = "; ".join(f"{PARTS[p]} ({', '.join(keys)})" for p, keys in parts.items())
         raise ValueError(
@@ -220,6 +217,11 @@ def fields_from_hf(
             f"{where}: text_config.compress_ratios has {len(ratios)} entries; expected one per "
             f"layer and draft block, {n_layers} + {drafts}"
         )
+    if any(ratios[n_layers:]):
+        raise ValueError(
+            f"{where}: text_config.compress_ratios gives the DSpark stages {ratios[n_layers:]}; "
+            "a draft block attends over its window only (0)"
+        )
     fields["compress_ratios"] = tuple(ratios[:n_layers])
 
     missing = sorted(k for k, f in FIELDS.items() if f not in fields and f not in defaults)
@@ -237,7 +239,7 @@ def _check_fixed(key: str, value: Any, where: str) -> None:
 
 def config_to_hf(cfg: Any) -> dict[str, Any]:
     """The `config.json` of a checkpoint of `cfg` (a `ModelConfig`) in the released layout (no
-    DSpark or vision): what `ModelConfig.from_hf` reads back as `cfg` (with `dtype`
+    vision): what `ModelConfig.from_hf` reads back as `cfg` (with `dtype`
     bfloat16, `numerics` "official" and `weight_format` "released", which the file does not
     hold)."""
     text: dict[str, Any] = {"model_type": "deepseek_v41_text"}
@@ -248,7 +250,9 @@ def config_to_hf(cfg: Any) -> dict[str, Any]:
         written.add(field)
         value = getattr(cfg, field)
         text[key] = list(value) if isinstance(value, tuple) else value
-    text["compress_ratios"] = list(cfg.compress_ratios)  # empty: every layer window-only
+    # empty: every layer window-only; else one per layer, then 0 per DSpark stage
+    drafts = [0] * cfg.num_nextn_predict_layers if cfg.compress_ratios else []
+    text["compress_ratios"] = list(cfg.compress_ratios) + drafts
     text["rope_scaling"] = {"rope_type": "yarn"} | {
         key: getattr(cfg, field) for key, field in ROPE_SCALING.items()
     }

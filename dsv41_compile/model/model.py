@@ -14,97 +14,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv41_compile.model.attention import Attention, rope_frequencies
-from dsv41_compile.model.cache import KVCache, LayerCache
-from dsv41_compile.model.config import LayerRole, ModelConfig, layer_plan
-from dsv41_compile.model.engram import Engram, EngramHash, EngramTable
+from dsv41_compile.model.block import Block
+from dsv41_compile.model.cache import KVCache, SavedRows
+from dsv41_compile.model.config import ModelConfig, layer_plan
+from dsv41_compile.model.dspark import DSparkDrafter
+from dsv41_compile.model.engram import EngramHash, EngramTable
 from dsv41_compile.model.layers import (
     Embedding,
     Fp32Linear,
     HyperConnection,
     RMSNorm,
     hc_collapse,
-    hc_expand,
 )
 from dsv41_compile.model.moe import MoE
 from dsv41_compile.model.numerics import fp4_rows_width, fp8_rows_width
 from dsv41_compile.model.quant import quantize_fp8
 from dsv41_compile.model.released import Fp8Linear
 from dsv41_compile.storage import has_no_weights
-
-# Distinct layer kinds `torch.compile` may keep (nested_compile_region's reuse entries, each a
-# traced kind): V4.1 has about six; the bound only has to exceed any layer count, where every
-# layer would be a kind of its own.
-_LAYER_KINDS = 256
-
-
-class Block(nn.Module):
-    """One V4.1 decoder layer with *delayed* mHC pre: the `pre` mix computed at one sublayer
-    collapses the input of the next sublayer (the incoming `pre_TN` collapses this attention's
-    input; this attention site's `pre` collapses the FFN input; the FFN site's `pre` goes out).
-
-    A layer is a function of its inputs alone: the part of the cache it reads and writes
-    (`KVCache.layer`), the top-k it reuses, the candidate mask it filters with. So every layer of a kind
-    (window-only, a kv source of ratio 1 or 2, REINDEX, REUSE, ...) is the same function with
-    other weights, and `torch.compile` traces each kind once (`nested_compile_region`; eager
-    calls it as it is)."""
-
-    def __init__(self, cfg: ModelConfig, layer_id: int, role: LayerRole) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        if layer_id in cfg.engram_layer_ids:
-            self.engram = Engram(cfg, cfg.engram_primes[cfg.engram_layer_ids.index(layer_id)])
-        self.hc_attn = HyperConnection(cfg)
-        self.attn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer_id, role)
-        self.hc_ffn = HyperConnection(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
-        self.ffn = MoE(cfg)
-
-    @torch.compiler.nested_compile_region(max_reuse_entries=_LAYER_KINDS)
-    def forward(
-        self,
-        x_TND: Tensor,
-        pre_TN: Tensor,
-        positions_T: Tensor,
-        cache_slot_T: Tensor,
-        valid_T: Tensor,
-        num_slots: int,
-        lengths: Tensor,
-        window: Tensor,
-        compressed: Tensor | None,
-        index_k: Tensor | None,
-        pair_state: Tensor | None,
-        idx_TK: Tensor | None,
-        picked_TK: Tensor | None,
-        candidates_TC: Tensor | None,
-        engram_rows_TC: Tensor | None,
-    ) -> tuple[Tensor, ...]:
-        """`(x_TND, pre_TN, *made)`: the streams, the FFN site's pre, and what the attention
-        makes for later layers (`Attention.forward`). An Engram layer first adds its n-gram
-        memory to the incoming streams (`engram_rows_TC`: its table rows per token); the
-        attention input still mixes them with the previous layer's `pre_TN`.
-
-        `num_slots` .. `pair_state` are the layer's `LayerCache`; `idx_TK, picked_TK` the
-        top-k a REUSE layer reuses, `candidates_TC` the mask a candidate-filtered layer reads
-        (None where the layer reads none). Inputs and outputs are flat tensors and constants:
-        Dynamo matches those against a region's traced kinds directly, where it would trace
-        pytree to flatten a structure and guard the compiled model on pytree's registry."""
-        kv = LayerCache(num_slots, lengths, window, compressed, index_k, pair_state)
-        topk = None if idx_TK is None or picked_TK is None else (idx_TK, picked_TK)
-        if engram_rows_TC is not None:
-            x_TND = self.engram(x_TND, engram_rows_TC)
-        attn_pre_TN, attn_post_TN, attn_comb_TNN = self.hc_attn(x_TND)
-        attn_in_TD = self.attn_norm(hc_collapse(x_TND, pre_TN))
-        attn_out_TD, made = self.attn(
-            attn_in_TD, positions_T, cache_slot_T, kv, topk, candidates_TC
-        )
-        x_TND = hc_expand(x_TND, attn_out_TD, attn_post_TN, attn_comb_TNN)
-
-        ffn_pre_TN, ffn_post_TN, ffn_comb_TNN = self.hc_ffn(x_TND)
-        ffn_in_TD = self.ffn_norm(hc_collapse(x_TND, attn_pre_TN))
-        ffn_out_TD = self.ffn(ffn_in_TD, valid_T)
-        x_TND = hc_expand(x_TND, ffn_out_TD, ffn_post_TN, ffn_comb_TNN)
-        return (x_TND, ffn_pre_TN, *made)
 
 
 class DeepseekV41(nn.Module):
@@ -128,6 +54,8 @@ class DeepseekV41(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.rms_norm_eps)
         # fp32 weight and logits, as the official head (bf16 in the checkpoint)
         self.head = Fp32Linear(cfg.dim, cfg.vocab_size, bias=False, dtype=torch.float32)
+        if cfg.num_nextn_predict_layers:  # the DSpark draft blocks, sharing embed and head
+            self.mtp = DSparkDrafter(cfg, self.embed, self.head)
         self.reset_parameters()
         # Inference-only: the routed-experts op has no autograd formula, and AOT would otherwise
         # trace a joint forward/backward graph whenever the caller forgets `no_grad`.
@@ -146,7 +74,8 @@ class DeepseekV41(nn.Module):
             for name, param in list(module.named_parameters(recurse=False)):
                 empty = torch.zeros((), dtype=param.dtype).expand(param.shape)
                 setattr(module, name, nn.Parameter(empty, requires_grad=False))
-        for layer in model.layers:  # the buffers: computed from the config, on the CPU
+        stages = model.mtp.layers if cfg.num_nextn_predict_layers else []
+        for layer in [*model.layers, *stages]:  # the buffers: from the config, on the CPU
             layer.attn.rope_inv_freq = rope_frequencies(cfg, layer.attn.role)
         if cfg.engram_layer_ids:
             for name, buffer in EngramHash(cfg).named_buffers():
@@ -224,9 +153,90 @@ class DeepseekV41(nn.Module):
             ],
         )
 
+    def save_rows(self, cache: KVCache, slot: int, first: int, count: int) -> SavedRows:
+        """The rows of `cache` a call feeding positions `first .. first + count - 1` of `slot`
+        may write, as they are now: to cut the cache back after the call (`cut_cache`), as
+        speculative decoding does with rejected drafts (`serving`). The call's rows must take
+        distinct rows of the window ring (`count <= window_size`)."""
+        cfg = self.cfg
+        if count > cfg.window_size:
+            raise ValueError(
+                f"a call of {count} positions writes some window-ring rows twice (window_size "
+                f"{cfg.window_size}): its cache cannot be cut back; feed at most window_size "
+                "positions per request in a call that may be cut"
+            )
+        written = list(range(first, first + count))
+        saved = SavedRows(slot, first)
+
+        def keep(tensor: Tensor, rows: list[int], writers: list[int]) -> None:
+            saved.rows.append((tensor, (slot, rows), tensor[slot, rows].clone(), writers))
+
+        for ring in cache.window_kv:
+            keep(ring, [q % cfg.window_size for q in written], written)
+        for source, role in ((i, r) for i, r in enumerate(self.plan) if r.mode == "full"):
+            # an entry is written by the position that completes it
+            writers = [q for q in written if (q + 1) % role.ratio == 0]
+            entries = [q // role.ratio for q in writers]
+            keep(cache.compressed_kv[source], entries, writers)
+            keep(cache.index_k[source], entries, writers)
+            if source in cache.pair_state:  # written by the call's last position if it opens a pair
+                state = cache.pair_state[source]
+                last = written[-1]
+                saved.rows.append((state, (slot, [0]), state[slot].clone()[None], [last]))
+        return saved
+
+    def cache_cut(self, length: int) -> int:
+        """The longest length <= `length` a call's cache can be cut back to: with a ratio-2
+        compressor an even one, since the first position of an open pair is kept only where
+        a call ends (`Compressor`); the position it drops is fed again."""
+        ratio2 = any(r.mode == "full" and r.ratio == 2 for r in self.plan)
+        return length - length % 2 if ratio2 else length
+
+    @torch.no_grad()
+    def cut_cache(self, cache: KVCache, saved: SavedRows, length: int, tokens: list[int]) -> None:
+        """Cut slot `saved.slot` of `cache` back to its first `length` positions (a
+        `cache_cut` length, at least what it held before the call `saved` was taken for): the
+        rows later positions wrote are put back, and the request's n-gram history is rebuilt
+        from `tokens`, its tokens from position 0. The cache is then what a call that fed only
+        the kept positions leaves."""
+        if length < saved.first or length != self.cache_cut(length):
+            raise ValueError(
+                f"cannot cut slot {saved.slot} to {length} positions: it held {saved.first} "
+                f"before the call, and the cut must be a cache_cut length"
+            )
+        slot = saved.slot
+        for tensor, (_, rows), values, writers in saved.rows:
+            back = [i for i, q in enumerate(writers) if q >= length]
+            if back:
+                if tensor.dim() == 2:  # a per-slot row
+                    tensor[slot] = values[0]
+                else:
+                    tensor[slot, [rows[i] for i in back]] = values[back]
+        cache.lengths[slot] = length
+        if cache.ngram:
+            hash_ = self.engram_hash
+            pad = int(hash_.token_map[hash_.pad_id])
+            for j, history in enumerate(cache.ngram):
+                q = length - 1 - j
+                history[slot] = int(hash_.token_map[tokens[q]]) if q >= 0 else pad
+
     def forward(
-        self, input_ids: Tensor, positions: Tensor, slots: Tensor, cache: KVCache
-    ) -> Tensor:
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        cache: KVCache,
+        *,
+        hidden: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The logits; with `hidden=True` (a model with DSpark stages) also what the drafter
+        reads, `[T, len(dspark_target_layer_ids) * D]`: per target layer the mean over the mHC
+        streams of the residual entering it, concatenated (zero in padding rows)."""
+        if hidden and not self.cfg.num_nextn_predict_layers:
+            raise ValueError(
+                "hidden=True returns what the DSpark drafter reads; this model's config has no "
+                "DSpark stages (num_nextn_predict_layers = 0)"
+            )
         weight = self.embed.weight  # a meta model runs on meta inputs only (planning)
         if (weight.device.type == "meta") != (input_ids.device.type == "meta") or (
             not torch.compiler.is_compiling() and not weight.is_meta and has_no_weights(weight)
@@ -251,7 +261,10 @@ class DeepseekV41(nn.Module):
             engram_LTC = self.engram_hash(input_ids, positions, slots, cache_slot_T, cache.ngram)
         topk: dict[int, tuple[Tensor, Tensor]] = {}  # each index source's, this batch only
         candidates_TC = None
+        captured: list[Tensor] = []
         for layer, role in zip(self.layers, self.plan):
+            if hidden and layer.layer_id in self.cfg.dspark_target_layer_ids:
+                captured.append(x_TND.mean(1))
             engram_TC = None
             if layer.layer_id in self.cfg.engram_layer_ids:
                 engram_TC = engram_LTC[self.cfg.engram_layer_ids.index(layer.layer_id)]
@@ -278,4 +291,6 @@ class DeepseekV41(nn.Module):
 
         held = torch.where(valid_T, positions + 1, 0)
         cache.lengths.scatter_reduce_(0, cache_slot_T.clamp(max=cache.num_slots - 1), held, "amax")
+        if hidden:
+            return logits_TV, torch.cat(captured, dim=-1).masked_fill(~valid_T[:, None], 0.0)
         return logits_TV

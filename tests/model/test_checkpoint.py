@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from dsv41_compile.core.adapter import WeightInput, WeightSlice
 from dsv41_compile.model import DeepseekV41, ModelConfig, checkpoint, load_checkpoint
-from dsv41_compile.model.checkpoint import INDEX, checkpoint_layout, read_weights
+from dsv41_compile.model.checkpoint import INDEX, WantedWeight, checkpoint_layout, read_weights
 from dsv41_compile.model.quant import CODECS
 from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 
@@ -116,10 +116,21 @@ def test_unimplemented_parts_are_refused_unless_skipped_by_name(written, tmp_pat
     with pytest.raises(ValueError) as error:
         load_checkpoint(DeepseekV41(CFG), root)
     assert str(error.value) == (
-        f"{root / INDEX}: 2 tensors of parts this model does not implement (DSpark draft "
-        "blocks, vision), e.g. ['mtp.0.norm.weight', 'vision.patch.weight']. Its outputs would "
-        "differ from the released model's. Pass skip_unimplemented_parts=True to load without "
-        "them"
+        f"{root / INDEX}: 1 tensors of the DSpark draft blocks, e.g. ['mtp.0.norm.weight'], "
+        "which this model was built without: build it from a config with them "
+        "(ModelConfig.from_hf reads num_nextn_predict_layers), or pass "
+        "skip_unimplemented_parts=True to load the backbone alone"
+    )
+    # the drafter's tensors are another program's when the backend reads the backbone's
+    weights = [
+        WantedWeight(f, tuple(p.shape), p.dtype) for f, p in DeepseekV41(CFG).named_parameters()
+    ]
+    with pytest.raises(ValueError) as error:
+        read_weights(root, weights)
+    assert str(error.value) == (
+        f"{root / INDEX}: 1 tensors of parts this model does not implement (vision), e.g. "
+        "['vision.patch.weight']. Its outputs would differ from the released model's. Pass "
+        "skip_unimplemented_parts=True to load without them"
     )
     assert "extra.safetensors" not in load_checkpoint(
         DeepseekV41(CFG), root, skip_unimplemented_parts=True

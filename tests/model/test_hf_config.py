@@ -16,9 +16,9 @@ from dsv41_compile.model import PRESETS, ModelConfig
 from dsv41_compile.model.hf_config import config_to_hf
 
 RELEASED = json.loads((Path(__file__).parent / "data" / "v41_flash_config.json").read_text())
-FLASH_OFFICIAL = PRESETS["flash"].replace(numerics="official", weight_format="released")
-"""What the released config reads as: the flash preset with the official numerics, its routed
-experts held as released."""
+FLASH_OFFICIAL = PRESETS["flash-dspark"].replace(numerics="official", weight_format="released")
+"""What the released config reads as: the flash preset with its DSpark stages and the official
+numerics, its routed experts held as released."""
 
 
 def test_the_released_config_is_the_flash_preset_with_the_official_numerics():
@@ -26,7 +26,7 @@ def test_the_released_config_is_the_flash_preset_with_the_official_numerics():
     bf16 = ModelConfig.from_hf(
         RELEASED, skip_unimplemented_parts=True, numerics="bf16", weight_format="dequantized"
     )
-    assert bf16 == PRESETS["flash"]
+    assert bf16 == PRESETS["flash-dspark"]
 
 
 def test_a_checkpoint_directory_or_its_config_file(tmp_path):
@@ -41,16 +41,13 @@ def test_the_parts_this_model_lacks_are_refused_unless_skipped_by_name(tmp_path)
         ModelConfig.from_hf(tmp_path)
     assert str(error.value) == (
         f"{tmp_path / 'config.json'} describes parts this model does not implement: the "
-        "DSpark draft blocks (speculative decoding) (num_nextn_predict_layers, dspark_block_size, "
-        "dspark_noise_token_id, dspark_target_layer_ids, dspark_markov_rank, "
-        "dspark_n_routed_experts, dspark_num_experts_per_tok); the vision tower (image_token_id, "
-        "vision_config). Its outputs would differ from the released model's. Pass "
-        "skip_unimplemented_parts=True to build the model without them"
+        "vision tower (image_token_id, vision_config). Its outputs would differ from the "
+        "released model's. Pass skip_unimplemented_parts=True to build the model without them"
     )
 
 
 def test_a_config_written_for_a_model_reads_back_as_that_model():
-    for name in ("tiny", "tiny-swa", "flash"):
+    for name in ("tiny", "tiny-swa", "flash", "tiny-dspark", "flash-dspark"):
         cfg = PRESETS[name]
         read = ModelConfig.from_hf(
             config_to_hf(cfg),
