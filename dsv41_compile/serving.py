@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.model import DeepseekV41
 from dsv41_compile.model.batches import Request, pack
 
@@ -141,8 +142,9 @@ def generate(
             f"a verify call feeds up to {block + 2} positions per request, more than the window "
             f"of {cfg.window_size}: its cache could not be cut back (DeepseekV41.save_rows)"
         )
-    backbone = backbone or model
-    drafter = drafter or (model.mtp if speculative else None)
+    backbone = model if backbone is None else backbone
+    if drafter is None and speculative:
+        drafter = model.mtp
     longest = max(len(p) for p in prompts)
     max_len = max_len or longest + max_new_tokens + block + 2
     cache = model.new_cache(len(prompts), max_len)
@@ -253,6 +255,7 @@ def _call_backbone(
         rows[r.slot] = (start, start + len(ids))
         start += len(ids)
     ids, positions, slots = pack(batch)
+    mark_token_dim(ids, positions, slots)  # one compiled program for every step's token count
     hidden = None
     if speculative:
         logits, hidden = backbone(ids, positions, slots, cache, hidden=True)
@@ -292,9 +295,9 @@ def _draft(
         blocks.append(Request(r.slot, [r.tokens[-1], *noise], known))
     index = torch.tensor(take, dtype=torch.int64)
     ids, block_positions, block_slots = pack(blocks)
-    logits, x = drafter(
-        ids, block_positions, block_slots, cache, hidden[index], positions[index], slots[index]
-    )
+    context = hidden[index], positions[index], slots[index]
+    mark_token_dim(ids, block_positions, block_slots, *context)
+    logits, _ = drafter(ids, block_positions, block_slots, cache, *context)
     for b, r in enumerate(todo):
         budget = max_new_tokens - r.generated - 1  # the verify adds one token of its own
         rows_BV = logits[b * cfg.dspark_block_size : (b + 1) * cfg.dspark_block_size]

@@ -166,7 +166,9 @@ def top_k(values_TC: Tensor, k: int) -> tuple[Tensor, Tensor]:
     scores, the choice would then change with the number of entries, i.e. with the cache's
     length, and with the batch.)"""
     values_TC, idx_TC = torch.sort(values_TC, dim=-1, descending=True, stable=True)
-    return values_TC[..., :k], idx_TC[..., :k]
+    # contiguous, as topk's: a [T, K] whose stride is C would make the layer kinds that read
+    # it differ by their sources' entry counts under dynamic=True
+    return values_TC[..., :k].contiguous(), idx_TC[..., :k].contiguous()
 
 
 def select_topk(scores_TC: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -204,7 +204,7 @@ class DSparkDrafter(nn.Module):
         super().__init__()
         if not cfg.num_nextn_predict_layers:
             raise ValueError("DSparkDrafter: the config has no DSpark stages")
-        self.cfg = cfg
+        self.cfg, self.rounding = cfg, cfg.rounding
         stage, dim = cfg.dspark_stage, cfg.dim
         released = cfg.weight_format == "released"
         self.embed, self.head = embed, head
@@ -249,7 +249,7 @@ class DSparkDrafter(nn.Module):
         cache_slot_T = torch.where(valid_T, slots, scratch)
         main_valid_H = hidden_slots >= 0
         main_slot_H = torch.where(main_valid_H, hidden_slots, scratch)
-        main_in = act_quant_dequant(hidden) if cfg.rounding.gemm_inputs else hidden
+        main_in = act_quant_dequant(hidden) if self.rounding.gemm_inputs else hidden
         main_x_HD = self.main_norm(self.main_proj(main_in))
         held_H = torch.where(main_valid_H, hidden_positions + 1, 0)
         cache.lengths.scatter_reduce_(0, main_slot_H.clamp(max=cache.num_slots - 1), held_H, "amax")
