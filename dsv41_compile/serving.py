@@ -27,6 +27,7 @@ run eagerly on `model` itself (every rank holds the same caches).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,11 +51,22 @@ class Decoded:
     step_tokens: list[int] = field(default_factory=list)
     step_accepted: list[int] = field(default_factory=list)
     step_proposed: list[int] = field(default_factory=list)
+    step_requests: list[int] = field(default_factory=list)
+    """Requests decoded in each step."""
+    backbone_seconds: list[float] = field(default_factory=list)
+    """Wall time of each backbone call (the prefill first; compiles included)."""
+    drafter_seconds: list[float] = field(default_factory=list)
+    """Wall time of each drafter call with its proposals' sampling."""
 
     @property
     def acceptance(self) -> float:
         """Kept proposals over proposals made."""
         return sum(self.step_accepted) / max(1, sum(self.step_proposed))
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a request gains per step, on average (1 without drafts)."""
+        return sum(self.step_tokens) / max(1, sum(self.step_requests))
 
 
 def sample(logits_V: Tensor, temperature: float, generator: torch.Generator | None) -> int:
@@ -102,6 +114,29 @@ class _Request:
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt
+
+    @property
+    def pending(self) -> int:
+        """Known tokens not in the backbone's cache (the next one, and one a cut dropped)."""
+        return len(self.tokens) - self.held
+
+
+def _accept(
+    drafts: list[int],
+    q_DV: Tensor | None,
+    logits_RV: Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """(drafts kept, the next token) from the backbone's logits before each draft and after
+    the last: greedy, or rejection sampling (`accept_sampled`)."""
+    if temperature > 0:
+        p_RV = torch.softmax(logits_RV.float() / temperature, dim=-1)
+        return accept_sampled(drafts, q_DV, p_RV, generator)
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == int(logits_RV[kept].argmax()):
+        kept += 1
+    return kept, int(logits_RV[kept].argmax())
 
 
 def generate(
@@ -152,81 +187,52 @@ def generate(
     requests = [_Request(slot, list(p), len(p)) for slot, p in enumerate(prompts)]
     out = Decoded(tokens=[[] for _ in prompts])
 
+    def draft(batch: Sequence[_Request], verified: _Verified) -> None:
+        args = (draft_cache, verified, temperature, generator, out, max_new_tokens)
+        _draft(model, drafter, batch, *args)
+
     with torch.no_grad():
         # prefill: the prompts, then the first token and the first proposals
-        verified = _call_backbone(backbone, requests, cache, speculative)
+        verified = _call_backbone(backbone, requests, cache, speculative, out)
         for r in requests:
             last = verified.rows[r.slot][1] - 1
             r.tokens.append(sample(verified.logits[last], temperature, generator))
             r.held = r.prompt
         if speculative:
-            _draft(
-                model,
-                drafter,
-                requests,
-                draft_cache,
-                verified,
-                temperature,
-                generator,
-                max_new_tokens,
-            )
+            draft(requests, verified)
         out.step_tokens.append(len(requests))
+        out.step_requests.append(len(requests))
         if on_step:
             on_step(len(requests))
 
         while active := [r for r in requests if r.generated < max_new_tokens]:
             saved = {
-                r.slot: model.save_rows(
-                    cache, r.slot, r.held, len(r.tokens) - r.held + len(r.drafts)
-                )
+                r.slot: model.save_rows(cache, r.slot, r.held, r.pending + len(r.drafts))
                 for r in active
                 if r.drafts
             }
-            verified = _call_backbone(backbone, active, cache, speculative)
-            added = accepted = proposed = 0
+            verified = _call_backbone(backbone, active, cache, speculative, out)
+            kept_total = proposed = 0
             for r in active:
                 start, stop = verified.rows[r.slot]
-                pending = len(r.tokens) - r.held
-                before = verified.logits[
-                    start + pending - 1 : stop
-                ]  # the rows before each draft, and after
-                drafts = r.drafts
-                if temperature == 0:
-                    kept = 0
-                    while kept < len(drafts) and drafts[kept] == int(before[kept].argmax()):
-                        kept += 1
-                    nxt = int(before[kept].argmax())
-                else:
-                    p = torch.softmax(before.float() / temperature, dim=-1)
-                    kept, nxt = accept_sampled(drafts, r.q, p, generator)
-                keep = r.held + pending + kept  # positions fed and right
-                r.tokens += drafts[:kept] + [nxt]
-                added, accepted, proposed = (
-                    added + kept + 1,
-                    accepted + kept,
-                    proposed + len(drafts),
-                )
-                cut = model.cache_cut(keep) if kept < len(drafts) else keep
+                # the logits before each draft, and after the last
+                before = verified.logits[start + r.pending - 1 : stop]
+                kept, nxt = _accept(r.drafts, r.q, before, temperature, generator)
+                keep = r.held + r.pending + kept  # positions fed and right
+                r.tokens += r.drafts[:kept] + [nxt]
+                kept_total, proposed = kept_total + kept, proposed + len(r.drafts)
+                cut = model.cache_cut(keep) if kept < len(r.drafts) else keep
                 if r.slot in saved:
                     model.cut_cache(cache, saved[r.slot], cut, r.tokens)
-                r.held = cut
-                r.drafts, r.q = [], None
+                r.held, r.drafts, r.q = cut, [], None
             if speculative:
-                _draft(
-                    model,
-                    drafter,
-                    active,
-                    draft_cache,
-                    verified,
-                    temperature,
-                    generator,
-                    max_new_tokens,
-                )
-            out.step_tokens.append(added)
-            out.step_accepted.append(accepted)
+                draft(active, verified)
+            out.step_tokens.append(kept_total + len(active))
+            out.step_accepted.append(kept_total)
             out.step_proposed.append(proposed)
+            out.step_requests.append(len(active))
             if on_step:
-                on_step(added)
+                on_step(kept_total + len(active))
     for r in requests:
         out.tokens[r.slot] = r.tokens[r.prompt :]
     return out
@@ -245,7 +251,11 @@ class _Verified:
 
 
 def _call_backbone(
-    backbone: Callable[..., Any], requests: Sequence[_Request], cache: Any, speculative: bool
+    backbone: Callable[..., Any],
+    requests: Sequence[_Request],
+    cache: Any,
+    speculative: bool,
+    out: Decoded,
 ) -> _Verified:
     """One packed call: each request's tokens from its cache's length on, then its drafts."""
     batch, rows, start = [], {}, 0
@@ -256,11 +266,12 @@ def _call_backbone(
         start += len(ids)
     ids, positions, slots = pack(batch)
     mark_token_dim(ids, positions, slots)  # one compiled program for every step's token count
-    hidden = None
+    hidden, start = None, time.perf_counter()
     if speculative:
         logits, hidden = backbone(ids, positions, slots, cache, hidden=True)
     else:
         logits = backbone(ids, positions, slots, cache)
+    out.backbone_seconds.append(time.perf_counter() - start)
     return _Verified(logits, rows, positions, slots, hidden)
 
 
@@ -272,6 +283,7 @@ def _draft(
     verified: _Verified,
     temperature: float,
     generator: torch.Generator | None,
+    out: Decoded,
     max_new_tokens: int,
 ) -> None:
     """The drafter's call for the unfinished `requests`: the captures of their newly kept
@@ -297,12 +309,14 @@ def _draft(
     ids, block_positions, block_slots = pack(blocks)
     context = hidden[index], positions[index], slots[index]
     mark_token_dim(ids, block_positions, block_slots, *context)
+    start = time.perf_counter()
     logits, _ = drafter(ids, block_positions, block_slots, cache, *context)
     for b, r in enumerate(todo):
         budget = max_new_tokens - r.generated - 1  # the verify adds one token of its own
         rows_BV = logits[b * cfg.dspark_block_size : (b + 1) * cfg.dspark_block_size]
         count = min(budget, cfg.dspark_block_size)
         r.drafts, r.q = propose(model, rows_BV, r.tokens[-1], count, temperature, generator)
+    out.drafter_seconds.append(time.perf_counter() - start)
 
 
 def propose(

@@ -114,7 +114,7 @@ def report(
                 "layouts": layouts,
             }
         )
-    return {
+    doc = {
         "preset": args.preset,
         "numerics": cfg.numerics,
         "tp": args.tp,
@@ -135,6 +135,67 @@ def report(
         ),
         "scenarios": scenarios,
     }
+    if cfg.num_nextn_predict_layers:
+        doc["dspark"] = dspark_report(args, cfg, plan, costs["sp"], world)
+    return doc
+
+
+def _total(costs: list, tokens: int) -> int:
+    """Bytes a rank sends in one call of a planned program at T = `tokens`."""
+    return int(sum(p["bytes_sent"] for p in summarize(costs, tokens)["parts"].values()))
+
+
+def dspark_report(
+    args: argparse.Namespace, cfg: ModelConfig, plan: Callable[..., Any], backbone: list, world: int
+) -> dict:
+    """Per speculative step in the sp layout: the drafter's call (`dspark_block_size` rows per
+    request, its stages and the shared head; `program="drafter"`) and what the verify call
+    (`block_size + 1` rows per request) moves beyond the backbone's call: the captured hidden
+    states the drafter reads, gathered to every rank."""
+    options = config_options("sp", args)
+    seconds, costs = {}, {}
+    for program in ("drafter", "verify"):
+        start = time.perf_counter()
+        gm, ctx, _ = plan(cfg, options, world_size=world, max_len=MAX_LEN, program=program)
+        costs[program] = graph_costs(gm, ctx)
+        seconds[program] = time.perf_counter() - start
+    block = cfg.dspark_block_size
+    steps = []
+    for name, requests in (("decode", 4), ("dspark", 16)):
+        draft_rows, verify_rows = requests * block, requests * (block + 1)
+        drafter = summarize(costs["drafter"], draft_rows)
+        steps.append(
+            {
+                "name": name,
+                "requests": requests,
+                "drafter_rows": draft_rows,
+                "drafter_bytes": _total(costs["drafter"], draft_rows),
+                "drafter_collectives": drafter["collectives"],
+                "drafter_stages": drafter["layers"],
+                "verify_rows": verify_rows,
+                "verify_bytes": _total(costs["verify"], verify_rows),
+                "capture_bytes": _total(costs["verify"], verify_rows)
+                - _total(backbone, verify_rows),
+            }
+        )
+    return {"planning_seconds": seconds, "steps": steps}
+
+
+def print_dspark(doc: dict) -> None:
+    dspark = doc["dspark"]
+    print(
+        "DSpark, per speculative step and rank (sp): planned the drafter in "
+        f"{dspark['planning_seconds']['drafter']:.1f} s, the verify call in "
+        f"{dspark['planning_seconds']['verify']:.1f} s"
+    )
+    for step in dspark["steps"]:
+        print(
+            f"  {step['name']}: {step['requests']} requests; drafter call "
+            f"(T {step['drafter_rows']}, {step['drafter_stages']} stages + head) "
+            f"{_fmt(step['drafter_bytes'])}B; verify call (T {step['verify_rows']}) "
+            f"{_fmt(step['verify_bytes'])}B, of which the drafter's captures "
+            f"{_fmt(step['capture_bytes'])}B"
+        )
 
 
 def _fmt(n: float) -> str:
@@ -245,7 +306,11 @@ def plot(doc: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="tiny", choices=("tiny", "tiny-swa", "flash"))
+    parser.add_argument(
+        "--preset", default="tiny",
+        choices=("tiny", "tiny-swa", "flash", "tiny-dspark", "flash-dspark"),
+        help="a preset with DSpark stages also reports the drafter's bytes per step",
+    )  # fmt: skip
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--ep", type=int, default=8, help="1 or the world size")
     parser.add_argument("--dp", type=int, default=2, help="DP groups when ep=1")
@@ -277,6 +342,8 @@ def main() -> None:
     print(provenance(), flush=True)  # the docs/benchmarks.md block's header
     doc = report(args)
     print_tables(doc)
+    if "dspark" in doc:
+        print_dspark(doc)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")

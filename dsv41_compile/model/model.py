@@ -226,7 +226,6 @@ class DeepseekV41(nn.Module):
         positions: Tensor,
         slots: Tensor,
         cache: KVCache,
-        *,
         hidden: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The logits; with `hidden=True` (a model with DSpark stages) also what the drafter

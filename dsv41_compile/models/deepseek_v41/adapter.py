@@ -314,16 +314,36 @@ class DeepseekV41Adapter(ModelAdapter):
         *,
         requests: Sequence[Request] = _REQUESTS,
         max_len: int = 64,
+        program: str = "backbone",
     ) -> tuple[torch.nn.Module, tuple[Any, ...], tuple[torch.Tensor, ...]] | None:
         """A meta model of `config`, a batch of `requests` (one slot each) and a cache of
-        `max_len` positions per request."""
+        `max_len` positions per request. `program`: "backbone" (the model's call), "verify"
+        (the call that also returns what the DSpark drafter reads, `hidden=True`) or "drafter"
+        (`model.mtp`'s call: the requests' positions as context, a draft block after each)."""
         if not isinstance(config, ModelConfig):
             return None
+        if program not in ("backbone", "verify", "drafter"):
+            raise ValueError(f"program={program!r}: 'backbone', 'verify' or 'drafter'")
+        if program != "backbone" and not config.num_nextn_predict_layers:
+            raise ValueError(f"program={program!r}: the config has no DSpark stages")
         with torch.device("meta"):
             model = DeepseekV41(config)
             cache = model.new_cache(num_slots=len(requests), max_len=max_len)
         ids, positions, slots = (t.to("meta") for t in pack(list(requests)))
-        return model, (ids, positions, slots, cache), (ids, positions, slots)
+        if program == "backbone":
+            return model, (ids, positions, slots, cache), (ids, positions, slots)
+        if program == "verify":
+            return model, (ids, positions, slots, cache, True), (ids, positions, slots)
+        noise = [config.dspark_noise_token_id] * (config.dspark_block_size - 1)
+        blocks = [Request(r.slot, [1, *noise], r.start + len(r.ids)) for r in requests]
+        block_ids, block_positions, block_slots = (t.to("meta") for t in pack(blocks))
+        width = config.dim * len(config.dspark_target_layer_ids)
+        with torch.device("meta"):
+            draft_cache = model.mtp.new_cache(len(requests))
+            hidden = torch.zeros(ids.shape[0], width, dtype=config.torch_dtype)
+        context = (hidden, positions, slots)
+        block = (block_ids, block_positions, block_slots)
+        return model.mtp, (*block, draft_cache, *context), (*block, *context)
 
     def read_weights(
         self, path: str, weights: Sequence[WeightInput], *, skip_unimplemented_parts: bool
