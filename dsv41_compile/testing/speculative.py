@@ -8,13 +8,18 @@ under `torchrun` (every rank calls the same loop with the same prompts).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.fx import GraphModule
 
+from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.meta import REGION
 from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.serving import generate
+from dsv41_compile.testing.capture import capture_programs
 
 __all__ = ["DecodeSpec", "decode_on_rank"]
 
@@ -38,8 +43,8 @@ def model_of(spec: DecodeSpec) -> DeepseekV41:
 
 def decode_on_rank(rank: int, world_size: int, spec: DecodeSpec) -> dict[str, Any]:
     """This rank's decode of `spec.prompts` with both programs compiled (`generate` marks each
-    call's token counts): the tokens, the steps' figures and the decode's wall time (compiles
-    included)."""
+    call's token counts): the tokens, the steps' figures, the decode's wall time (compiles
+    included) and, per program compiled, its collectives (`collectives`)."""
     model = model_of(spec)
     options = dict(spec.options)
     backbone = torch.compile(model, backend="dsv41_sp", options=options)
@@ -47,18 +52,35 @@ def decode_on_rank(rank: int, world_size: int, spec: DecodeSpec) -> dict[str, An
     if spec.speculative:
         drafter = torch.compile(model.mtp, backend="dsv41_sp", options=options)
     start = time.perf_counter()
-    out = generate(
-        model,
-        [list(p) for p in spec.prompts],
-        spec.max_new_tokens,
-        speculative=spec.speculative,
-        backbone=backbone,
-        drafter=drafter,
-    )
+    with capture_programs() as programs:
+        out = generate(
+            model,
+            [list(p) for p in spec.prompts],
+            spec.max_new_tokens,
+            speculative=spec.speculative,
+            backbone=backbone,
+            drafter=drafter,
+        )
     return {
+        "programs": [collectives(gm, ctx) for gm, ctx in programs],
         "tokens": out.tokens,
         "step_tokens": out.step_tokens,
         "step_accepted": out.step_accepted,
         "step_proposed": out.step_proposed,
         "seconds": time.perf_counter() - start,
     }
+
+
+def collectives(gm: GraphModule, ctx: CompileContext) -> dict[str, Any]:
+    """A compiled program's collectives: `{"drafter": is it the drafter's, "by_part": {(layer,
+    part, op): count}}` (the layer None outside the layers)."""
+    found: Counter = Counter()
+    drafter = "main_proj.weight" in ctx.param_fqns.values()  # the drafter's own projection
+    for node in gm.graph.nodes:
+        region = node.meta.get(REGION, "")
+        target = str(node.target)
+        if node.op != "call_function" or "_c10d_functional" not in target or "wait" in target:
+            continue
+        site = ctx.adapter.site(region)
+        found[(site.layer, site.part, target.split(".")[-2])] += 1
+    return {"drafter": drafter, "by_part": dict(found)}

@@ -319,7 +319,8 @@ class DeepseekV41Adapter(ModelAdapter):
         """A meta model of `config`, a batch of `requests` (one slot each) and a cache of
         `max_len` positions per request. `program`: "backbone" (the model's call), "verify"
         (the call that also returns what the DSpark drafter reads, `hidden=True`) or "drafter"
-        (`model.mtp`'s call: the requests' positions as context, a draft block after each)."""
+        (`model.mtp`'s call: a draft block after each request, the requests' positions as
+        context; T counts the blocks' rows, the context rows are the example's)."""
         if not isinstance(config, ModelConfig):
             return None
         if program not in ("backbone", "verify", "drafter"):
@@ -343,11 +344,19 @@ class DeepseekV41Adapter(ModelAdapter):
             hidden = torch.zeros(ids.shape[0], width, dtype=config.torch_dtype)
         context = (hidden, positions, slots)
         block = (block_ids, block_positions, block_slots)
-        return model.mtp, (*block, draft_cache, *context), (*block, *context)
+        # the context rows keep the example's count: a plan's costs are functions of T alone
+        return model.mtp, (*block, draft_cache, *context), block
 
     def read_weights(
         self, path: str, weights: Sequence[WeightInput], *, skip_unimplemented_parts: bool
     ) -> tuple[list[torch.Tensor], dict[str, int]]:
+        if any(w.fqn.startswith("main_proj.") for w in weights):  # the DSpark drafter's program
+            raise NotImplementedError(
+                "the checkpoint option reads the backbone's weights; the DSpark drafter "
+                "(model.mtp) compiled on its own is not read from a checkpoint per rank: load "
+                "the model with load_checkpoint(model, DIR) and compile model.mtp without the "
+                "checkpoint option"
+            )
         return read_weights(path, weights, skip_unimplemented_parts=skip_unimplemented_parts)
 
     def expected_collectives(self, options: BackendOptions) -> LayerCollectives:

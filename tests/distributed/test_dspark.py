@@ -1,0 +1,61 @@
+"""Speculative decoding on 8 gloo ranks (tp=4, ep=8): the backbone and the DSpark drafter each
+compiled once by `dsv41_sp` with the requirement's layout, driven by `serving.generate` on every
+rank as under `torchrun`, give exactly the tokens of plain greedy decoding on one device for
+three requests of different lengths, 40 new tokens each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41_compile.serving import generate
+from dsv41_compile.testing.multirank import RankPool
+from dsv41_compile.testing.speculative import DecodeSpec, decode_on_rank, model_of
+
+pytestmark = pytest.mark.slow
+
+LENGTHS, NEW = (3, 11, 6), 40
+
+
+@pytest.fixture(scope="module")
+def run():
+    g = torch.Generator().manual_seed(1)
+    prompts = tuple(tuple(torch.randint(0, 511, (n,), generator=g).tolist()) for n in LENGTHS)
+    spec = DecodeSpec(overrides=(("hc_sinkhorn_iters", 3),), prompts=prompts, max_new_tokens=NEW)
+    reference = generate(model_of(spec), [list(p) for p in prompts], NEW, speculative=False)
+    return reference, RankPool.shared(8).run(decode_on_rank, spec)
+
+
+def test_every_rank_decodes_exactly_the_greedy_tokens(run):
+    reference, results = run
+    assert [len(t) for t in reference.tokens] == [NEW] * len(LENGTHS)
+    for rank, result in enumerate(results):
+        assert result["tokens"] == reference.tokens, rank
+        # proposals were verified every step after the prefill, some kept
+        assert sum(result["step_proposed"]) > 0 and sum(result["step_accepted"]) > 0
+
+
+def test_one_program_each_with_the_layout_of_the_backbone(run):
+    _, results = run
+    for rank, result in enumerate(results):
+        programs = result["programs"]
+        assert sorted(p["drafter"] for p in programs) == [False, True], rank
+        (drafter,) = (p["by_part"] for p in programs if p["drafter"])
+        (backbone,) = (p["by_part"] for p in programs if not p["drafter"])
+        for stage in range(3):
+            # the stage's attention: its input gathered over tp, the exit moving rows back;
+            # its MoE expert-parallel over the world: dispatch and combine all-to-alls
+            assert drafter[(stage, "attention", "all_gather_into_tensor")] == 1
+            assert (
+                drafter.get((stage, "attention", "all_to_all_single"), 0)
+                + drafter.get((stage, "attention", "reduce_scatter_tensor"), 0)
+                == 1
+            )
+            assert drafter[(stage, "moe", "all_to_all_single")] >= 2
+        assert not any(layer is not None and layer > 2 for layer, _, _ in drafter)
+        assert drafter[(None, "exit", "all_gather_into_tensor")] == 1  # the head's logits
+        # the backbone's call: its 8 layers, and one more gather, of the captures the drafter
+        # reads (token-sharded where they are made, every rank's drafter reads them all)
+        layers = {layer for layer, _, _ in backbone if layer is not None}
+        assert layers == set(range(8))
+        assert backbone[(None, "", "all_gather_into_tensor")] == 1
