@@ -221,8 +221,9 @@ def generate(
                 keep = r.held + r.pending + kept  # positions fed and right
                 r.tokens += r.drafts[:kept] + [nxt]
                 kept_total, proposed = kept_total + kept, proposed + len(r.drafts)
-                cut = model.cache_cut(keep) if kept < len(r.drafts) else keep
-                if r.slot in saved:
+                cut = keep
+                if kept < len(r.drafts):  # rows of rejected drafts were written: put back
+                    cut = model.cache_cut(keep)
                     model.cut_cache(cache, saved[r.slot], cut, r.tokens)
                 r.held, r.drafts, r.q = cut, [], None
             if speculative:

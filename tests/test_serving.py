@@ -1,5 +1,5 @@
-"""`serving.generate` on one device: speculative greedy decoding gives exactly the tokens of
-plain greedy decoding; a cache cut back after rejected drafts is that of a run that never saw
+"""`serving.generate` on one device, tiny-dspark read from a synthetic checkpoint: speculative
+greedy decoding gives exactly the tokens of plain greedy decoding; a cache cut back after rejected drafts is that of a run that never saw
 them; rejection sampling keeps the backbone's distribution."""
 
 from __future__ import annotations
@@ -7,18 +7,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
 from dsv41_compile.model.batches import Request, pack
+from dsv41_compile import serving
 from dsv41_compile.serving import accept_sampled, generate
+from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 
 CFG = ModelConfig.from_name("tiny-dspark", hc_sinkhorn_iters=3)
 PROMPT_LENGTHS = (3, 11, 6)
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return DeepseekV41(CFG)
+def model(tmp_path_factory):
+    """tiny-dspark from a synthetic checkpoint in the released layout, read in fp32."""
+    root = tmp_path_factory.mktemp("tiny_dspark")
+    synthetic_checkpoint(CFG, root)
+    cfg = ModelConfig.from_hf(root, dtype="float32", numerics="bf16", weight_format="dequantized")
+    assert cfg == CFG
+    loaded = DeepseekV41.without_weights(cfg)
+    load_checkpoint(loaded, root)
+    return loaded
 
 
 def prompts(lengths=PROMPT_LENGTHS, seed=1):
@@ -34,6 +42,32 @@ def test_speculative_greedy_is_greedy(model):
     assert sum(spec.step_tokens) == sum(plain.step_tokens) == 120
     # random weights: few proposals are kept, but some are, so both paths of a step run
     assert 0 < sum(spec.step_accepted) < sum(spec.step_proposed)
+
+
+def test_proposals_kept_in_any_number_give_the_same_tokens(model, monkeypatch):
+    """An oracle drafter proposing the greedy tokens with one wrong at index j = 0 .. 4, or none
+    (j = 5), in turn: every count of kept proposals, cuts at odd and even lengths, whole blocks
+    kept. The tokens are plain decoding's."""
+    plain = generate(model, prompts(), 30, speculative=False)
+    planned = []
+
+    def oracle(model_, drafter, batch, draft_cache, verified, temperature, generator, out, limit):
+        for r in batch:
+            if r.generated >= limit:
+                continue
+            count = min(limit - r.generated - 1, CFG.dspark_block_size)
+            r.drafts = list(plain.tokens[r.slot][r.generated : r.generated + count])
+            j = len(planned) % 6
+            if j < count:
+                r.drafts[j] = (r.drafts[j] + 1) % CFG.vocab_size
+            planned.append(min(j, count))
+
+    monkeypatch.setattr(serving, "_draft", oracle)
+    spec = generate(model, prompts(), 30)
+    assert spec.tokens == plain.tokens
+    assert set(planned) == set(range(CFG.dspark_block_size + 1))
+    assert sum(spec.step_accepted) == sum(planned)  # each kept as planned
+    assert spec.tokens_per_step > 2
 
 
 def test_a_cache_cut_after_rejected_drafts_is_one_that_never_saw_them(model):

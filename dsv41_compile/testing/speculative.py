@@ -17,7 +17,7 @@ from torch.fx import GraphModule
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import REGION
-from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
 from dsv41_compile.serving import generate
 from dsv41_compile.testing.capture import capture_programs
 
@@ -28,6 +28,9 @@ __all__ = ["DecodeSpec", "decode_on_rank"]
 class DecodeSpec:
     preset: str = "tiny-dspark"
     overrides: tuple[tuple[str, Any], ...] = ()
+    checkpoint: str | None = None
+    """A checkpoint directory to load the model from (its config with `overrides`), instead of
+    the preset's seeded weights."""
     prompts: tuple[tuple[int, ...], ...] = ()
     max_new_tokens: int = 40
     options: tuple[tuple[str, Any], ...] = (("tp", 4), ("ep", 8), ("lowering", "eager"))
@@ -36,7 +39,12 @@ class DecodeSpec:
 
 
 def model_of(spec: DecodeSpec) -> DeepseekV41:
-    """The spec's model, the same on every rank and in the caller (seeded)."""
+    """The spec's model, the same on every rank and in the caller (seeded, or loaded)."""
+    if spec.checkpoint is not None:
+        cfg = ModelConfig.from_hf(spec.checkpoint, **dict(spec.overrides))
+        model = DeepseekV41.without_weights(cfg)
+        load_checkpoint(model, spec.checkpoint)
+        return model
     torch.manual_seed(spec.seed)
     return DeepseekV41(ModelConfig.from_name(spec.preset, **dict(spec.overrides)))
 

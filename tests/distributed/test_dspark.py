@@ -1,14 +1,17 @@
 """Speculative decoding on 8 gloo ranks (tp=4, ep=8): the backbone and the DSpark drafter each
 compiled once by `dsv41_sp` with the requirement's layout, driven by `serving.generate` on every
 rank as under `torchrun`, give exactly the tokens of plain greedy decoding on one device for
-three requests of different lengths, 40 new tokens each."""
+three requests of different lengths, 40 new tokens each. The model is tiny-dspark loaded from a
+synthetic checkpoint in the released layout (`mtp.*` tensors and all), in fp32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from dsv41_compile.model import ModelConfig
 from dsv41_compile.serving import generate
+from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 from dsv41_compile.testing.multirank import RankPool
 from dsv41_compile.testing.speculative import DecodeSpec, decode_on_rank, model_of
 
@@ -18,10 +21,13 @@ LENGTHS, NEW = (3, 11, 6), 40
 
 
 @pytest.fixture(scope="module")
-def run():
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_dspark")
+    synthetic_checkpoint(ModelConfig.from_name("tiny-dspark", hc_sinkhorn_iters=3), root)
     g = torch.Generator().manual_seed(1)
     prompts = tuple(tuple(torch.randint(0, 511, (n,), generator=g).tolist()) for n in LENGTHS)
-    spec = DecodeSpec(overrides=(("hc_sinkhorn_iters", 3),), prompts=prompts, max_new_tokens=NEW)
+    float32 = (("dtype", "float32"), ("numerics", "bf16"), ("weight_format", "dequantized"))
+    spec = DecodeSpec(checkpoint=str(root), overrides=float32, prompts=prompts, max_new_tokens=NEW)
     reference = generate(model_of(spec), [list(p) for p in prompts], NEW, speculative=False)
     return reference, RankPool.shared(8).run(decode_on_rank, spec)
 
