@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv41_compile import serving
 from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
 from dsv41_compile.model.batches import Request, pack
-from dsv41_compile import serving
 from dsv41_compile.serving import accept_sampled, generate
 from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dsv41_compile.core.adapter import WeightInput
 from dsv41_compile.model import PRESETS, DeepseekV41, ModelConfig
 from dsv41_compile.model.batches import Request, pack
 from dsv41_compile.serving import propose
@@ -145,3 +146,47 @@ def test_each_draft_is_biased_by_the_one_before(model):
             head.head.weight.copy_(saved[0])
             head.embed.weight.copy_(saved[1])
     assert drafts == [40, 41, 42, 43, 44] and q is None
+
+
+def test_what_a_dspark_config_refuses():
+    with pytest.raises(ValueError, match=r"dspark_target_layer_ids \[1\] are Engram layers"):
+        CFG.replace(dspark_target_layer_ids=(1, 5))
+    with pytest.raises(ValueError, match="must be sorted, unique layer ids of the 8 layers"):
+        CFG.replace(dspark_target_layer_ids=(5, 9))
+    with pytest.raises(ValueError, match="dspark_noise_token_id 512 is not a token id"):
+        CFG.replace(dspark_noise_token_id=512)
+    with pytest.raises(ValueError, match="hidden=True returns what the DSpark drafter reads"):
+        torch.manual_seed(0)
+        swa = DeepseekV41(ModelConfig.from_name("tiny-swa"))
+        swa(*pack([Request(0, [1], 0)]), swa.new_cache(1, 4), hidden=True)
+
+
+def test_the_checkpoint_names_the_stages_as_released(tmp_path):
+    from dsv41_compile.model.checkpoint import checkpoint_layout
+    from dsv41_compile.models.deepseek_v41.adapter import DEEPSEEK_V41
+
+    with torch.device("meta"):
+        layout = checkpoint_layout(DeepseekV41(CFG.replace(weight_format="released")))
+    names = {n for n in layout if n.startswith("mtp.")}
+    for name in (
+        "mtp.0.main_proj.weight",  # FP8 (its scale beside it)
+        "mtp.0.main_norm.weight",
+        "mtp.1.attn.wq_a.weight",
+        "mtp.1.hc_attn_fn",
+        "mtp.2.ffn.experts.15.w3.weight",  # FP4 codes, one tensor per expert
+        "mtp.2.ffn.shared_experts.w1.weight",
+        "mtp.2.norm.weight",
+        "mtp.2.markov_head.embed.weight",
+        "mtp.2.markov_head.head.weight",
+        "mtp.2.confidence_head.proj.weight",
+    ):
+        assert name in names, name
+    assert not any(".embed." in n and "markov" not in n or n.startswith("mtp.head") for n in names)
+    assert layout["mtp.0.main_proj.weight"].fmt == "e4m3"
+    # compiled on its own, the drafter's program is not read per rank from a checkpoint
+    with pytest.raises(NotImplementedError, match="load the model with load_checkpoint"):
+        DEEPSEEK_V41.read_weights(
+            str(tmp_path),
+            [WeightInput("main_proj.weight", (64, 192), torch.float32, None)],
+            skip_unimplemented_parts=False,
+        )
