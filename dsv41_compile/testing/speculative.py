@@ -76,6 +76,8 @@ def decode_on_rank(rank: int, world_size: int, spec: DecodeSpec) -> dict[str, An
         "step_accepted": out.step_accepted,
         "step_proposed": out.step_proposed,
         "seconds": time.perf_counter() - start,
+        "backbone_seconds": out.backbone_seconds,
+        "drafter_seconds": out.drafter_seconds,
     }
 
 
