@@ -161,14 +161,22 @@ def compressed_visible(positions_T: Tensor, n_entries: int, ratio: int) -> Tenso
 
 
 def top_k(values_TC: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The k largest values along the last dim and their indices, equal values in index order.
-    (`torch.topk` breaks ties as its kernel happens to: with the relu's exact zeros in the index
-    scores, the choice would then change with the number of entries, i.e. with the cache's
-    length, and with the batch.)"""
-    values_TC, idx_TC = torch.sort(values_TC, dim=-1, descending=True, stable=True)
-    # contiguous, as topk's: a [T, K] whose stride is C would make the layer kinds that read
-    # it differ by their sources' entry counts under dynamic=True
-    return values_TC[..., :k].contiguous(), idx_TC[..., :k].contiguous()
+    """The k largest values along the last dim and their indices, in index order; of equal
+    values at the cut, the lower indices. (`torch.topk` breaks ties as its kernel happens to:
+    with the relu's exact zeros in the index scores, the choice would change with the number of
+    entries, i.e. with the cache's length, and with the batch.) Two topk over keys without
+    ties, so any kernel picks the same: the k-th largest value, then the chosen entries by a
+    descending count."""
+    C = values_TC.shape[-1]
+    kth_T1 = torch.topk(values_TC, k, dim=-1).values[..., -1:]
+    above_TC, at_TC = values_TC > kth_T1, values_TC == kth_T1
+    wanted_T1 = k - above_TC.sum(-1, keepdim=True)
+    chosen_TC = above_TC | (at_TC & (at_TC.to(torch.int64).cumsum(-1) <= wanted_T1))
+    # C - c for a chosen entry c (distinct, > 0), 0 otherwise: the top k are the chosen ones,
+    # the lowest index first
+    countdown_C = torch.arange(C, 0, -1, device=values_TC.device, dtype=torch.float32)
+    idx_TK = torch.topk(torch.where(chosen_TC, countdown_C, 0.0), k, dim=-1).indices
+    return values_TC.gather(-1, idx_TK), idx_TK
 
 
 def select_topk(scores_TC: Tensor, k: int) -> tuple[Tensor, Tensor]:

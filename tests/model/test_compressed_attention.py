@@ -220,3 +220,29 @@ def test_yarn_frequencies_at_flash_sizes() -> None:
     torch.testing.assert_close(yarn[25:], base[25:] / 16)  # slow pairs interpolated
     ramp = (torch.arange(16, 25) - 15) / 10
     torch.testing.assert_close(yarn[16:25], base[16:25] / 16 * ramp + base[16:25] * (1 - ramp))
+
+
+def test_top_k_takes_the_lower_index_of_equal_values_in_index_order():
+    """Against a stable descending sort, on values with many ties (and -inf): the same entries,
+    listed by index, whatever the row's length."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        C = int(torch.randint(1, 40, (), generator=g))
+        k = int(torch.randint(1, C + 1, (), generator=g))
+        v = torch.randint(-3, 3, (5, C), generator=g).float()
+        v[v == -3] = float("-inf")
+        values, idx = attention.top_k(v, k)
+        want = torch.sort(v, dim=-1, descending=True, stable=True).indices[:, :k].sort(-1).values
+        assert torch.equal(idx, want) and torch.equal(values, v.gather(-1, want))
+
+
+def test_the_logits_do_not_depend_on_the_caches_length():
+    """The index scores' relu ties at exactly 0 often (tiny, from position 12 on here): which of
+    the tied entries are picked must not change with the number of compressed entries."""
+    cfg = ModelConfig.from_name("tiny", window_size=8)
+    torch.manual_seed(0)
+    model = DeepseekV41(cfg)
+    ids = torch.randint(0, 500, (17,), generator=torch.Generator().manual_seed(1)).tolist()
+    batch = pack([Request(0, ids, 0)])
+    logits = [model(*batch, model.new_cache(1, n)) for n in (22, 32, 64)]
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
