@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from dsv41_compile.model import DeepseekV41
 from dsv41_compile.model.cache import LayerCache
 from dsv41_compile.model.layers import hc_collapse, hc_expand
-from dsv41_compile.model.model import _LAYER_KINDS, Block
+from dsv41_compile.model.block import _LAYER_KINDS, Block
 
 __all__ = ["EDITS", "Edit"]
 
