@@ -4,6 +4,7 @@ For window-only `tiny-swa` models of 1, 2, 4 and 8 layers and the 8-layer `tiny`
 attention mode), times the first call of the compiled model (Dynamo + AOT + our passes + the
 eager lowering) and the share spent in our passes, side by side in one run.
 
+`--dspark-planning` times the planning of flash-dspark's drafter, verify and plain programs.
 `--flash-planning` instead times `planning.plan_rank` (meta tensors, compile only) on the
 first 5, 10, 20 and all 40 layers of `flash` (tp=4, ep=8, the EP lowering `--ep-dispatch`):
 the cost of planning at real size, split into Dynamo (until the backend starts; it traces each
@@ -129,11 +130,37 @@ def flash_planning(ep_dispatch: str) -> None:
     )
 
 
+def dspark_planning(ep_dispatch: str) -> None:
+    """flash-dspark's three programs planned one after the other: the backbone's plain call,
+    the verify call (`hidden=True`) and the drafter (`model.mtp`)."""
+    from dsv41_compile.planning import plan_rank
+
+    cfg = ModelConfig.from_name("flash-dspark")
+    options = {"tp": 4, "ep": 8, "ep_dispatch": ep_dispatch}
+    print(f"flash-dspark, tp=4, ep=8, ep_dispatch={ep_dispatch!r}")
+    print(f"{'program':>9} {'nodes':>7} {'plan s':>7} {'dynamo':>7} {'passes':>7} {'peak GiB':>9}")
+    for program in ("drafter", "verify", "backbone"):
+        with timed_pipeline() as pipeline:
+            start = time.perf_counter()
+            gm, _, _ = plan_rank(cfg, options, world_size=8, program=program)
+            total = time.perf_counter() - start
+        dynamo = total - pipeline["seconds"] - sum(pipeline["stages"].values())
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        print(
+            f"{program:>9} {len(gm.graph.nodes):>7} {total:>7.1f} {dynamo:>7.1f} "
+            f"{pipeline['seconds']:>7.1f} {peak:>9.1f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
     parser.add_argument("--flash-planning", action="store_true", help="time flash planning")
+    parser.add_argument(
+        "--dspark-planning", action="store_true",
+        help="time the planning of flash-dspark's drafter, verify and backbone programs",
+    )  # fmt: skip
     parser.add_argument(
         "--ep-dispatch", choices=("exact", "padded"), default="exact",
         help="the EP lowering flash is planned with (padded: torchair's graph mode)",
@@ -142,6 +169,9 @@ def main() -> None:
     print(provenance(), flush=True)  # the docs/benchmarks.md block's header
     if args.flash_planning:
         flash_planning(args.ep_dispatch)
+        return
+    if args.dspark_planning:
+        dspark_planning(args.ep_dispatch)
         return
     rows = [("tiny-swa", n) for n in (1, 2, 4, 8)] + [("tiny", 8)]
     print(
