@@ -194,10 +194,17 @@ def _note_parameter(node: Node, ctx: CompileContext, parameters: dict[Node, Node
 
 
 def _check_no_size_of_shard(node: Node, inputs: list[Node]) -> None:
-    # A size read from a sharded tensor would be the local size after localization.
+    # A size read from a sharded tensor would be the local size after localization; a size of
+    # a dim the tensor is not split along is the same on every rank (e.g. the keys of a
+    # head-sharded attention, which a symbolic cache length makes a symbol).
     if node.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default):
         placement = _output_placement(inputs[0])
-        if not isinstance(placement, Replicate):
-            raise NotImplementedError(
-                f"{describe(node)} reads a size of a {format_placement(placement)} tensor"
-            )
+        if isinstance(placement, Replicate):
+            return
+        if node.target == torch.ops.aten.sym_size.int and type(placement) is Shard:
+            ndim = inputs[0].meta["val"].dim()
+            if node.args[1] % ndim != placement.dim % ndim:
+                return
+        raise NotImplementedError(
+            f"{describe(node)} reads a size of a {format_placement(placement)} tensor"
+        )

@@ -101,3 +101,23 @@ def test_verify_accepts_the_same_layout_whatever_t_was_traced_with(tokens, mark)
     assert layer_collectives(ctx.comm) == {
         l: ["all_gather(tp)", "reduce_scatter(tp)"] for l in (0, 1)
     }
+
+
+def test_a_size_read_is_refused_only_along_the_split_dim():
+    """A head-sharded tensor's key count (a symbol when the cache's length is) is the same on
+    every rank; its head count is not."""
+    from torch.fx import Graph
+
+    from dsv41_compile.spmd.annotate import _check_no_size_of_shard
+
+    graph = Graph()
+    x = graph.placeholder("x")
+    x.meta["val"], x.meta[OUT] = torch.empty(5, 8, 12), Shard(1)
+    keys = graph.call_function(aten.sym_size.int, (x, 2))
+    _check_no_size_of_shard(keys, [x])
+    for read in (
+        graph.call_function(aten.sym_size.int, (x, -2)),
+        graph.call_function(aten.sym_numel.default, (x,)),
+    ):
+        with pytest.raises(NotImplementedError, match="reads a size of a S\\(1\\) tensor"):
+            _check_no_size_of_shard(read, [x])
