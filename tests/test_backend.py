@@ -16,11 +16,12 @@ from torch.distributed.tensor import Shard
 import dsv41_compile
 from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.meta import GLOBAL_VAL, OUT, REASON, REGION, module_paths
-from dsv41_compile.model import DeepseekV41
+from dsv41_compile.model import DeepseekV41, ModelConfig
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 from dsv41_compile.spmd.entry_cut import entry_cuts
 from dsv41_compile.testing.batches import Request, pack
+from dsv41_compile.testing.capture import capture_programs
 from dsv41_compile.testing.fake_rank import (
     collective_windows,
     compile_on_fake_rank,
@@ -330,3 +331,30 @@ v188 = permute(v187, [1, 0, 2])  # f32[((T+3)//4), 4, 16]""",
             str(placement_counts(gm, "layers.0.attn")),
             """{'(R, R)': 1, '(S(1), S(1))': 2, '-': 12, 'R': 90, 'S(0)': 24, 'S(1)': 63}""",
         )
+
+
+def test_a_cache_of_another_length_compiles_with_that_length_symbolic():
+    """A second cache size makes Dynamo trace the cache's length as a symbol: the
+    head-sharded attention then reads its key count (W + min(k, C)) as a size, the same on
+    every rank, which the layout allows (a read along the split dim it refuses)."""
+    cfg = ModelConfig.from_name("tiny", hc_sinkhorn_iters=3).replace(
+        n_layers=3,
+        compress_ratios=(0, 0, 2),
+        kv_source_layer_ids=(2,),
+        index_source_layer_ids=(2,),
+        candidate_source_layer_id=-1,
+        engram_layer_ids=(),
+        engram_num_embeddings=(),
+    )
+    torch.manual_seed(0)
+    model = DeepseekV41(cfg)
+    with fake_process_group(8, 1), capture_programs() as programs:
+        compiled = torch.compile(model, backend="dsv41_sp", options={"tp": 4, "lowering": "eager"})
+        for max_len in (24, 40):
+            ids, positions, slots = pack([Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0)])
+            dsv41_compile.mark_token_dim(ids, positions, slots)
+            compiled(ids, positions, slots, model.new_cache(2, max_len))
+    assert len(programs) == 2
+    (second, _) = programs[1]
+    sizes = [n for n in second.graph.nodes if n.target is torch.ops.aten.sym_size.int]
+    assert any(n.args[0].meta["val"].dim() == 3 and n.args[1] == 2 for n in sizes)

@@ -109,6 +109,18 @@ def _view(node: Node, given: Sequence[Placement]) -> Strategy | None:
     return None
 
 
+@rule(torch.ops.aten.sym_size.int)
+def _size(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    # The size of a dim the tensor is not split along is the same on every rank (annotate
+    # refuses a read along the split dim).
+    (placement,) = given
+    if type(placement) is Shard:
+        ndim = node.args[0].meta["val"].dim()
+        if node.args[1] % ndim != placement.dim % ndim:
+            return Strategy(inputs=(placement,), outputs=(None,))
+    return None
+
+
 @rule(torch.ops.aten.embedding.default)
 def _embedding(node: Node, given: Sequence[Placement]) -> Strategy | None:
     # Vocab-sharded rows: each rank looks up the ids in its own row range and leaves zeros for
