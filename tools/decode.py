@@ -69,12 +69,16 @@ def decode(args, model, prompts, speculative: bool, programs, rank: int) -> Deco
 
 
 def summary(label: str, out: Decoded, seconds: float) -> str:
+    """One line: the whole run, then the steps after the first (whose calls compile)."""
     tokens = sum(len(t) for t in out.tokens)
-    verify = out.backbone_seconds[1:] or [0.0]  # after the prefill (and its compile)
+    first = out.backbone_seconds[0] + (out.drafter_seconds[0] if out.drafter_seconds else 0.0)
+    later = sum(out.step_tokens[1:])
+    verify = out.backbone_seconds[1:] or [0.0]
     line = (
-        f"{label:<12} {tokens} tokens in {len(out.step_tokens)} steps, {seconds:.2f} s: "
-        f"{tokens / seconds:.1f} tok/s; prefill {out.backbone_seconds[0]:.2f} s; per backbone "
-        f"call {1e3 * sum(verify) / len(verify):.1f} ms"
+        f"{label:<12} {tokens} tokens in {len(out.step_tokens)} steps, {seconds:.2f} s; the "
+        f"first step (prefill, compiles) {first:.2f} s, then {later} tokens at "
+        f"{later / max(seconds - first, 1e-9):.1f} tok/s; per backbone call "
+        f"{1e3 * sum(verify) / len(verify):.1f} ms"
     )
     if out.drafter_seconds:
         draft = out.drafter_seconds[1:] or out.drafter_seconds
