@@ -215,6 +215,12 @@ class DeepseekV41(nn.Module):
         cache.lengths[slot] = length
         if cache.ngram:
             hash_ = self.engram_hash
+            if has_no_weights(hash_.token_map):
+                raise ValueError(
+                    "cut_cache rebuilds the Engram n-gram history with the token map, which this "
+                    "model does not hold (built by without_weights, its weights read per rank by "
+                    "the checkpoint option): load it with load_checkpoint(model, DIR) first"
+                )
             pad = int(hash_.token_map[hash_.pad_id])
             for j, history in enumerate(cache.ngram):
                 q = length - 1 - j
