@@ -149,3 +149,26 @@ def test_what_generate_refuses(model):
         generate(DeepseekV41(CFG.replace(window_size=4)), [[1]], 2)
     with pytest.raises(ValueError, match="at least one token"):
         generate(model, [[]], 2)
+
+
+def test_speculative_greedy_is_greedy_under_the_official_numerics():
+    """bf16, the official FP8 / FP4 roundings and the weights as released, the drafter's ring
+    in FP8 rows (tiny-swa with three DSpark stages: tiny's index heads are too narrow for the
+    official FP4 index keys)."""
+    dspark = {f: getattr(CFG, f) for f in CFG.__dataclass_fields__ if f.startswith("dspark_")}
+    cfg = ModelConfig.from_name(
+        "tiny-swa",
+        **dspark | {"dspark_target_layer_ids": (0, 1)},
+        num_nextn_predict_layers=3,
+        hc_sinkhorn_iters=3,
+        window_size=8,
+        o_lora_rank=32,
+        dtype="bfloat16",
+        numerics="official",
+        weight_format="released",
+    )
+    torch.manual_seed(0)
+    model = DeepseekV41(cfg)
+    assert model.mtp.new_cache(1).window[0].dtype == torch.uint8
+    plain = generate(model, prompts(), 24, speculative=False)
+    assert generate(model, prompts(), 24).tokens == plain.tokens
