@@ -87,9 +87,15 @@ class Block(nn.Module):
             attn_in_TD, positions_T, cache_slot_T, kv, topk, candidates_TC
         )
         x_TND = hc_expand(x_TND, attn_out_TD, attn_post_TN, attn_comb_TNN)
+        x_TND, ffn_pre_TN = self.moe_half(x_TND, attn_pre_TN, valid_T)
+        return (x_TND, ffn_pre_TN, *made)
 
+    def moe_half(
+        self, x_TND: Tensor, attn_pre_TN: Tensor, valid_T: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The MoE half: its input collapsed with the attention site's `pre`; the streams and
+        the FFN site's `pre`, which goes out."""
         ffn_pre_TN, ffn_post_TN, ffn_comb_TNN = self.hc_ffn(x_TND)
         ffn_in_TD = self.ffn_norm(hc_collapse(x_TND, attn_pre_TN))
         ffn_out_TD = self.ffn(ffn_in_TD, valid_T)
-        x_TND = hc_expand(x_TND, ffn_out_TD, ffn_post_TN, ffn_comb_TNN)
-        return (x_TND, ffn_pre_TN, *made)
+        return hc_expand(x_TND, ffn_out_TD, ffn_post_TN, ffn_comb_TNN), ffn_pre_TN

@@ -589,27 +589,24 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 # The released V4.1-Flash with its three DSpark draft blocks (config.json's dspark_* keys).
+_DSPARK = {"num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_n_activated_experts": 3}
 PRESETS["flash-dspark"] = PRESETS["flash"].replace(
-    num_nextn_predict_layers=3,
-    dspark_block_size=5,
+    **_DSPARK,
     dspark_noise_token_id=128799,
     dspark_target_layer_ids=(37, 38, 39),
     dspark_markov_rank=256,
     dspark_n_routed_experts=128,
-    dspark_n_activated_experts=3,
 )
 # "tiny" with three DSpark stages reading its last three layers (as flash's read 37-39), two
 # experts per rank at ep=8, top-3 as released; a window of 8, which holds a verify call's rows
 # (`serving`: a cache is cut back only within its window).
 PRESETS["tiny-dspark"] = PRESETS["tiny"].replace(
+    **_DSPARK,
     window_size=8,
-    num_nextn_predict_layers=3,
-    dspark_block_size=5,
     dspark_noise_token_id=511,
     dspark_target_layer_ids=(5, 6, 7),
     dspark_markov_rank=16,
     dspark_n_routed_experts=16,
-    dspark_n_activated_experts=3,
 )
 # Window-only variant of "tiny" for fast tests of everything that is not compressed attention.
 PRESETS["tiny-swa"] = PRESETS["tiny"].replace(

@@ -152,10 +152,7 @@ class DSparkBlock(Block):
             block_size,
         )
         x_TND = hc_expand(x_TND, attn_out_TD, attn_post_TN, attn_comb_TNN)
-        ffn_pre_TN, ffn_post_TN, ffn_comb_TNN = self.hc_ffn(x_TND)
-        ffn_in_TD = self.ffn_norm(hc_collapse(x_TND, attn_pre_TN))
-        x_TND = hc_expand(x_TND, self.ffn(ffn_in_TD, valid_T), ffn_post_TN, ffn_comb_TNN)
-        return x_TND, ffn_pre_TN
+        return self.moe_half(x_TND, attn_pre_TN, valid_T)
 
 
 class MarkovHead(nn.Module):

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv41_compile.model import DeepseekV41
+from dsv41_compile.model.block import _LAYER_KINDS, Block
 from dsv41_compile.model.cache import LayerCache
 from dsv41_compile.model.layers import hc_collapse, hc_expand
-from dsv41_compile.model.block import _LAYER_KINDS, Block
 
 __all__ = ["EDITS", "Edit"]
 
