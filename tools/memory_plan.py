@@ -9,7 +9,8 @@ stores them, int8 FP4 codes with float8_e8m0fnu scales; "dequantized" holds them
 model's dtype; the FP8 linears are dequantised to it either way; the Engram tables stay FP8
 codes with e8m0 scales) and the cache as the model lays it out: per request, a ring of
 `window` rows per layer (a fixed size) and the compressed caches' `max_len / ratio` entries
-(which grow with the length). Activations are not counted. The Engram tables are counted apart,
+(which grow with the length). Activations are not counted. A preset with DSpark stages (`flash-dspark`) also plans the
+drafter's program and adds its weights and rings. The Engram tables are counted apart,
 in device and in host memory, for the placement `--engram` asks for (`all`: each placement, one
 plan each). Planning flash takes about a minute per plan.
 """
@@ -42,20 +43,30 @@ def _size(n: float) -> str:
 
 
 def plan(
-    cfg: ModelConfig, options: dict[str, Any], *, world_size: int, max_len: int, num_slots: int
+    cfg: ModelConfig,
+    options: dict[str, Any],
+    *,
+    world_size: int,
+    max_len: int,
+    num_slots: int,
+    program: str = "backbone",
 ) -> tuple[Any, Any]:
-    """Rank 0's planned graph and context, with a cache of `num_slots` x `max_len`."""
+    """Rank 0's planned graph and context of `program` ("backbone" or the DSpark "drafter"),
+    with a cache of `num_slots` x `max_len`."""
     requests = [Request(s, [1], 0) for s in range(num_slots)]
-    gm, ctx, _ = plan_rank(cfg, options, world_size=world_size, requests=requests, max_len=max_len)
+    gm, ctx, _ = plan_rank(
+        cfg, options, world_size=world_size, requests=requests, max_len=max_len, program=program
+    )
     return gm, ctx
 
 
-def memory_plan(gm: Any, ctx: Any, *, max_len: int) -> dict[str, Any]:
+def memory_plan(gm: Any, ctx: Any, *, max_len: int, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """The bytes of a planned rank's inputs: `weights[dtype][kind]` (kind "sharded" /
     "replicated"), `cache` (cache tensor -> bytes), and per request of `max_len` positions:
     `cache_per_request` (all of it), `cache_fixed_per_request` (the window rings and the
     ratio-2 pair state, whatever the length) and `cache_per_token` (the compressed caches,
-    which grow with the length)."""
+    which grow with the length). Parameters named in `skip` are not counted (the drafter's
+    views of the backbone's embedding and head)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     weights: dict[str, dict[str, int]] = defaultdict(lambda: {"sharded": 0, "replicated": 0})
     tables = {"device": 0, "host": 0}
@@ -68,6 +79,8 @@ def memory_plan(gm: Any, ctx: Any, *, max_len: int) -> dict[str, Any]:
         size = value.numel() * value.element_size()
         source = ctx.input_sources.get(node.name, "")
         if node.name in ctx.param_fqns:
+            if ctx.param_fqns[node.name] in skip:
+                continue
             shard = ctx.signature.param_shards.get(index)
             if _TABLES.fullmatch(ctx.param_fqns[node.name]):
                 host = shard is not None and shard.host
@@ -142,6 +155,24 @@ def _print(cfg: ModelConfig, options: dict[str, Any], args: argparse.Namespace) 
         f"positions: {_size(report['cache_fixed_per_request'])} of window rings and pair state, "
         f"and {_size(report['cache_per_token'])} per token of compressed entries"
     )
+    if cfg.num_nextn_predict_layers:  # the drafter's program: its own weights and rings
+        gm, ctx = plan(
+            cfg, options, world_size=args.world, max_len=args.max_len, num_slots=args.slots,
+            program="drafter",
+        )  # fmt: skip
+        drafter = memory_plan(gm, ctx, max_len=args.max_len, skip=("embed.weight", "head.weight"))
+        weights = sum(sum(kinds.values()) for kinds in drafter["weights"].values())
+        by_dtype = ", ".join(
+            f"{dtype} {_size(sum(kinds.values()))}"
+            for dtype, kinds in sorted(drafter["weights"].items())
+        )
+        rings = sum(drafter["cache"].values()) / (args.slots + 1)
+        print(
+            f"  DSpark drafter ({cfg.num_nextn_predict_layers} stages; the embedding and head are "
+            f"the backbone's): weights {_size(weights)} ({by_dtype}); its rings "
+            f"{_size(rings)} per request"
+        )
+        print(f"  weights total with the drafter {_size(total + weights):>10}")
 
 
 if __name__ == "__main__":
