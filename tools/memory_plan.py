@@ -167,12 +167,28 @@ def _print(cfg: ModelConfig, options: dict[str, Any], args: argparse.Namespace) 
             for dtype, kinds in sorted(drafter["weights"].items())
         )
         rings = sum(drafter["cache"].values()) / (args.slots + 1)
+        heads = _eager_heads(cfg)
         print(
             f"  DSpark drafter ({cfg.num_nextn_predict_layers} stages; the embedding and head are "
             f"the backbone's): weights {_size(weights)} ({by_dtype}); its rings "
             f"{_size(rings)} per request"
         )
-        print(f"  weights total with the drafter {_size(total + weights):>10}")
+        print(
+            f"  DSpark heads run eagerly by serving (Markov, confidence), whole on every rank: "
+            f"{_size(heads)}"
+        )
+        print(f"  weights total with the drafter {_size(total + weights + heads):>10}")
+
+
+def _eager_heads(cfg: ModelConfig) -> int:
+    """Bytes of the drafter's heads that no compiled program holds: `serving.propose` runs the
+    Markov head eagerly, and nothing runs the confidence head; each rank holds both whole."""
+    from dsv41_compile.model import DeepseekV41
+
+    with torch.device("meta"):
+        mtp = DeepseekV41(cfg).mtp
+    heads = [*mtp.markov_head.parameters(), *mtp.confidence_head.parameters()]
+    return sum(p.numel() * p.element_size() for p in heads)
 
 
 if __name__ == "__main__":
