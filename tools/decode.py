@@ -28,6 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
+from dsv41_compile.report.provenance import provenance
 from dsv41_compile.serving import Decoded, generate
 
 
@@ -131,6 +132,7 @@ def main() -> None:
         out = decode(args, model, prompts, speculative, programs, rank)
         results[speculative] = (out, time.perf_counter() - start)
     if rank == 0:
+        print(provenance())  # the docs/benchmarks.md block's header
         where = (
             f"{world} ranks (tp={args.tp}, ep={args.ep}, {args.lowering})"
             if world > 1
