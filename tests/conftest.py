@@ -20,9 +20,18 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsv41_test_cach
 # 2 workers each), and the suite already keeps both cores busy. Measured on the 8-rank inductor
 # run: 145 -> 119 s of CPU.
 os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+# One intra-op thread per worker, as in the ranks (`testing.multirank`), and in the processes
+# tests start (OMP_NUM_THREADS): with two workers on two cores, an op of tiny shapes split over
+# two OpenMP threads spins while its other thread waits for a core taken by the other worker --
+# index_add_ of 10 rows of 64 floats took 40 ms of CPU instead of 3 us.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
 
 from dsv41_compile.model import ModelConfig  # noqa: E402
 from dsv41_compile.planning import plan_rank  # noqa: E402
+
+torch.set_num_threads(1)  # torch may have been imported before OMP_NUM_THREADS was set
 
 # `make test` runs the suite on two workers with `--dist loadfile`: the tests of a file run on one
 # worker, in order. Files that compile the same graphs form one unit, so the worker's memo of

@@ -33,14 +33,7 @@ COMPRESSED_STEPS = ("compressed_kv", "index_q", "index_k", "index_scores")
 """The steps that act in compressed attention only (tiny's layers 2-7)."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """bf16 ops of tiny shapes on two threads of a shared two-core machine wait on each other
-    (milliseconds for microseconds of work): these tests run on one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# (These tests run on one intra-op thread, as every test does: tests/conftest.py.)
 
 
 def bf16(*values: float) -> torch.Tensor:
