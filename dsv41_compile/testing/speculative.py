@@ -13,13 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.fx import GraphModule
 
-from dsv41_compile.core.context import CompileContext
-from dsv41_compile.core.meta import REGION
 from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
+from dsv41_compile.models.deepseek_v41.adapter import DeepseekV41Adapter
+from dsv41_compile.runtime.program import ShardedProgram
 from dsv41_compile.serving import generate
-from dsv41_compile.testing.capture import capture_programs
+from dsv41_compile.testing.capture import capture_lowered
 
 __all__ = ["DecodeSpec", "decode_on_rank"]
 
@@ -52,7 +51,9 @@ def model_of(spec: DecodeSpec) -> DeepseekV41:
 def decode_on_rank(rank: int, world_size: int, spec: DecodeSpec) -> dict[str, Any]:
     """This rank's decode of `spec.prompts` with both programs compiled (`generate` marks each
     call's token counts): the tokens, the steps' figures, the decode's wall time (compiles
-    included) and, per program compiled, its collectives (`collectives`)."""
+    included) and, per program made, its collectives (`collectives`). The programs are read as
+    the backend made them (`capture_lowered`), so the host's ranks share each compile
+    (`runtime.host_cache`) as they do for a user."""
     model = model_of(spec)
     options = dict(spec.options)
     backbone = torch.compile(model, backend="dsv41_sp", options=options)
@@ -60,7 +61,7 @@ def decode_on_rank(rank: int, world_size: int, spec: DecodeSpec) -> dict[str, An
     if spec.speculative:
         drafter = torch.compile(model.mtp, backend="dsv41_sp", options=options)
     start = time.perf_counter()
-    with capture_programs() as programs:
+    with capture_lowered() as programs:
         out = generate(
             model,
             [list(p) for p in spec.prompts],
@@ -70,7 +71,7 @@ def decode_on_rank(rank: int, world_size: int, spec: DecodeSpec) -> dict[str, An
             drafter=drafter,
         )
     return {
-        "programs": [collectives(gm, ctx) for gm, ctx in programs],
+        "programs": [collectives(program) for program in programs],
         "tokens": out.tokens,
         "step_tokens": out.step_tokens,
         "step_accepted": out.step_accepted,
@@ -81,16 +82,12 @@ def decode_on_rank(rank: int, world_size: int, spec: DecodeSpec) -> dict[str, An
     }
 
 
-def collectives(gm: GraphModule, ctx: CompileContext) -> dict[str, Any]:
-    """A compiled program's collectives: `{"drafter": is it the drafter's, "by_part": {(layer,
-    part, op): count}}` (the layer None outside the layers)."""
+def collectives(program: ShardedProgram) -> dict[str, Any]:
+    """A per-rank program's collectives: `{"drafter": is it the drafter's, "by_part": {(layer,
+    part, kind): count}}` (the layer None outside the layers; kinds as `comm.json` names them)."""
+    fqns = {p.fqn for p in program.signature.params}
     found: Counter = Counter()
-    drafter = "main_proj.weight" in ctx.param_fqns.values()  # the drafter's own projection
-    for node in gm.graph.nodes:
-        region = node.meta.get(REGION, "")
-        target = str(node.target)
-        if node.op != "call_function" or "_c10d_functional" not in target or "wait" in target:
-            continue
-        site = ctx.adapter.site(region)
-        found[(site.layer, site.part, target.split(".")[-2])] += 1
-    return {"drafter": drafter, "by_part": dict(found)}
+    for record in program.spec.comm:
+        site = DeepseekV41Adapter().site(record["region"])
+        found[(site.layer, site.part, record["kind"])] += 1
+    return {"drafter": "main_proj.weight" in fqns, "by_part": dict(found)}

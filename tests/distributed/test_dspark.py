@@ -1,8 +1,11 @@
 """Speculative decoding on 8 gloo ranks (tp=4, ep=8): the backbone and the DSpark drafter each
 compiled once by `dsv41_sp` with the requirement's layout, driven by `serving.generate` on every
 rank as under `torchrun`, give exactly the tokens of plain greedy decoding on one device for
-three requests of different lengths, 40 new tokens each. The model is tiny-dspark loaded from a
-synthetic checkpoint in the released layout (`mtp.*` tensors and all), in fp32."""
+three requests of different lengths, 40 new tokens each. The model is tiny-dspark cut to four
+backbone layers (window-only with Engram, ratio-2 FULL, ratio-1 FULL making candidates, ratio-1
+REUSE; the drafter reading layers 1-3), loaded from a synthetic checkpoint in the released layout
+(`mtp.*` tensors and all), in fp32. tests/test_serving.py decodes the whole tiny-dspark on one
+device."""
 
 from __future__ import annotations
 
@@ -18,12 +21,23 @@ from dsv41_compile.testing.speculative import DecodeSpec, decode_on_rank, model_
 pytestmark = pytest.mark.slow
 
 LENGTHS, NEW = (3, 11, 6), 40
+FOUR_LAYERS = {
+    "n_layers": 4,
+    "compress_ratios": (0, 2, 1, 1),
+    "kv_source_layer_ids": (1, 2),
+    "index_source_layer_ids": (1, 2),
+    "candidate_source_layer_id": 2,
+    "engram_layer_ids": (0,),
+    "dspark_target_layer_ids": (1, 2, 3),
+}
+"""Every attention kind but REINDEX and a ratio-2 REUSE: half of tiny's layers to compile."""
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_dspark")
-    synthetic_checkpoint(ModelConfig.from_name("tiny-dspark", hc_sinkhorn_iters=3), root)
+    cfg = ModelConfig.from_name("tiny-dspark", hc_sinkhorn_iters=3, **FOUR_LAYERS)
+    synthetic_checkpoint(cfg, root)
     g = torch.Generator().manual_seed(1)
     prompts = tuple(tuple(torch.randint(0, 511, (n,), generator=g).tolist()) for n in LENGTHS)
     float32 = (("dtype", "float32"), ("numerics", "bf16"), ("weight_format", "dequantized"))
@@ -51,17 +65,17 @@ def test_one_program_each_with_the_layout_of_the_backbone(run):
         for stage in range(3):
             # the stage's attention: its input gathered over tp, the exit moving rows back;
             # its MoE expert-parallel over the world: dispatch and combine all-to-alls
-            assert drafter[(stage, "attention", "all_gather_into_tensor")] == 1
+            assert drafter[(stage, "attention", "all_gather")] == 1
             assert (
-                drafter.get((stage, "attention", "all_to_all_single"), 0)
-                + drafter.get((stage, "attention", "reduce_scatter_tensor"), 0)
+                drafter.get((stage, "attention", "all_to_all"), 0)
+                + drafter.get((stage, "attention", "reduce_scatter"), 0)
                 == 1
             )
-            assert drafter[(stage, "moe", "all_to_all_single")] >= 2
+            assert drafter[(stage, "moe", "all_to_all")] >= 2
         assert not any(layer is not None and layer > 2 for layer, _, _ in drafter)
-        assert drafter[(None, "exit", "all_gather_into_tensor")] == 1  # the head's logits
-        # the backbone's call: its 8 layers, and one more gather, of the captures the drafter
+        assert drafter[(None, "exit", "all_gather")] == 1  # the head's logits
+        # the backbone's call: its 4 layers, and one more gather, of the captures the drafter
         # reads (token-sharded where they are made, every rank's drafter reads them all)
         layers = {layer for layer, _, _ in backbone if layer is not None}
-        assert layers == set(range(8))
-        assert backbone[(None, "", "all_gather_into_tensor")] == 1
+        assert layers == set(range(4))
+        assert backbone[(None, "", "all_gather")] == 1
