@@ -94,7 +94,10 @@ def blockwise_sink_attention(
 def in_position_order(idx_TK: Tensor, picked_TK: Tensor, n_entries: int) -> tuple[Tensor, Tensor]:
     """The top-k picks by entry position, the unpicked ones after them: the order in which the
     official kernel walks a query's compressed keys (`blockwise_sink_attention`)."""
-    order_TK = torch.where(picked_TK, idx_TK, n_entries).sort(dim=-1, stable=True).indices
+    # tie-free keys (the unpicked ones after every entry, in their slots' order), so any sort
+    # gives this order: graph mode has no stable sort (torchair converts sort, not sort.stable)
+    slot_K = torch.arange(idx_TK.shape[1], device=idx_TK.device)
+    order_TK = torch.where(picked_TK, idx_TK, n_entries + slot_K).sort(dim=-1).indices
     return idx_TK.gather(1, order_TK), picked_TK.gather(1, order_TK)
 
 
