@@ -21,7 +21,13 @@ torchair's table; `operator.getitem` is the FX interpreter's own). Exit status 1
 has one. The exact EP lowering is not checked: it reads sizes on the host, and
 `lowering="torchair"` refuses it (`BackendOptions`).
 
+With `--released`, the models are as released: FP8 / FP4 weights with their scales and the
+official numerics (graph mode maps them to torch_npu's MX ops; tiny then quantises its indexer
+in blocks of 32 and splits wo_a over tp=4 in whole 32-row blocks: index_head_dim and
+o_lora_rank 32).
+
     .venv/bin/python tools/torchair_coverage.py --preset tiny
+    .venv/bin/python tools/torchair_coverage.py --preset tiny --released
 """
 
 from __future__ import annotations
@@ -199,6 +205,18 @@ def check(
     return report
 
 
+def model_config(preset: str, *, released: bool = False) -> Any:
+    """The preset's config; `released`: its weights as released and the official numerics."""
+    from dsv41_compile.model import ModelConfig
+
+    if not released:
+        return ModelConfig.from_name(preset)
+    tiny = {"index_head_dim": 32, "o_lora_rank": 32} if preset.startswith("tiny") else {}
+    return ModelConfig.from_name(
+        preset, dtype="bfloat16", numerics="official", weight_format="released", **tiny
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -206,9 +224,12 @@ def main() -> None:
     )
     parser.add_argument("--config", action="append", choices=tuple(CONFIGS), help="repeatable")
     parser.add_argument("--torchair", type=Path, help="an unpacked torchair directory to read")
+    parser.add_argument(
+        "--released",
+        action="store_true",
+        help="the models as released: FP8 / FP4 weights and the official numerics",
+    )
     args = parser.parse_args()
-    from dsv41_compile.model import ModelConfig
-
     root = args.torchair or fetch_torchair()
     registry = scan(root)
     real = sum(registry.converters.values())
@@ -220,7 +241,7 @@ def main() -> None:
     missing = 0
     for preset in args.preset or ["tiny", "flash"]:
         for config in args.config or CONFIGS:  # one graph at a time: flash plans take minutes
-            models = {preset: ModelConfig.from_name(preset)}
+            models = {preset: model_config(preset, released=args.released)}
             for graph, unsupported in check(models, registry, [config]).items():
                 print(f"{graph}: " + ("all ops lowerable" if not unsupported else ""), flush=True)
                 for op, (count, why) in unsupported.items():

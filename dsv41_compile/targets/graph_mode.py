@@ -17,17 +17,29 @@ replaces (`tests/targets/test_graph_mode.py`; whole graphs, run on CPU through
     bitwise_xor(a, b)             (a | b) & ~(a & b)
     copysign(a, b)                where(1/b < 0, -|a|, |a|)
     amax(x, dims)                 max over one dim at a time
+    cummax(x, d).values           a running max in log2(n) steps: max(x, x shifted by 1, 2, 4...)
+                                  along d (an error when the indices are read)
+    frexp(x) of fp32              exponent and mantissa from x's bits (subnormals scaled by 2^64
+                                  first); exact, zero gives (0, 0)
+    ldexp(x, e) of fp32           x * 2^floor(e/2) * 2^(e - floor(e/2)), each power made from its
+                                  bits: exact where the result is (e in [-150, 128] for x = 1)
+    signbit(x)                    x's bits as an integer of its width, < 0
+    x << s (a Scalar shift)       x * 2^s in x's integer dtype (the same bits, wrapping alike)
     roll(x, s, d)                 cat(x[-s:], x[:-s]) along d   (|s| = 1 when d's size is symbolic)
     _assert_scalar, _assert_async, runtime asserts of symbolic sizes the graph guarantees by
     sym_constrain_range_for_size  construction; dropped with the symbolic arithmetic only
                                   they used (torchair has no converter for them)
 
 A model's custom ops are rewritten by its adapter's `graph_mode_rewrites` (DeepSeek V4.1's
-routed experts through torch_npu's grouped matmul: `models/deepseek_v41/graph_mode.py`).
+routed experts through torch_npu's grouped matmul, its FP8 / FP4 weights and activation
+quantisation through torch_npu's MX ops: `models/deepseek_v41/graph_mode.py`). A rewrite may
+return None: the node stays as it is (a rewrite of a common op that applies to some of its
+nodes only). The nodes a rewrite adds get values, which a later rewrite may read.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,7 +50,11 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.emitter import Emitter
 from dsv41_compile.core.meta import replace_node
-from dsv41_compile.core.torch_private import enable_python_dispatcher
+from dsv41_compile.core.torch_private import (
+    FakeTensorMode,
+    detect_fake_mode,
+    enable_python_dispatcher,
+)
 
 __all__ = ["graph_mode", "rewrite_for_graph_mode"]
 
@@ -63,28 +79,65 @@ def rewrite_for_graph_mode(
     gm: GraphModule, model_rewrites: Mapping[Any, Any] | None = None
 ) -> None:
     """The rewrites of the table above and `model_rewrites` (op -> rewrite), on a graph whose
-    nodes carry `meta["val"]`."""
+    nodes carry `meta["val"]`. The nodes a rewrite adds get their values too (fake tensors, in
+    the graph's fake mode), so that a later rewrite reads the shapes of an earlier one's output."""
     rewrites = {**_REWRITES, **(model_rewrites or {})}
     graph = gm.graph
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes])
     for node in list(graph.nodes):
-        if node.op != "call_function":
+        if node.op != "call_function" or node.graph is not graph:  # erased by a rewrite
             continue
         if node.target in DROPPED:
             graph.erase_node(node)
             continue
         rewrite = rewrites.get(node.target)
         if rewrite is not None:
-            _replace(graph, node, rewrite)
+            _replace(graph, node, rewrite, fake_mode)
     graph.eliminate_dead_code()  # the symbolic arithmetic only the asserts read
     graph.lint()
     gm.recompile()
 
 
-def _replace(graph: Graph, node: Node, rewrite: Callable[..., Proxy]) -> None:
+def _replace(
+    graph: Graph, node: Node, rewrite: Callable[..., Proxy], fake_mode: FakeTensorMode | None
+) -> None:
     emit = Emitter(graph)
     with emit.inserting_before(node) as added:
         out = rewrite(emit, node.meta["val"], *emit.proxy(node.args), **emit.proxy(node.kwargs))
-    replace_node(node, out.node, added, f"graph mode: {node.target} has no torchair converter")
+    if out is None:  # the rewrite leaves this node as it is
+        for new in reversed(added):
+            graph.erase_node(new)
+        return
+    if fake_mode is not None:
+        _values(added, fake_mode)
+    reason = f"graph mode: {node.target} has no torchair converter"
+    if not isinstance(out, tuple):
+        replace_node(node, out.node, added, reason)
+        return
+    # an op of several outputs: each getitem of it takes the rewrite's output of its index
+    made = [i for i, part in enumerate(out) if part is not None]
+    for user in list(node.users):
+        index = user.args[1] if user.target is operator.getitem else None
+        if index is not None and not user.users:  # an output nothing reads
+            graph.erase_node(user)
+            continue
+        if index not in made:
+            raise ValueError(
+                f"graph_mode rewrites {node.target} for its outputs {made}; {user.name} reads "
+                f"{'output ' + str(index) if index is not None else 'it whole'}. Extend graph_mode"
+            )
+        replace_node(user, out[index].node, added, reason)
+    graph.erase_node(node)
+
+
+def _values(nodes: list[Node], fake_mode: FakeTensorMode) -> None:
+    """`meta["val"]` of each new node, in order, from its inputs' values."""
+    with fake_mode, enable_python_dispatcher():
+        for node in nodes:
+            if "val" in node.meta or node.op != "call_function":
+                continue
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+            node.meta["val"] = node.target(*args, **kwargs)
 
 
 def _softplus(emit, val, x, beta=1, threshold=20):
@@ -153,6 +206,119 @@ def _amax(emit, val, x, dim=(), keepdim=False):
     return x
 
 
+_F32_EXPONENT = 2**23
+"""The unit of an fp32's exponent field in its bits as an int32."""
+
+
+def _int_scalar(emit, value, like):
+    return emit.call(aten.scalar_tensor.default, value, dtype=torch.int32, device=like.device)
+
+
+def _frexp(emit, val, x):
+    """`frexp` of fp32 `x` from its bits: the exponent field e (a subnormal scaled by 2^64
+    first) gives the exponent e - 126, and the bits with that field set to 126 the mantissa in
+    [0.5, 1) with x's sign. Zero: (0, 0)."""
+    mantissa_val, _ = val
+    if mantissa_val.dtype != torch.float32:
+        raise ValueError(f"graph_mode rewrites frexp of float32, got {mantissa_val.dtype}")
+    magnitude = aten.abs.default(x)
+    subnormal = aten.logical_and.default(
+        aten.lt.Scalar(magnitude, 2.0**-126), aten.gt.Scalar(magnitude, 0.0)
+    )
+    x = aten.where.self(subnormal, aten.mul.Scalar(x, 2.0**64), x)
+    bits = aten.view.dtype(x, torch.int32)
+    field = aten.floor_divide.default(
+        aten.bitwise_and.Tensor(bits, _int_scalar(emit, 0x7F800000, mantissa_val)),
+        _int_scalar(emit, _F32_EXPONENT, mantissa_val),
+    )
+    zero = aten.eq.Scalar(x, 0.0)
+    shift = aten.where.self(
+        subnormal, _int_scalar(emit, 64, mantissa_val), _int_scalar(emit, 0, mantissa_val)
+    )
+    exponent = aten.sub.Tensor(aten.sub.Scalar(field, 126), shift)
+    exponent = aten.where.self(zero, _int_scalar(emit, 0, mantissa_val), exponent)
+    kept = aten.bitwise_and.Tensor(
+        bits, _int_scalar(emit, -0x7F800001, mantissa_val)
+    )  # sign, fraction
+    mantissa = aten.view.dtype(
+        aten.bitwise_or.Tensor(kept, _int_scalar(emit, 126 * _F32_EXPONENT, mantissa_val)),
+        torch.float32,
+    )
+    mantissa = aten.where.self(zero, x, mantissa)
+    return mantissa, exponent
+
+
+def _power_of_two(emit, exponent, like):
+    """fp32 `2^exponent` for int exponents in [-126, 127], made from its bits."""
+    field = aten.mul.Tensor(
+        aten.add.Scalar(aten._to_copy.default(exponent, dtype=torch.int32), 127),
+        _int_scalar(emit, _F32_EXPONENT, like),
+    )
+    return aten.view.dtype(field, torch.float32)
+
+
+def _ldexp(emit, val, x, exponent):
+    """`x * 2^e` as two products by powers of two made from their bits (each half of e in
+    [-75, 64] for e in [-150, 128])."""
+    if val.dtype != torch.float32:
+        raise ValueError(f"graph_mode rewrites ldexp to float32, got {val.dtype}")
+    first = aten.floor_divide.default(exponent, 2)
+    second = aten.sub.Tensor(exponent, first)
+    x = aten.mul.Tensor(x, _power_of_two(emit, first, val))
+    return aten.mul.Tensor(x, _power_of_two(emit, second, val))
+
+
+def _cummax(emit, val, x, dim):
+    """The running max along `dim` as a scan: after the step of shift s, entry i holds the max
+    of entries i - 2s + 1 .. i."""
+    values_val, _ = val
+    ndim = values_val.dim()
+    dim %= ndim
+    n = int(values_val.shape[dim])
+    lowest = emit.call(
+        aten.scalar_tensor.default, float("-inf"), dtype=values_val.dtype, device=values_val.device
+    )
+    shift = 1
+    while shift < n:
+        head = aten.expand.default(
+            lowest, [shift if d == dim else int(s) for d, s in enumerate(values_val.shape)]
+        )
+        shifted = aten.cat.default([head, aten.slice.Tensor(x, dim, 0, n - shift)], dim)
+        x = aten.maximum.default(x, shifted)
+        shift *= 2
+    return x, None
+
+
+_SAME_WIDTH_INT = {
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+
+
+def _signbit(emit, val, x):
+    dtype = x.node.meta["val"].dtype
+    if dtype not in _SAME_WIDTH_INT:
+        raise ValueError(
+            f"graph_mode rewrites signbit of float32 / bfloat16 / float16, got {dtype}"
+        )
+    return aten.lt.Scalar(aten.view.dtype(x, _SAME_WIDTH_INT[dtype]), 0)
+
+
+def _left_shift(emit, val, x, shift):
+    if (
+        val.dtype.is_floating_point
+        or not isinstance(shift, int)
+        or not 0 <= shift < 8 * val.itemsize
+    ):
+        raise ValueError(
+            f"graph_mode rewrites an integer shift left by a constant, got {val.dtype} << {shift}"
+        )
+    return aten.mul.Tensor(
+        x, emit.call(aten.scalar_tensor.default, 2**shift, dtype=val.dtype, device=val.device)
+    )
+
+
 def _roll(emit, val, x, shifts, dims=()):
     if not dims and x.node.meta["val"].dim() == 1:
         dims = [0]
@@ -212,6 +378,11 @@ _REWRITES: dict[Any, Callable[..., Proxy]] = {
     aten.scatter_reduce.two: _scatter_reduce,
     aten.unflatten.int: _unflatten,
     aten.amax.default: _amax,
+    aten.cummax.default: _cummax,
+    aten.frexp.Tensor: _frexp,
+    aten.ldexp.Tensor: _ldexp,
+    aten.signbit.default: _signbit,
+    aten.__lshift__.Scalar: _left_shift,
     aten.roll.default: _roll,
     aten.bitwise_xor.Tensor: _bitwise_xor,
     aten.copysign.Tensor: _copysign,

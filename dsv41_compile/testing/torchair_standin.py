@@ -141,25 +141,223 @@ GROUPED_MATMUL_SCHEMA = (
     "int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, "
     "int? per_token_scale_dtype=None) -> Tensor[]"
 )
+# torch_npu's MX quantisation ops and its quantised matmul, for graph mode's FP8 / FP4 weights
+# and the official numerics' activation quantisation (models/deepseek_v41/graph_mode.py).
+# Schemas from the same yaml (lines 329, 335, 678).
+MX_QUANT_SCHEMA = (
+    'npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str round_mode="rint", int dst_type=296, '
+    "int block_size=32, int? scale_alg=0, float dst_type_max=0.0, float max_low_bound=0.0) "
+    "-> (Tensor, Tensor)"
+)
+ANTI_MX_QUANT_SCHEMA = (
+    "npu_anti_mx_quant(Tensor x, Tensor mxscale, *, int? axis=-1, int? dst_type=15, "
+    "int? src_type=292) -> Tensor"
+)
+QUANT_MATMUL_SCHEMA = (
+    "npu_quant_matmul(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None, "
+    "Tensor? pertoken_scale=None, Tensor? bias=None, int? output_dtype=None, int? x1_dtype=None, "
+    "int? x2_dtype=None, int? pertoken_scale_dtype=None, int? scale_dtype=None, "
+    "int[]? group_sizes=None, Tensor? y_scale=None) -> Tensor"
+)
+NPU_DTYPES = {15: torch.bfloat16, 6: torch.float32, 5: torch.float16}
+"""The dtype codes graph mode passes (torch's ScalarType numbers)."""
+E4M3, E2M1, E8M0 = 292, 296, 293
+"""torch_npu's codes of float8_e4m3fn, float4_e2m1 (two per uint8) and float8_e8m0fnu (ACL's
+data types + 256: torch_npu/csrc/custom_dtype/Init.h)."""
 _LIBRARY: list[Library] = []
 
 
 def register_npu_ops() -> None:
-    """Define `torch.ops.npu.npu_grouped_matmul` on a machine without torch_npu: its schema,
-    a shape function, and a CPU kernel for the one form graph mode uses (documented in
-    torch_npu's `_op_plugin_docs.py`): one 2-D `x`, one 3-D `weight` [G, K, N], `group_list`
-    the row count of each group (`group_list_type=1`), groups along x's rows (`group_type=0`),
-    one output (`split_item=3`): rows [start_g, start_g + count_g) of x times weight[g]. The
-    documentation does not say what the NPU kernel leaves in rows past the last group; here
-    they are NaN, so a graph that reads them fails its numerics. Any other form is an error.
-    No-op when the op exists."""
+    """Define the torch_npu ops graph mode emits on a machine without torch_npu: their schemas,
+    shape functions (those of torch_npu's meta registrations), and CPU kernels for the forms
+    graph mode uses. Each kernel does what torch_npu's documentation says of the op; where the
+    documentation leaves something open the kernel says so. Any other form is an error.
+
+    - `npu_grouped_matmul`: one 2-D `x`, one 3-D `weight` [G, K, N], `group_list` the row count
+      of each group (`group_list_type=1`), groups along x's rows (`group_type=0`), one output
+      (`split_item=3`): rows [start_g, start_g + count_g) of x times weight[g]. What the NPU
+      kernel leaves in rows past the last group is not documented; here they are NaN, so a
+      graph that reads them fails its numerics.
+    - `npu_dynamic_mx_quant` to float8_e4m3fn along the last axis, blocks of 32, `scale_alg=1`
+      (aclnnDynamicMxQuant, scenario 2): `S = amax / 448` in fp32, rounded up to a power of two
+      (`2^E`, E the exponent of S, plus one when S has a mantissa); codes `e4m3(x / 2^E)`; the
+      scales as e8m0 bytes `E + 127`, `[..., ceil(n / 64), 2]` (pairs of blocks, the last pair
+      padded with 0). An all-zero block (S = 0) gets byte 0.
+    - `npu_anti_mx_quant` along the last axis: codes (float8_e4m3fn, or float4_e2m1 pairs in
+      uint8, low nibble first) times `2^(byte - 127)` of their block, in fp32, then `dst_type`.
+    - `npu_quant_matmul` in its MXFP8 form (`group_sizes=[1, 1, 32]`, both scales e8m0):
+      x1 e4m3 [M, K] with `pertoken_scale` [M, K/64, 2], x2 e4m3 [K, N] with `scale` [K/64, N, 2]
+      -> `output_dtype` [M, N]. The NPU kernel accumulates in fp32 in its own order; this one
+      decodes both operands to `output_dtype` (exact: a code times a power of two) and
+      multiplies there, as the eager program multiplies the decoded values.
+
+    No-op when the ops exist."""
     if hasattr(torch.ops.npu, "npu_grouped_matmul"):  # torch_npu's, or already defined
         return
     library = Library("npu", "FRAGMENT")
     library.define(GROUPED_MATMUL_SCHEMA)
     library.impl("npu_grouped_matmul", _grouped_matmul_cpu, "CPU")
     torch.library.register_fake("npu::npu_grouped_matmul", _grouped_matmul_fake, lib=library)
+    for schema, name, cpu, fake in (
+        (MX_QUANT_SCHEMA, "npu_dynamic_mx_quant", _mx_quant_cpu, _mx_quant_fake),
+        (ANTI_MX_QUANT_SCHEMA, "npu_anti_mx_quant", _anti_mx_quant_cpu, _anti_mx_quant_fake),
+        (QUANT_MATMUL_SCHEMA, "npu_quant_matmul", _quant_matmul_cpu, _quant_matmul_fake),
+    ):
+        library.define(schema)
+        library.impl(name, cpu, "CPU")
+        torch.library.register_fake(f"npu::{name}", fake, lib=library)
     _LIBRARY.append(library)  # keep the registration alive
+
+
+def _mx_form(op: str, **given: Any) -> None:
+    """The one form of `op` the stand-in implements (`expected`), or an error naming it."""
+    expected = {
+        "npu_dynamic_mx_quant": {"axis": -1, "dst_type": E4M3, "block_size": 32, "scale_alg": 1},
+        "npu_anti_mx_quant": {"axis": -1},
+    }[op]
+    wrong = {k: v for k, v in given.items() if k in expected and v != expected[k]}
+    if wrong:
+        raise ValueError(
+            f"the CPU stand-in of {op} implements {expected}; got {wrong}: extend "
+            "testing/torchair_standin.py with the documented semantics of that form"
+        )
+
+
+def _scale_pairs(n: int) -> int:
+    """e8m0 scale pairs along an axis of `n` values in blocks of 32."""
+    return (-(-n // 32) + 1) // 2
+
+
+def _mx_quant_fake(
+    input,
+    *,
+    axis=-1,
+    round_mode="rint",
+    dst_type=296,
+    block_size=32,
+    scale_alg=0,
+    dst_type_max=0.0,
+    max_low_bound=0.0,
+):
+    _mx_form(
+        "npu_dynamic_mx_quant",
+        axis=axis,
+        dst_type=dst_type,
+        block_size=block_size,
+        scale_alg=scale_alg,
+    )
+    shape = [*input.shape[:-1], _scale_pairs(input.shape[-1]), 2]
+    return input.new_empty(input.shape, dtype=torch.float8_e4m3fn), input.new_empty(
+        shape, dtype=torch.uint8
+    )
+
+
+def _mx_quant_cpu(input, **kwargs):
+    _mx_quant_fake(input, **kwargs)  # the form
+    n = input.shape[-1]
+    blocks = -(-n // 32)
+    x = torch.nn.functional.pad(input.float(), (0, blocks * 32 - n)).unflatten(-1, (blocks, 32))
+    s = x.abs().amax(-1) / 448.0  # S = amax / Amax(e4m3), fp32
+    mantissa, exponent = torch.frexp(s)  # s = m * 2^e, m in [0.5, 1): S's exponent is e - 1
+    exponent = exponent - 1 + (mantissa != 0.5).int()  # up when S has a mantissa
+    byte = torch.where(s == 0, 0, exponent + 127).clamp(0, 254)
+    codes = (x * torch.ldexp(torch.ones_like(s), 127 - byte)[..., None]).clamp(-448, 448)
+    codes = codes.to(torch.float8_e4m3fn).flatten(-2)[..., :n]
+    pairs = torch.nn.functional.pad(byte, (0, 2 * _scale_pairs(n) - blocks))
+    return codes, pairs.to(torch.uint8).unflatten(-1, (-1, 2))
+
+
+def _anti_mx_quant_fake(x, mxscale, *, axis=-1, dst_type=15, src_type=292):
+    _mx_form("npu_anti_mx_quant", axis=axis)
+    if src_type not in (E4M3, E2M1) or (src_type == E2M1) != (x.dtype == torch.uint8):
+        raise ValueError(
+            "the CPU stand-in of npu_anti_mx_quant decodes float8_e4m3fn codes (src_type 292) "
+            f"or float4_e2m1 pairs in uint8 (296); got {x.dtype} with src_type {src_type}"
+        )
+    n = x.shape[-1] * (2 if src_type == E2M1 else 1)
+    return x.new_empty((*x.shape[:-1], n), dtype=NPU_DTYPES[dst_type])
+
+
+def _anti_mx_quant_cpu(x, mxscale, *, axis=-1, dst_type=15, src_type=292):
+    from dsv41_compile.model.quant import e2m1_values, e8m0_powers
+
+    out = _anti_mx_quant_fake(x, mxscale, axis=axis, dst_type=dst_type, src_type=src_type)
+    values = e2m1_values(x) if src_type == E2M1 else x.float()
+    n = values.shape[-1]
+    powers = e8m0_powers(mxscale.flatten(-2))[..., : -(-n // 32)]
+    blocks = torch.nn.functional.pad(values, (0, powers.shape[-1] * 32 - n))
+    decoded = (blocks.unflatten(-1, (-1, 32)) * powers[..., None]).flatten(-2)[..., :n]
+    return decoded.to(out.dtype)
+
+
+def _quant_matmul_form(
+    x1, x2, scale, pertoken_scale, scale_dtype, pertoken_scale_dtype, group_sizes, rest
+):
+    unsupported = {k: v for k, v in rest.items() if v is not None}
+    if (
+        x1.dim() != 2
+        or x2.dim() != 2
+        or x1.dtype != torch.float8_e4m3fn
+        or x2.dtype != torch.float8_e4m3fn
+        or pertoken_scale is None
+        or (scale_dtype, pertoken_scale_dtype) != (E8M0, E8M0)
+        or list(group_sizes or ()) != [1, 1, 32]
+        or unsupported
+    ):
+        raise ValueError(
+            "the CPU stand-in of npu_quant_matmul implements its MXFP8 form: x1 and x2 2-D "
+            "float8_e4m3fn, scale and pertoken_scale e8m0 (293), group_sizes=[1, 1, 32]; got "
+            f"{x1.dtype} {list(x1.shape)}, {x2.dtype} {list(x2.shape)}, scale_dtype="
+            f"{scale_dtype}, pertoken_scale_dtype={pertoken_scale_dtype}, group_sizes="
+            f"{group_sizes}, other arguments {unsupported}"
+        )
+
+
+def _quant_matmul_fake(
+    x1,
+    x2,
+    scale,
+    *,
+    pertoken_scale=None,
+    output_dtype=None,
+    scale_dtype=None,
+    pertoken_scale_dtype=None,
+    group_sizes=None,
+    **rest,
+):
+    _quant_matmul_form(
+        x1, x2, scale, pertoken_scale, scale_dtype, pertoken_scale_dtype, group_sizes, rest
+    )
+    return x1.new_empty((x1.shape[0], x2.shape[1]), dtype=NPU_DTYPES[output_dtype])
+
+
+def _quant_matmul_cpu(
+    x1,
+    x2,
+    scale,
+    *,
+    pertoken_scale=None,
+    output_dtype=None,
+    scale_dtype=None,
+    pertoken_scale_dtype=None,
+    group_sizes=None,
+    **rest,
+):
+    out = _quant_matmul_fake(
+        x1,
+        x2,
+        scale,
+        pertoken_scale=pertoken_scale,
+        output_dtype=output_dtype,
+        scale_dtype=scale_dtype,
+        pertoken_scale_dtype=pertoken_scale_dtype,
+        group_sizes=group_sizes,
+        **rest,
+    )
+    dtype = out.dtype
+    a = _anti_mx_quant_cpu(x1, pertoken_scale, dst_type=output_dtype)
+    b = _anti_mx_quant_cpu(x2.t(), scale.transpose(0, 1), dst_type=output_dtype)  # [N, K]
+    return (a @ b.t()).to(dtype)
 
 
 def _grouped_form(x, weight, group_list, split_item, group_type, group_list_type, **rest):

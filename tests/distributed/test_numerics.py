@@ -33,8 +33,11 @@ Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPo
 - one window-only layer under the official numerics (bf16), the weights held as released
   (FP8 linears with their block scales, each rank its heads' and output groups' blocks; FP4
   routed experts with theirs, each rank its own experts'), ep=8 exact and ep=8 padded, one EP
-  row per assignment, eager;
-- on one rank: the five every-mode layers as handed to torchair.
+  row per assignment, eager; and ep=8 padded as handed to torchair (the FP8 linears as MXFP8
+  quantised matmuls, the FP8 rows of the quantised transport made and read by torch_npu's MX
+  ops: `models/deepseek_v41/graph_mode.py`);
+- on one rank: the five every-mode layers as released (the official numerics) as handed to
+  torchair.
 These call the model with `mark_token_dim`; tests/distributed/test_front_door.py calls it the
 other ways. The EP runs also check the requirement's assignment counts and the traffic each
 rank records in comm.json. The other runs take the default cuts (`attn_exit="auto"`: wo_b's
@@ -159,6 +162,16 @@ RUNS = {
         )
         for dispatch in ("exact", "padded")
     },
+    # the same in graph mode: the released weights and the official quantisations through
+    # torch_npu's MX ops (`models/deepseek_v41/graph_mode.py`), run by the CPU stand-in
+    "tiny-swa-official-ep-padded-torchair": spec(
+        "tiny-swa",
+        overrides=(*ONE_LAYER, *OFFICIAL),
+        ep=EP,
+        ep_dispatch="padded",
+        ep_rows="per_assignment",
+        lowering="torchair",
+    ),
 }
 EP_RUNS = sorted(name for name, case in RUNS.items() if dict(case.options).get("ep", 1) > 1)
 TORCHAIR_RUNS = sorted(name for name, case in RUNS.items() if case.torchair_standin)
@@ -167,7 +180,9 @@ ONE_RANK = "tiny-every-mode-one-rank-torchair"
 ONE_RANK_TORCHAIR = CaseSpec(
     steps=STEPS,
     preset="tiny",
-    overrides=(*SINKHORN_3, *EVERY_MODE_5),
+    # the released model: its every attention mode through graph mode's MX ops (the indexer's
+    # FP4 queries and keys in blocks of 32: index_head_dim 32)
+    overrides=(*SINKHORN_3, *EVERY_MODE_5, *OFFICIAL, ("index_head_dim", 32)),
     options=(("tp", 1), ("lowering", "torchair")),
     torchair_standin=True,
 )
@@ -293,10 +308,12 @@ def test_intermediates_match_for_every_layer():
 
 
 def test_graph_mode_keeps_every_attention_mode_exact_on_one_rank():
-    """tiny (5 layers, every attention mode) on one rank with lowering="torchair": graph mode's
-    rewrites (cache writes as scatters, the routed experts through the grouped matmul with
-    ep = 1, ...) and torchair's AOT step (`testing.torchair_standin`), run on CPU, against the
-    single-device model -- the rewrites the 8-rank runs (tiny-swa) do not reach."""
+    """tiny (5 layers, every attention mode) as released (FP8 / FP4 weights, the official
+    numerics) on one rank with lowering="torchair": graph mode's rewrites (cache writes as
+    scatters, the routed experts' FP4 weights decoded and grouped with ep = 1, the FP8 linears
+    as MXFP8 quantised matmuls, the KV and indexer quantisations in bit operations, ...) and
+    torchair's AOT step (`testing.torchair_standin`), run on CPU, against the single-device
+    model -- the rewrites the 8-rank runs (tiny-swa) do not reach."""
     (result,) = results_of(ONE_RANK)
     (marked,) = result["modes"].values()
     for i, (sp, ref) in enumerate(zip(marked["logits"], result["ref"])):
@@ -311,6 +328,22 @@ def test_every_op_torchair_would_see_has_a_converter(name, torchair_registry):
     tool, registry = torchair_registry
     for result in results_of(name):
         assert tool.unsupported(result["torchair_ops"], registry) == {}
+
+
+def test_graph_mode_runs_the_released_formats_through_torch_npus_mx_ops():
+    """Under the official numerics with the weights as released, the graph torchair gets holds
+    none of the model's quantisation ops: each FP8 linear whose input is quantised is one MXFP8
+    `npu_quant_matmul`, each other quantisation an `npu_dynamic_mx_quant`, each decode an
+    `npu_anti_mx_quant` (the experts' FP4 weights, the FP8 rows moved by the quantised
+    transport); the logits match the single-device model (test above)."""
+    for result in results_of("tiny-swa-official-ep-padded-torchair"):
+        ops = result["torchair_ops"]
+        assert not [op for op in ops if op.startswith("torch.ops.dsv41.")], ops
+        # tiny-swa's FP8 linears whose input the official numerics quantise: wq_a, wkv,
+        # wq_b and wo_b (its rows moved as FP8) -- the shared expert's are bf16
+        assert ops["torch.ops.npu.npu_quant_matmul.default"] == 4
+        assert ops["torch.ops.npu.npu_dynamic_mx_quant.default"] >= 4
+        assert ops["torch.ops.npu.npu_anti_mx_quant.default"] >= 3  # w1, w2, w3 of the experts
 
 
 def valid_tokens(step) -> int:

@@ -1,7 +1,9 @@
 """graph_mode's rewrites compute what the ops they replace compute: each op alone in a graph,
 rewritten, run eagerly against the op itself (edge cases included: negative indices, an empty
-index set, shifts past the end, a symbolic size, unassigned experts). torch_npu's grouped
-matmul runs as `testing.torchair_standin`'s CPU kernel of its documented form."""
+index set, shifts past the end, a symbolic size, unassigned experts, every kind of float for
+the bit-level rewrites). torch_npu's ops run as `testing.torchair_standin`'s CPU kernels of
+their documented forms; the MX quantisation against the official rounding (`numerics`), with
+its one documented difference."""
 
 from __future__ import annotations
 
@@ -9,13 +11,15 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dsv41_compile.models.deepseek_v41.graph_mode import (
-    fp8_weight_decoded,
-    routed_experts_fp4_grouped,
-    routed_experts_grouped,
-)
+from dsv41_compile.model.numerics import act_quant
+from dsv41_compile.model.quant import quantize_fp4, quantize_fp8
+from dsv41_compile.models.deepseek_v41.adapter import DeepseekV41Adapter
+from dsv41_compile.models.deepseek_v41.graph_mode import E4M3
 from dsv41_compile.targets.graph_mode import rewrite_for_graph_mode
 from dsv41_compile.testing.graphs import rewritten_for_graph_mode
+from dsv41_compile.testing.torchair_standin import register_npu_ops
+
+register_npu_ops()  # torch_npu's ops graph mode emits, with the stand-in's CPU kernels
 
 aten = torch.ops.aten
 g = torch.Generator().manual_seed(0)
@@ -97,17 +101,153 @@ def test_copysign_keeps_the_sign_of_a_negative_zero():
     )
 
 
-def test_routed_experts_refuse_the_official_fp8_hidden_step():
-    """Graph mode's grouped matmul has no FP8 hidden step: a model with numerics="official"
-    gets an error saying what to compile with, not a program without the step."""
-    args = (None,) * 9
-    with pytest.raises(NotImplementedError, match="lowering='eager' or 'inductor'"):
-        routed_experts_grouped(*args, fp8_hidden=True)
+def symbolic_rewritten(fn, *tensors):
+    """`fn` traced (ATen, multi-output ops as getitems), rewritten for graph mode with the
+    model's rewrites."""
+    gm = make_fx(fn, tracing_mode="fake")(*tensors)
+    rewrite_for_graph_mode(gm, DeepseekV41Adapter.graph_mode_rewrites)
+    return gm
 
 
-@pytest.mark.parametrize("rewrite", [fp8_weight_decoded, routed_experts_fp4_grouped])
-def test_weights_held_as_released_are_refused_with_what_compiles(rewrite):
-    """torch_npu's quantised matmuls are not mapped yet: a model with weight_format="released"
-    gets an error saying what to compile with, not a graph that decodes every weight."""
-    with pytest.raises(NotImplementedError, match="weight_format='dequantized'"):
-        rewrite(None, None)
+def test_frexp_from_bits_at_every_kind_of_float():
+    x = torch.tensor(
+        [0.0, -0.0, 1.0, 0.5, -0.75, 3.0, 1e-40, -1e-45, 2.0**-126, 3.4e38, 1e-4 / 448, 1234.5]
+    )
+    gm = symbolic_rewritten(lambda x: torch.frexp(x), x)
+    assert not gm.graph.find_nodes(op="call_function", target=aten.frexp.Tensor)
+    (mantissa, exponent), (m, e) = gm(x), torch.frexp(x)
+    assert torch.equal(mantissa, m) and torch.equal(mantissa.signbit(), m.signbit())
+    assert torch.equal(exponent, e)
+
+
+def test_ldexp_makes_every_power_of_two_e8m0_can_hold():
+    """The e8m0 decode (`quant.e8m0_powers`): 2^(byte - 127), byte 0..255 (255: 2^128 = inf),
+    and a product with other values."""
+    ones, exponent = torch.ones(256), torch.arange(256, dtype=torch.int32) - 127
+    gm = symbolic_rewritten(lambda x, e: torch.ldexp(x, e), ones, exponent)
+    assert not gm.graph.find_nodes(op="call_function", target=aten.ldexp.Tensor)
+    assert torch.equal(gm(ones, exponent), torch.ldexp(ones, exponent))
+    x, e = randn(64) * 10, torch.randint(-60, 60, (64,), generator=g, dtype=torch.int32)
+    assert torch.equal(gm(x, e), torch.ldexp(x, e))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 9])
+def test_cummax_values_as_a_scan(n):
+    x = randn(3, 4, n)
+    x[0, 0] = float("-inf")
+    gm = symbolic_rewritten(lambda x: torch.cummax(x, -1).values, x)
+    assert not gm.graph.find_nodes(op="call_function", target=aten.cummax.default)
+    assert torch.equal(gm(x), torch.cummax(x, -1).values)
+
+
+def test_cummax_indices_are_refused():
+    with pytest.raises(ValueError, match="reads output 1"):
+        symbolic_rewritten(lambda x: torch.cummax(x, 0).indices, randn(5))
+
+
+def model_check(op, *args):
+    gm, tensors = rewritten_for_graph_mode(
+        op, *args, rewrites=DeepseekV41Adapter.graph_mode_rewrites
+    )
+    return gm(*tensors), op(*args)
+
+
+def official_activations(rows=6, n=96):
+    """bf16 rows of magnitudes 1e-3 .. 1e3 (blocks of every scale), one row with a block at
+    exactly 448 (a code at the top of e4m3) and one all zero."""
+    x = randn(rows, n) * torch.logspace(-3, 3, rows)[:, None]
+    x[1, :32] = 0.0
+    x[2, 5] = 448.0
+    return x.to(torch.bfloat16)
+
+
+def test_act_quant_through_the_mx_ops_is_the_official_rounding():
+    """npu_dynamic_mx_quant with scale_alg=1 (S = amax / 448 rounded up to a power of two) gives
+    the codes and scales of the official `act_quant` (amax * fp32(1/448), rounded up), but for
+    the all-zero block (the official floor: see below), whose codes and values are zero in
+    both."""
+    actual, expected = model_check(
+        torch.ops.dsv41.act_quant_dequant.default, official_activations()
+    )
+    assert torch.equal(actual, expected)
+    x = official_activations()
+    codes, scales = torch.ops.npu.npu_dynamic_mx_quant(x, dst_type=E4M3, scale_alg=1)
+    official_codes, official_scales = act_quant(x)
+    assert torch.equal(codes.view(torch.uint8), official_codes.view(torch.uint8))
+    assert scales.shape == (6, 2, 2)  # 3 blocks of 32 as pairs, the last one padded
+    scales, official_scales = scales.flatten(-2), official_scales.view(torch.uint8)
+    assert (scales[:, 3] == 0).all()  # the pad
+    zero_block = torch.zeros(6, 3, dtype=torch.bool)
+    zero_block[1, 0] = True
+    assert torch.equal(scales[:, :3][~zero_block], official_scales[~zero_block])
+    assert (scales[1, 0], official_scales[1, 0]) == (0, 105)
+
+
+def test_act_quant_below_the_official_floor_differs_as_documented():
+    """The one documented difference: a block whose largest magnitude is below 1e-4. The
+    official rule floors it at 1e-4 (scale 2^-22, byte 105); the MX op takes the block's own."""
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    x[0, 0] = 1e-5
+    _, scales = torch.ops.npu.npu_dynamic_mx_quant(x, dst_type=E4M3, scale_alg=1)
+    _, official = act_quant(x)
+    assert official.view(torch.uint8).item() == 105
+    assert scales[0, 0, 0].item() == 102  # 1e-5 / 448 rounded up: 2^-25
+
+
+def test_fp8_weight_decoded_by_the_mx_op():
+    """48 x 96: a short last block of rows and an odd count of blocks along a row."""
+    codes, scale = quantize_fp8(randn(48, 96))
+    actual, expected = model_check(torch.ops.dsv41.fp8_weight.default, codes, scale, torch.bfloat16)
+    assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("n", [64, 96])
+def test_fp8_rows_encoded_and_decoded_by_the_mx_ops(n):
+    """The bytes a collective moves: the eager rows but for the all-zero block's scale byte (0,
+    not 105); decoded, the same values; and each side decodes the other's rows."""
+    x = official_activations(5, n)
+    encoded, expected = model_check(torch.ops.dsv41.fp8_encode_rows.default, x)
+    differ = (encoded != expected).nonzero().tolist()
+    assert differ == [[1, n]]  # row 1's first scale byte
+    decode = torch.ops.dsv41.fp8_decode_rows.default
+    for rows in (encoded, expected):
+        actual, expected_values = model_check(decode, rows)
+        assert torch.equal(actual, expected_values)
+        assert torch.equal(actual, torch.ops.dsv41.act_quant_dequant(x))
+
+
+@pytest.mark.parametrize("fp8_hidden", [False, True])
+def test_routed_experts_with_fp4_weights_decoded_by_the_mx_op(fp8_hidden):
+    """4 experts, rows routed top-2 with an unassigned one; the experts' FP4 weights decoded,
+    and under the official numerics the hidden activation quantised before w2."""
+    E, D, I = 4, 64, 32
+    fp4 = [[quantize_fp4(randn(o, i)) for _ in range(E)] for o, i in ((I, D), (D, I), (I, D))]
+    weights = [
+        t
+        for pairs in fp4
+        for t in (torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]))
+    ]
+    x = randn(7, D, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 1], [2, 3], [1, -1], [3, 0], [0, 2], [1, 1], [2, 3]])
+    w = torch.rand(7, 2, generator=g)
+    op = torch.ops.dsv41.routed_experts_fp4.default
+    actual, expected = model_check(op, x, idx, w, *weights, 10.0, fp8_hidden)
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_an_official_fp8_linear_is_one_mxfp8_quant_matmul():
+    """`F.linear(act_quant_dequant(x), fp8_weight(w, s))`: one npu_quant_matmul of the codes and
+    their scales, nothing left of the decodes; the stand-in's product is the eager one."""
+    codes, scale = quantize_fp8(randn(64, 96))
+    x = official_activations(5, 96)
+
+    def linear(x, codes, scale):
+        weight = torch.ops.dsv41.fp8_weight(codes, scale, torch.bfloat16)
+        return torch.nn.functional.linear(torch.ops.dsv41.act_quant_dequant(x), weight)
+
+    gm = symbolic_rewritten(linear, x, codes, scale)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.npu.npu_quant_matmul.default) == 1
+    assert aten.mm.default not in targets
+    assert torch.ops.npu.npu_anti_mx_quant.default not in targets
+    assert torch.equal(gm(x, codes, scale), linear(x, codes, scale))

@@ -7,7 +7,8 @@ tests/targets/test_torchair.py (tiny-swa, sp, ep=8 padded, one fake rank),
 tests/distributed/test_numerics.py (tiny on one rank, every attention mode; tiny-swa
 replicated, ep=8 padded on 8 ranks); here, the tool's own pipeline on the one configuration no
 run hands over (sp, ep=1: the routed experts whole on every rank, through the grouped matmul),
-and its reading of the registry."""
+as released too (`--released`: FP4 experts, FP8 linears, the official numerics), and its
+reading of the registry."""
 
 from __future__ import annotations
 
@@ -42,3 +43,13 @@ def test_tool_plans_rewrites_and_checks_a_graph(torchair_registry):
     models = {"tiny-swa": compile_config("tiny-swa", ONE_LAYER)}
     report = tool.check(models, registry, ["sp ep=1"])
     assert report == {"tiny-swa sp ep=1": {}}
+
+
+def test_tool_checks_the_model_as_released(torchair_registry):
+    """The released formats through torch_npu's MX ops: registered converters, and lowerable."""
+    tool, registry = torchair_registry
+    for op in ("npu_dynamic_mx_quant", "npu_anti_mx_quant", "npu_quant_matmul"):
+        assert registry.status(f"torch.ops.npu.{op}.default") is None
+    cfg = tool.model_config("tiny-swa", released=True).replace(n_layers=1, hc_sinkhorn_iters=3)
+    assert (cfg.weight_format, cfg.numerics) == ("released", "official")
+    assert tool.check({"tiny-swa": cfg}, registry, ["sp ep=1"]) == {"tiny-swa sp ep=1": {}}

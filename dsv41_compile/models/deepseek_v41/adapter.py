@@ -39,8 +39,11 @@ from dsv41_compile.model.numerics import fp8_rows_width
 from dsv41_compile.model.ops import engram_dequantize
 from dsv41_compile.model.quant import BLOCK
 from dsv41_compile.models.deepseek_v41.graph_mode import (
-    act_quant_dequant_refused,
+    act_quant_dequant_mx,
     engram_lookup_gathered,
+    fp8_decode_rows_mx,
+    fp8_encode_rows_mx,
+    fp8_matmul,
     fp8_weight_decoded,
     routed_experts_fp4_grouped,
     routed_experts_grouped,
@@ -194,7 +197,10 @@ class DeepseekV41Adapter(ModelAdapter):
         ROUTED_EXPERTS.op: routed_experts_grouped,
         ROUTED_EXPERTS_FP4.op: routed_experts_fp4_grouped,
         FP8_WEIGHT: fp8_weight_decoded,
-        ACT_QUANT: act_quant_dequant_refused,
+        ACT_QUANT: act_quant_dequant_mx,
+        torch.ops.dsv41.fp8_encode_rows.default: fp8_encode_rows_mx,
+        torch.ops.dsv41.fp8_decode_rows.default: fp8_decode_rows_mx,
+        torch.ops.aten.mm.default: fp8_matmul,
         ENGRAM_LOOKUP: engram_lookup_gathered,
     }
     activation_rows = ActivationRows(
