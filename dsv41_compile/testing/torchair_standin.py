@@ -331,28 +331,9 @@ def _quant_matmul_fake(
     return x1.new_empty((x1.shape[0], x2.shape[1]), dtype=NPU_DTYPES[output_dtype])
 
 
-def _quant_matmul_cpu(
-    x1,
-    x2,
-    scale,
-    *,
-    pertoken_scale=None,
-    output_dtype=None,
-    scale_dtype=None,
-    pertoken_scale_dtype=None,
-    group_sizes=None,
-    **rest,
-):
+def _quant_matmul_cpu(x1, x2, scale, *, pertoken_scale=None, output_dtype=None, **rest):
     out = _quant_matmul_fake(
-        x1,
-        x2,
-        scale,
-        pertoken_scale=pertoken_scale,
-        output_dtype=output_dtype,
-        scale_dtype=scale_dtype,
-        pertoken_scale_dtype=pertoken_scale_dtype,
-        group_sizes=group_sizes,
-        **rest,
+        x1, x2, scale, pertoken_scale=pertoken_scale, output_dtype=output_dtype, **rest
     )
     dtype = out.dtype
     a = _anti_mx_quant_cpu(x1, pertoken_scale, dst_type=output_dtype)
