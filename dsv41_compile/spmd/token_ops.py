@@ -135,9 +135,16 @@ def _cat(node: Node, given: Sequence[Placement]) -> Strategy | None:
     tensors = node.args[0]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     dim %= max(_global(tensors[0]).dim(), 1)
-    if not any(is_token_shard(t, p) and p.dim == dim for t, p in zip(tensors, given)):
-        return None
-    return Strategy(inputs=tuple(Replicate() for _ in given), outputs=(Replicate(),))
+    if any(is_token_shard(t, p) and p.dim == dim for t, p in zip(tensors, given)):
+        return Strategy(inputs=tuple(Replicate() for _ in given), outputs=(Replicate(),))
+    # Replicated pieces next to token shards, joined along another dim: every piece a token
+    # shard (a replicated one by a local slice). DTensor's rule answers (R, S(0)) -> S(0) with
+    # no redistribution, which would join a whole piece to a shard.
+    shards = {p for t, p in zip(tensors, given) if is_token_shard(t, p)}
+    if len(shards) == 1 and set(given) == {*shards, Replicate()}:
+        (shard,) = shards
+        return Strategy(inputs=(shard,) * len(given), outputs=(shard,))
+    return None
 
 
 def _roll_dims(node: Node) -> list[int]:

@@ -241,3 +241,33 @@ def test_verify_refuses_a_statistic_that_reads_the_padding_rows():
     assert f"{reduction.name} reduces the token shards without setting their padding rows" in (
         str(info.value)
     )
+
+
+def test_a_replicated_piece_joined_to_token_shards_is_split_by_a_local_slice():
+    """The value entering the layers (replicated) side by side with one leaving them (token
+    shards), joined along the features -- DSpark's captures of layer 0 and a later layer: every
+    piece a token shard, the replicated one sliced locally (no collective), where DTensor's rule
+    would join a whole piece to a shard (verify refused the graph as an internal error)."""
+    model = ToyLM()
+
+    def forward(self, tokens):
+        first = h = self.tok(tokens)
+        for block in self.blocks:
+            h = block(h)
+        both = torch.cat([first, h], -1)
+        return self.out(both[:, :16] + both[:, 16:])
+
+    model.forward = forward.__get__(model)
+    placed = {}
+
+    def keep(name, gm, ctx):
+        if name == "verify":
+            for n in gm.graph.find_nodes(op="call_function", target=aten.cat.default):
+                placed[n.name] = (n.meta[IN], n.meta[OUT], n.meta.get(RULE, ""))
+
+    with toy_family(), installed(Hooks(after_pass=keep)):
+        _, ctx, _ = compile_model_on_fake_rank(
+            model, (TOKENS,), {"tp": 4}, world_size=4, token_inputs=(TOKENS,)
+        )
+    assert list(placed.values()) == [((S0, S0), S0, "dsv41 (S(0), S(0)) -> S(0)")]
+    assert not [r for r in ctx.comm if "cat" in r["reason"]]  # the slice moves nothing
