@@ -137,9 +137,23 @@ def _cat(node: Node, given: Sequence[Placement]) -> Strategy | None:
     dim %= max(_global(tensors[0]).dim(), 1)
     if any(is_token_shard(t, p) and p.dim == dim for t, p in zip(tensors, given)):
         return Strategy(inputs=tuple(Replicate() for _ in given), outputs=(Replicate(),))
-    # Replicated pieces next to token shards, joined along another dim: every piece a token
-    # shard (a replicated one by a local slice). DTensor's rule answers (R, S(0)) -> S(0) with
-    # no redistribution, which would join a whole piece to a shard.
+    return _replicated_pieces_split(tensors, given)
+
+
+@rule(aten.stack.default)
+def _stack(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if dim % node.meta["val"].dim() == 0:  # a new dim before the tokens: DTensor's rule
+        return None
+    return _replicated_pieces_split(node.args[0], given)
+
+
+def _replicated_pieces_split(
+    tensors: Sequence[Node], given: Sequence[Placement]
+) -> Strategy | None:
+    """Replicated pieces next to token shards, joined along another dim than the tokens (cat,
+    stack): every piece a token shard, a replicated one by a local slice. DTensor's rules answer
+    (R, S(0)) -> S(0) with no redistribution, which would join a whole piece to a shard."""
     shards = {p for t, p in zip(tensors, given) if is_token_shard(t, p)}
     if len(shards) == 1 and set(given) == {*shards, Replicate()}:
         (shard,) = shards

@@ -243,7 +243,15 @@ def test_verify_refuses_a_statistic_that_reads_the_padding_rows():
     )
 
 
-def test_a_replicated_piece_joined_to_token_shards_is_split_by_a_local_slice():
+@pytest.mark.parametrize(
+    ("join", "op"),
+    [
+        (lambda a, b: torch.cat([a, b], -1), aten.cat.default),
+        (lambda a, b: torch.stack([a, b], -1).flatten(-2), aten.stack.default),
+    ],
+    ids=["cat", "stack"],
+)
+def test_a_replicated_piece_joined_to_token_shards_is_split_by_a_local_slice(join, op):
     """The value entering the layers (replicated) side by side with one leaving them (token
     shards), joined along the features -- DSpark's captures of layer 0 and a later layer: every
     piece a token shard, the replicated one sliced locally (no collective), where DTensor's rule
@@ -254,7 +262,7 @@ def test_a_replicated_piece_joined_to_token_shards_is_split_by_a_local_slice():
         first = h = self.tok(tokens)
         for block in self.blocks:
             h = block(h)
-        both = torch.cat([first, h], -1)
+        both = join(first, h)
         return self.out(both[:, :16] + both[:, 16:])
 
     model.forward = forward.__get__(model)
@@ -262,7 +270,7 @@ def test_a_replicated_piece_joined_to_token_shards_is_split_by_a_local_slice():
 
     def keep(name, gm, ctx):
         if name == "verify":
-            for n in gm.graph.find_nodes(op="call_function", target=aten.cat.default):
+            for n in gm.graph.find_nodes(op="call_function", target=op):
                 placed[n.name] = (n.meta[IN], n.meta[OUT], n.meta.get(RULE, ""))
 
     with toy_family(), installed(Hooks(after_pass=keep)):
