@@ -19,6 +19,10 @@ padding row never enters a statistic, a scan or a shift:
     any other (sort, var, cummax,  R -> R          the op on every row             AllGather of
     a gather by index, a conv...)  (gathered)                                      the value
 
+Along another dim than the tokens, `cat` / `stack` of token shards with replicated pieces (a
+value made before the layout shards the tokens beside one made after) split the replicated
+pieces by a local slice: (R, S(0)) -> S(0), no exchange.
+
 The exchanges are `spmd.transitions`' (`edge_rows`, `totals_before`); the all-reduces are its
 `P -> R` row, which `insert` puts where a partial without a token dim is used. A partial sum
 in a dtype the model sums more precisely than its partials (bf16) is not made: the op gathers.
