@@ -32,10 +32,10 @@ Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPo
   shared by the 8 ranks (the session's);
 - one window-only layer under the official numerics (bf16), the weights held as released
   (FP8 linears with their block scales, each rank its heads' and output groups' blocks; FP4
-  routed experts with theirs, each rank its own experts'), ep=8 exact and ep=8 padded, one EP
-  row per assignment, eager; and ep=8 padded as handed to torchair (the FP8 linears as MXFP8
-  quantised matmuls, the FP8 rows of the quantised transport made and read by torch_npu's MX
-  ops: `models/deepseek_v41/graph_mode.py`);
+  routed experts with theirs, each rank its own experts'), one EP row per assignment: ep=8
+  exact, eager; ep=8 padded as handed to torchair (the FP8 linears as MXFP8 quantised matmuls,
+  the FP8 rows of the quantised transport made and read by torch_npu's MX ops:
+  `models/deepseek_v41/graph_mode.py`);
 - on one rank: the five every-mode layers as released (the official numerics) as handed to
   torchair.
 These call the model with `mark_token_dim`; tests/distributed/test_front_door.py calls it the
@@ -150,28 +150,21 @@ RUNS = {
         attn_entry="input",
     ),
     # the official numerics (bf16): FP8 / FP4 roundings, bf16 probabilities, the fp32 head;
-    # each rank holds its experts' FP4 codes and scales (`weight_format="released"`)
+    # each rank holds its experts' FP4 codes and scales (`weight_format="released"`): the exact
+    # EP lowering eager, the padded one in graph mode (the released weights and the official
+    # quantisations through torch_npu's MX ops, `models/deepseek_v41/graph_mode.py`, run by
+    # the CPU stand-in)
     **{
-        f"tiny-swa-official-ep-{dispatch}-eager": spec(
+        f"tiny-swa-official-ep-{dispatch}-{lowering}": spec(
             "tiny-swa",
             overrides=(*ONE_LAYER, *OFFICIAL),
             ep=EP,
             ep_dispatch=dispatch,
             ep_rows="per_assignment",
-            lowering="eager",
+            lowering=lowering,
         )
-        for dispatch in ("exact", "padded")
+        for dispatch, lowering in (("exact", "eager"), ("padded", "torchair"))
     },
-    # the same in graph mode: the released weights and the official quantisations through
-    # torch_npu's MX ops (`models/deepseek_v41/graph_mode.py`), run by the CPU stand-in
-    "tiny-swa-official-ep-padded-torchair": spec(
-        "tiny-swa",
-        overrides=(*ONE_LAYER, *OFFICIAL),
-        ep=EP,
-        ep_dispatch="padded",
-        ep_rows="per_assignment",
-        lowering="torchair",
-    ),
 }
 EP_RUNS = sorted(name for name, case in RUNS.items() if dict(case.options).get("ep", 1) > 1)
 TORCHAIR_RUNS = sorted(name for name, case in RUNS.items() if case.torchair_standin)
