@@ -338,10 +338,10 @@ def test_a_cache_of_another_length_compiles_with_that_length_symbolic():
     head-sharded attention then reads its key count (W + min(k, C)) as a size, the same on
     every rank, which the layout allows (a read along the split dim it refuses)."""
     cfg = ModelConfig.from_name("tiny", hc_sinkhorn_iters=3).replace(
-        n_layers=3,
-        compress_ratios=(0, 0, 2),
-        kv_source_layer_ids=(2,),
-        index_source_layer_ids=(2,),
+        n_layers=2,
+        compress_ratios=(0, 2),
+        kv_source_layer_ids=(1,),
+        index_source_layer_ids=(1,),
         candidate_source_layer_id=-1,
         engram_layer_ids=(),
         engram_num_embeddings=(),
