@@ -18,7 +18,8 @@ replaces (`tests/targets/test_graph_mode.py`; whole graphs, run on CPU through
     copysign(a, b)                where(1/b < 0, -|a|, |a|)
     amax(x, dims)                 max over one dim at a time
     cummax(x, d).values           a running max in log2(n) steps: max(x, x shifted by 1, 2, 4...)
-                                  along d (an error when the indices are read)
+                                  along d; along a symbolic last dim, the max over j <= i of
+                                  x[..., j] (an error when the indices are read)
     frexp(x) of fp32              exponent and mantissa from x's bits (subnormals scaled by 2^64
                                   first); exact, zero gives (0, 0)
     ldexp(x, e) of fp32           x * 2^floor(e/2) * 2^(e - floor(e/2)), each power made from its
@@ -269,21 +270,35 @@ def _ldexp(emit, val, x, exponent):
 
 
 def _cummax(emit, val, x, dim):
-    """The running max along `dim` as a scan: after the step of shift s, entry i holds the max
-    of entries i - 2s + 1 .. i."""
+    """The running max along `dim` (of static size) as a scan: after the step of shift s, entry i
+    holds the max of entries i - 2s + 1 .. i."""
     values_val, _ = val
-    ndim = values_val.dim()
-    dim %= ndim
-    n = int(values_val.shape[dim])
-    lowest = emit.call(
-        aten.scalar_tensor.default, float("-inf"), dtype=values_val.dtype, device=values_val.device
-    )
+    dim %= values_val.dim()
+    n = values_val.shape[dim]
+    if not isinstance(n, int):  # a symbolic length (the cache's): the max over a mask j <= i
+        if dim != values_val.dim() - 1:
+            raise ValueError(f"graph_mode rewrites cummax along a symbolic last dim, got dim {dim}")
+        index = emit.call(
+            aten.arange.default,
+            aten.sym_size.int(x, dim),
+            dtype=torch.int64,
+            device=values_val.device,
+        )
+        earlier = aten.le.Tensor(aten.unsqueeze.default(index, 0), aten.unsqueeze.default(index, 1))
+        lowest = emit.call(
+            aten.scalar_tensor.default,
+            float("-inf"),
+            dtype=values_val.dtype,
+            device=values_val.device,
+        )
+        candidates = aten.where.self(earlier, aten.unsqueeze.default(x, -2), lowest)  # [..., i, j]
+        return aten.max.dim(candidates, -1)[0], None
     shift = 1
     while shift < n:
-        head = aten.expand.default(
-            lowest, [shift if d == dim else int(s) for d, s in enumerate(values_val.shape)]
-        )
-        shifted = aten.cat.default([head, aten.slice.Tensor(x, dim, 0, n - shift)], dim)
+        # -inf rows in front, shaped like the first `shift` rows (no size spelled out: the
+        # others may be symbolic)
+        lowest = aten.full_like.default(aten.slice.Tensor(x, dim, 0, shift), float("-inf"))
+        shifted = aten.cat.default([lowest, aten.slice.Tensor(x, dim, 0, n - shift)], dim)
         x = aten.maximum.default(x, shifted)
         shift *= 2
     return x, None

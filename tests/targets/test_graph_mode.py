@@ -140,6 +140,17 @@ def test_cummax_values_as_a_scan(n):
     assert torch.equal(gm(x), torch.cummax(x, -1).values)
 
 
+def test_cummax_along_a_symbolic_dim():
+    """The attention's running max is [T, H, blocks], T symbolic, and the blocks too where the
+    cache's length is (a second cache length): the max over a mask j <= i."""
+    gm = make_fx(lambda x: torch.cummax(x, -1).values, tracing_mode="symbolic")(randn(5, 2, 6))
+    rewrite_for_graph_mode(gm)
+    assert not gm.graph.find_nodes(op="call_function", target=aten.cummax.default)
+    for T, blocks in ((1, 6), (3, 1), (7, 9)):
+        x = randn(T, 2, blocks)
+        assert torch.equal(gm(x), torch.cummax(x, -1).values)
+
+
 def test_cummax_indices_are_refused():
     with pytest.raises(ValueError, match="reads output 1"):
         symbolic_rewritten(lambda x: torch.cummax(x, 0).indices, randn(5))
