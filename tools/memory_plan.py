@@ -4,10 +4,10 @@ KV cache's bytes per request and per token, read from the planned per-rank graph
     python tools/memory_plan.py --preset flash --tp 4 --ep 8 --max-len 65536
 
 It answers "does it fit on 8 devices of N GiB?" for the weights as the program holds them, by
-dtype (`--weight-format`: "released", the default, holds the routed experts as the checkpoint
-stores them, int8 FP4 codes with float8_e8m0fnu scales; "dequantized" holds them in the
-model's dtype; the FP8 linears are dequantised to it either way; the Engram tables stay FP8
-codes with e8m0 scales) and the cache as the model lays it out: per request, a ring of
+dtype (`--weight-format`: "released", the default, holds the weights as the checkpoint stores
+them: the routed experts' int8 FP4 codes and the FP8 linears' float8_e4m3fn codes, with their
+float8_e8m0fnu scales; "dequantized" holds them in the model's dtype; the Engram tables stay
+FP8 codes with e8m0 scales either way) and the cache as the model lays it out: per request, a ring of
 `window` rows per layer (a fixed size) and the compressed caches' `max_len / ratio` entries
 (which grow with the length). Activations are not counted. A preset with DSpark stages (`flash-dspark`) also plans the
 drafter's program and adds its weights and rings. The Engram tables are counted apart,
@@ -150,6 +150,14 @@ def _print(cfg: ModelConfig, options: dict[str, Any], args: argparse.Namespace) 
     why = next((w for k, w in ctx.choices.items() if "engram" in k), "no Engram tables")
     print(f"  Engram tables on the device  {_size(tables['device']):>12}")
     print(f"  Engram tables in host memory {_size(tables['host']):>12}   ({why})")
+    if cfg.weight_format == "released" and cfg.n_routed_experts:
+        # graph mode decodes a MoE layer's local FP4 experts per call (w1, w2, w3 in bf16)
+        local = cfg.n_routed_experts // options.get("ep", 1)
+        decoded = local * 3 * cfg.moe_inter_dim * cfg.dim * 2
+        print(
+            f"  transient with lowering='torchair': a MoE layer's {local} local experts "
+            f"decoded per call {_size(decoded):>12}"
+        )
     print(
         f"  KV cache: {_size(report['cache_per_request'])} per request of {args.max_len} "
         f"positions: {_size(report['cache_fixed_per_request'])} of window rings and pair state, "
