@@ -21,7 +21,7 @@ replaces (`tests/targets/test_graph_mode.py`; whole graphs, run on CPU through
                                   along d; along a symbolic last dim, the max over j <= i of
                                   x[..., j] (an error when the indices are read)
     frexp(x) of fp32              exponent and mantissa from x's bits (subnormals scaled by 2^64
-                                  first); exact, zero gives (0, 0)
+                                  first); exact for finite x, zero gives (0, 0)
     ldexp(x, e) of fp32           x * 2^floor(e/2) * 2^(e - floor(e/2)), each power made from its
                                   bits: exact where the result is (e in [-150, 128] for x = 1)
     signbit(x)                    x's bits as an integer of its width, < 0
@@ -218,7 +218,7 @@ def _int_scalar(emit, value, like):
 def _frexp(emit, val, x):
     """`frexp` of fp32 `x` from its bits: the exponent field e (a subnormal scaled by 2^64
     first) gives the exponent e - 126, and the bits with that field set to 126 the mantissa in
-    [0.5, 1) with x's sign. Zero: (0, 0)."""
+    [0.5, 1) with x's sign. Zero: (0, 0). Not inf or NaN (the quantisations never take them)."""
     mantissa_val, _ = val
     if mantissa_val.dtype != torch.float32:
         raise ValueError(f"graph_mode rewrites frexp of float32, got {mantissa_val.dtype}")
