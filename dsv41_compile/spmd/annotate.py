@@ -38,7 +38,7 @@ from dsv41_compile.core.meta import (
 from dsv41_compile.core.placements import ExpertShard, format_placement
 from dsv41_compile.core.symbols import is_token_count
 from dsv41_compile.spmd import token_ops  # noqa: F401  (registers the token-dim rules)
-from dsv41_compile.spmd.rules import rule_answers, strategy_for
+from dsv41_compile.spmd.rules import reads_an_unsplit_dim, rule_answers, strategy_for
 
 __all__ = ["annotate", "exit_placement"]
 
@@ -199,12 +199,8 @@ def _check_no_size_of_shard(node: Node, inputs: list[Node]) -> None:
     # head-sharded attention, which a symbolic cache length makes a symbol).
     if node.target in (torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default):
         placement = _output_placement(inputs[0])
-        if isinstance(placement, Replicate):
+        if isinstance(placement, Replicate) or reads_an_unsplit_dim(node, placement):
             return
-        if node.target == torch.ops.aten.sym_size.int and type(placement) is Shard:
-            ndim = inputs[0].meta["val"].dim()
-            if node.args[1] % ndim != placement.dim % ndim:
-                return
         raise NotImplementedError(
             f"{describe(node)} reads a size of a {format_placement(placement)} tensor"
         )

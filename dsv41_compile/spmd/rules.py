@@ -109,15 +109,21 @@ def _view(node: Node, given: Sequence[Placement]) -> Strategy | None:
     return None
 
 
+def reads_an_unsplit_dim(node: Node, placement: Placement) -> bool:
+    """`node` is `sym_size.int` of a dim its tensor, placed `placement`, is not split along:
+    the same size on every rank."""
+    if node.target != torch.ops.aten.sym_size.int or type(placement) is not Shard:
+        return False
+    ndim = node.args[0].meta["val"].dim()
+    return node.args[1] % ndim != placement.dim % ndim
+
+
 @rule(torch.ops.aten.sym_size.int)
 def _size(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    # The size of a dim the tensor is not split along is the same on every rank (annotate
-    # refuses a read along the split dim).
+    # annotate refuses a read along the split dim
     (placement,) = given
-    if type(placement) is Shard:
-        ndim = node.args[0].meta["val"].dim()
-        if node.args[1] % ndim != placement.dim % ndim:
-            return Strategy(inputs=(placement,), outputs=(None,))
+    if reads_an_unsplit_dim(node, placement):
+        return Strategy(inputs=(placement,), outputs=(None,))
     return None
 
 
