@@ -32,6 +32,8 @@ from torch.fx import GraphModule
 from torch.library import Library
 
 from dsv41_compile.core.torch_private import OpOverload, aot_module_simplified, make_boxed_func
+from dsv41_compile.model.quant import e2m1_values, e8m0_powers
+from dsv41_compile.models.deepseek_v41.graph_mode import DTYPE_CODES, E2M1, E4M3, E8M0
 from dsv41_compile.runtime.host_cache import load_graph, program_key, save_graph, shared
 
 __all__ = [
@@ -159,11 +161,8 @@ QUANT_MATMUL_SCHEMA = (
     "int? x2_dtype=None, int? pertoken_scale_dtype=None, int? scale_dtype=None, "
     "int[]? group_sizes=None, Tensor? y_scale=None) -> Tensor"
 )
-NPU_DTYPES = {15: torch.bfloat16, 6: torch.float32, 5: torch.float16}
-"""The dtype codes graph mode passes (torch's ScalarType numbers)."""
-E4M3, E2M1, E8M0 = 292, 296, 293
-"""torch_npu's codes of float8_e4m3fn, float4_e2m1 (two per uint8) and float8_e8m0fnu (ACL's
-data types + 256: torch_npu/csrc/custom_dtype/Init.h)."""
+NPU_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+"""The dtypes the MX ops' dtype codes stand for."""
 _LIBRARY: list[Library] = []
 
 
@@ -279,8 +278,6 @@ def _anti_mx_quant_fake(x, mxscale, *, axis=-1, dst_type=15, src_type=292):
 
 
 def _anti_mx_quant_cpu(x, mxscale, *, axis=-1, dst_type=15, src_type=292):
-    from dsv41_compile.model.quant import e2m1_values, e8m0_powers
-
     out = _anti_mx_quant_fake(x, mxscale, axis=axis, dst_type=dst_type, src_type=src_type)
     values = e2m1_values(x) if src_type == E2M1 else x.float()
     n = values.shape[-1]

@@ -38,6 +38,8 @@ from dsv41_compile.core.emitter import cast
 from dsv41_compile.model.ops import clamped_swiglu, engram_dequantize
 
 __all__ = [
+    "DTYPE_CODES",
+    "E2M1",
     "E4M3",
     "E8M0",
     "act_quant_dequant_mx",
@@ -55,7 +57,7 @@ __all__ = [
 E4M3, E2M1, E8M0 = 292, 296, 293
 """torch_npu's codes of float8_e4m3fn, float4_e2m1 (two per byte) and float8_e8m0fnu, as its ops
 take them (ACL's data type numbers + 256)."""
-_DTYPE_CODES = {torch.bfloat16: 15, torch.float32: 6, torch.float16: 5}
+DTYPE_CODES = {torch.bfloat16: 15, torch.float32: 6, torch.float16: 5}
 """The output dtypes of the MX ops, as torch's ScalarType numbers."""
 
 
@@ -130,13 +132,19 @@ def npu_op(name: str) -> Any:
     return getattr(torch.ops.npu, name).default
 
 
-def _quant_dequant(x: Proxy, dtype: torch.dtype) -> Proxy:
-    """`x` through FP8 e4m3 and back, in blocks of 32 along its last dim."""
-    quantised = npu_op("npu_dynamic_mx_quant")(
+def _mx_quant(x: Proxy) -> Proxy:
+    """`x` as e4m3 codes and e8m0 scale pairs, in blocks of 32 along its last dim, each scale
+    amax / 448 rounded up to a power of two (scale_alg=1, the official rule)."""
+    return npu_op("npu_dynamic_mx_quant")(
         x, axis=-1, round_mode="rint", dst_type=E4M3, block_size=32, scale_alg=1
     )
+
+
+def _quant_dequant(x: Proxy, dtype: torch.dtype) -> Proxy:
+    """`x` through FP8 e4m3 and back, in blocks of 32 along its last dim."""
+    quantised = _mx_quant(x)
     return npu_op("npu_anti_mx_quant")(
-        quantised[0], quantised[1], axis=-1, dst_type=_DTYPE_CODES[dtype], src_type=E4M3
+        quantised[0], quantised[1], axis=-1, dst_type=DTYPE_CODES[dtype], src_type=E4M3
     )
 
 
@@ -153,9 +161,7 @@ def fp8_encode_rows_mx(emit, val, x):
     then one e8m0 scale per 32 (the MX op's pairs of scales, the pad of an odd count dropped)."""
     shape = list(val.shape)
     n = shape[-1] * 32 // 33
-    quantised = npu_op("npu_dynamic_mx_quant")(
-        x, axis=-1, round_mode="rint", dst_type=E4M3, block_size=32, scale_alg=1
-    )
+    quantised = _mx_quant(x)
     codes = aten.view.dtype(quantised[0], torch.uint8)
     scales = aten.reshape.default(quantised[1], [*_view_lead(shape), 2 * -(-n // 64)])
     scales = aten.slice.Tensor(scales, -1, 0, n // 32)
@@ -172,7 +178,7 @@ def fp8_decode_rows_mx(emit, val, rows):
         scales = aten.constant_pad_nd.default(scales, [0, 1], 0)
     pairs = aten.reshape.default(scales, [*_view_lead(shape), -(-n // 64), 2])
     return npu_op("npu_anti_mx_quant")(
-        codes, pairs, axis=-1, dst_type=_DTYPE_CODES[val.dtype], src_type=E4M3
+        codes, pairs, axis=-1, dst_type=DTYPE_CODES[val.dtype], src_type=E4M3
     )
 
 
@@ -205,7 +211,7 @@ def fp8_weight_decoded(emit, val, weight, scale, dtype):
     block's rows (`npu_anti_mx_quant` scales blocks of 32 along a row), in `dtype`."""
     rows = weight.node.meta["val"].shape[0]
     return npu_op("npu_anti_mx_quant")(
-        weight, _scale_pairs(scale, rows, 32), axis=-1, dst_type=_DTYPE_CODES[dtype], src_type=E4M3
+        weight, _scale_pairs(scale, rows, 32), axis=-1, dst_type=DTYPE_CODES[dtype], src_type=E4M3
     )
 
 
@@ -260,7 +266,7 @@ def routed_experts_fp4_grouped(
             aten.view.dtype(w, torch.uint8),
             _scale_pairs(s, rows, 1),
             axis=-1,
-            dst_type=_DTYPE_CODES[dtype],
+            dst_type=DTYPE_CODES[dtype],
             src_type=E2M1,
         )
 
