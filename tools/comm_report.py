@@ -164,6 +164,7 @@ def dspark_report(
     for name, requests in (("decode", 4), ("dspark", 16)):
         draft_rows, verify_rows = requests * block, requests * (block + 1)
         drafter = summarize(costs["drafter"], draft_rows)
+        verify_bytes = _total(costs["verify"], verify_rows)
         steps.append(
             {
                 "name": name,
@@ -173,9 +174,8 @@ def dspark_report(
                 "drafter_collectives": drafter["collectives"],
                 "drafter_stages": drafter["layers"],
                 "verify_rows": verify_rows,
-                "verify_bytes": _total(costs["verify"], verify_rows),
-                "capture_bytes": _total(costs["verify"], verify_rows)
-                - _total(backbone, verify_rows),
+                "verify_bytes": verify_bytes,
+                "capture_bytes": verify_bytes - _total(backbone, verify_rows),
             }
         )
     return {"planning_seconds": seconds, "steps": steps}

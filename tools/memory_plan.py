@@ -7,12 +7,13 @@ It answers "does it fit on 8 devices of N GiB?" for the weights as the program h
 dtype (`--weight-format`: "released", the default, holds the weights as the checkpoint stores
 them: the routed experts' int8 FP4 codes and the FP8 linears' float8_e4m3fn codes, with their
 float8_e8m0fnu scales; "dequantized" holds them in the model's dtype; the Engram tables stay
-FP8 codes with e8m0 scales either way) and the cache as the model lays it out: per request, a ring of
-`window` rows per layer (a fixed size) and the compressed caches' `max_len / ratio` entries
-(which grow with the length). Activations are not counted. A preset with DSpark stages (`flash-dspark`) also plans the
-drafter's program and adds its weights and rings. The Engram tables are counted apart,
-in device and in host memory, for the placement `--engram` asks for (`all`: each placement, one
-plan each). Planning flash takes about a minute per plan.
+FP8 codes with e8m0 scales either way) and the cache as the model lays it out: per request, a
+ring of `window` rows per layer (a fixed size) and the compressed caches' `max_len / ratio`
+entries (which grow with the length). Activations are not counted, except the transient of
+the routed experts decoded per call in graph mode. A preset with DSpark stages
+(`flash-dspark`) also plans the drafter's program and adds its weights and rings. The Engram
+tables are counted apart, in device and in host memory, for the placement `--engram` asks
+for (`all`: each placement, one plan each). Planning flash takes about a minute per plan.
 """
 
 from __future__ import annotations
@@ -151,9 +152,10 @@ def _print(cfg: ModelConfig, options: dict[str, Any], args: argparse.Namespace) 
     print(f"  Engram tables on the device  {_size(tables['device']):>12}")
     print(f"  Engram tables in host memory {_size(tables['host']):>12}   ({why})")
     if cfg.weight_format == "released" and cfg.n_routed_experts:
-        # graph mode decodes a MoE layer's local FP4 experts per call (w1, w2, w3 in bf16)
+        # graph mode decodes a MoE layer's local FP4 experts per call (w1, w2, w3), to the
+        # activation dtype
         local = cfg.n_routed_experts // options.get("ep", 1)
-        decoded = local * 3 * cfg.moe_inter_dim * cfg.dim * 2
+        decoded = local * 3 * cfg.moe_inter_dim * cfg.dim * cfg.torch_dtype.itemsize
         print(
             f"  transient with lowering='torchair': a MoE layer's {local} local experts "
             f"decoded per call {_size(decoded):>12}"

@@ -19,6 +19,7 @@ from typing import Any
 from dsv41_compile.model import ModelConfig
 
 __all__ = [
+    "AS_RELEASED",
     "ENGRAM_0",
     "EVERY_MODE_5",
     "EVERY_MODE_6",
@@ -60,6 +61,18 @@ ENGRAM_0: tuple[tuple[str, Any], ...] = (
 )
 """An Engram layer before layer 0 (tiny's tables: 6 columns of 32-wide rows), for the
 window-only configurations, which have none (tiny has one before layer 1)."""
+
+AS_RELEASED: tuple[tuple[str, Any], ...] = (
+    ("dtype", "bfloat16"),
+    ("numerics", "official"),
+    ("weight_format", "released"),
+    ("o_lora_rank", 32),
+    ("index_head_dim", 32),
+)
+"""tiny as released: bf16, the official numerics, its FP8 linears and FP4 routed experts held as
+released; `wo_a`'s 4 x 32 output rows split over tp=4 in whole 32 x 32 blocks of its scales
+(tiny's 4 x 16 would not be), the indexer quantised in whole blocks of 32 (tiny's 16 would not
+be)."""
 
 WIDE: tuple[tuple[str, Any], ...] = (("dim", 128),)
 """tiny at twice its hidden width: attention's q and kv latents (32 + 32) are then narrower

@@ -86,8 +86,8 @@ def collectives(program: ShardedProgram) -> dict[str, Any]:
     """A per-rank program's collectives: `{"drafter": is it the drafter's, "by_part": {(layer,
     part, kind): count}}` (the layer None outside the layers; kinds as `comm.json` names them)."""
     fqns = {p.fqn for p in program.signature.params}
-    found: Counter = Counter()
+    adapter, found = DeepseekV41Adapter(), Counter()
     for record in program.spec.comm:
-        site = DeepseekV41Adapter().site(record["region"])
+        site = adapter.site(record["region"])
         found[(site.layer, site.part, record["kind"])] += 1
     return {"drafter": "main_proj.weight" in fqns, "by_part": dict(found)}

@@ -67,6 +67,7 @@ from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank
 from dsv41_compile.testing.checkpoints import synthetic_checkpoint
 from dsv41_compile.testing.multirank import RankPool, run_ranks
 from dsv41_compile.testing.presets import (
+    AS_RELEASED,
     ENGRAM_0,
     EVERY_MODE_5,
     EVERY_MODE_6,
@@ -81,15 +82,6 @@ pytestmark = pytest.mark.slow
 WORLD, TP, EP = 8, 4, 8
 STEPS = SERVING_STEPS
 FP32_BOUND = {"atol": 1e-5, "rtol": 1e-5}
-OFFICIAL = (
-    ("dtype", "bfloat16"),
-    ("numerics", "official"),
-    ("weight_format", "released"),
-    ("o_lora_rank", 32),
-)
-"""The released model: bf16, the official numerics, its FP8 linears and FP4 routed experts held
-as released; `wo_a`'s 4 x 32 output rows split over tp=4 in whole 32 x 32 blocks of its
-scales (tiny's 4 x 16 would not be)."""
 
 
 def capture_points(cfg: ModelConfig) -> tuple[str, ...]:
@@ -157,7 +149,7 @@ RUNS = {
     **{
         f"tiny-swa-official-ep-{dispatch}-{lowering}": spec(
             "tiny-swa",
-            overrides=(*ONE_LAYER, *OFFICIAL),
+            overrides=(*ONE_LAYER, *AS_RELEASED),
             ep=EP,
             ep_dispatch=dispatch,
             ep_rows="per_assignment",
@@ -173,9 +165,8 @@ ONE_RANK = "tiny-every-mode-one-rank-torchair"
 ONE_RANK_TORCHAIR = CaseSpec(
     steps=STEPS,
     preset="tiny",
-    # the released model: its every attention mode through graph mode's MX ops (the indexer's
-    # FP4 queries and keys in blocks of 32: index_head_dim 32)
-    overrides=(*SINKHORN_3, *EVERY_MODE_5, *OFFICIAL, ("index_head_dim", 32)),
+    # the released model: its every attention mode through graph mode's MX ops
+    overrides=(*SINKHORN_3, *EVERY_MODE_5, *AS_RELEASED),
     options=(("tp", 1), ("lowering", "torchair")),
     torchair_standin=True,
 )
