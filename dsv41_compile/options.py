@@ -1,21 +1,66 @@
-"""The options of the `dsv41_sp` backend: `torch.compile(..., options={...})`."""
+"""The options of the `dsv41_sp` backend: `torch.compile(..., options={...})`.
+
+One dict holds two kinds: the generic options every model family has (`BackendOptions`: the
+mesh, the EP lowering, the layout's name, the target, the weight budget, dumps, the host
+cache, the checkpoint) and the options a model family declares for itself (a `FamilyOptions`
+class, `ModelAdapter.options`; DeepSeek V4.1's are `deepseek_v41.options`). The backend
+checks the generic ones at once and the family's once it knows the model's family
+(`families.options_for`); a name that is neither is a ValueError listing both."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-__all__ = ["BackendOptions"]
+__all__ = ["BackendOptions", "FamilyOptions", "GivenOptions", "check_choice"]
 
 _LOWERINGS = ("auto", "eager", "inductor", "torchair")
-_EMBEDDINGS = ("replicated", "vocab_sharded")
 _EP_DISPATCH = ("exact", "padded")
 _EP_ROWS = ("auto", "per_rank", "per_assignment")
-_ATTN_EXITS = ("auto", "reduce_scatter", "all_to_all")
-_ATTN_ENTRIES = ("auto", "input")
-_ENGRAM = ("auto", "replicated", "sharded", "host")
+
+F = TypeVar("F", bound="FamilyOptions")
+
+
+def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    """A ValueError when option `name`'s `value` is not one of `allowed`."""
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; choose one of {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FamilyOptions:
+    """The options a model family declares beside the generic ones: subclass it as a frozen,
+    keyword-only dataclass, a docstring per field, checked in `__post_init__`, and name the
+    class in the family's adapter (`ModelAdapter.options`). A family without options of its own
+    has this class, which has none."""
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_items(cls: type[F], items: Iterable[tuple[str, Any]]) -> F:
+        """The options of `items` (name, value) -- names of this class (`families.options_for`
+        checks them first) -- the rest at their defaults."""
+        return cls(**dict(items))
+
+    def items(self) -> tuple[tuple[str, Any], ...]:
+        """The options as (name, value) pairs, in field order."""
+        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GivenOptions(FamilyOptions):
+    """A family's options as the user gave them, before the backend knows which family the
+    model is (`families.options_for` turns them into the family's class)."""
+
+    given: tuple[tuple[str, Any], ...] = ()
+
+    def items(self) -> tuple[tuple[str, Any], ...]:
+        return self.given
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,40 +84,13 @@ class BackendOptions:
     outputs in fp32 and sends one row back, in the activation dtype).
     "auto": per MoE layer, the one with fewer expected bytes under uniform routing (the
     choice and both figures are in graph.py, comm.json and tools/explain.py)."""
-    attn_entry: str = "auto"
-    """What attention's entry AllGather moves in the sp layout: "input" (the normed `[Tl, D]`
-    input: the requirement's layout) or "auto" (per layer, the cheapest cut between the input
-    and the ops that need all tokens: the per-token ops before it -- projections with
-    replicated weights, norms, rope -- run on the token shard and their narrower outputs are
-    gathered; the input itself when nothing is cheaper). The choice and its bytes are in
-    graph.py, comm.json and tools/explain.py."""
-    attn_exit: str = "auto"
-    """How attention's output leaves the TP group in the sp layout: "reduce_scatter" (the
-    row-parallel output projection's fp32 partial sum, reduce-scattered to token shards: the
-    requirement's layout) or "all_to_all" (the projection's input moves to the token shards in
-    the activation dtype and each rank runs the whole projection on its tokens: no cross-rank
-    sum, exact, but the projection's weight is replicated on every TP rank). "auto": the one
-    with fewer bytes, unless the replicated weights exceed `extra_weight_bytes`. The model
-    family decides what the projection is (DeepSeek V4.1: `wo_b`)."""
-    engram: str = "auto"
-    """Where DeepSeek V4.1's Engram tables live: "replicated" (whole on every rank),
-    "sharded" (split by their hash columns over the world, ep = world: each rank holds about
-    1/world of the rows, and each Engram layer sends every token's row ids to the ranks holding
-    their columns and gets the rows back in FP8 with their scales, two all-to-alls), "host"
-    (sharded, each rank's rows in host memory, looked up there), or "auto": sharded when ep is
-    the world and replicating the tables would hold more than 1 GiB per rank (or more than
-    `extra_weight_bytes`), else replicated. The choice, its memory and its bytes are in graph.py,
-    comm.json and tools/explain.py."""
     extra_weight_bytes: int | None = None
-    """The most bytes of weights per rank the cuts may replicate beyond the layout's own
-    shards (None: no limit; 0: none, so "auto" never replicates a weight)."""
+    """The most bytes of weights per rank the family's cuts may replicate beyond the layout's
+    own shards (None: no limit; 0: none, so an "auto" cut never replicates a weight)."""
     layout: str = "sp"
     """A layout of the model family's adapter (`ModelAdapter.layouts`, checked when the backend
-    compiles). DeepSeek V4.1's:
-    "sp": token-sharded residuals, AllGather in / ReduceScatter out of attention.
-    "replicated": the baseline sp replaces: residuals replicated over the TP group, attention
-    output all-reduced, with ep > 1 each token dispatched by one TP rank and the MoE output
-    all-gathered back (docs/backend.md)."""
+    compiles). DeepSeek V4.1's: "sp" (token-sharded residuals, AllGather in / ReduceScatter out
+    of attention) and "replicated" (the all-reduce baseline sp replaces: docs/backend.md)."""
     lowering: str = "auto"
     """"eager", "inductor", "torchair" (Ascend NPU graph mode; needs torch_npu and
     ep_dispatch="padded"), or "auto" (inductor on CPU / GPU, torchair on NPU)."""
@@ -82,9 +100,6 @@ class BackendOptions:
     """Pass names (`dsv41_compile.pipeline.PASS_NAMES`, checked when the backend compiles)
     after which the graph is written to `dump_dir/rank{r}/after_{pass}.py` (or a temporary
     folder the log names)."""
-    embedding: str = "replicated"
-    """"replicated" (local lookup of the token shard) or "vocab_sharded" (rows sharded over
-    tp; the partial lookups are reduce-scattered to the token shards)."""
     check_inputs: bool = False
     """Debugging aid: before every call, check that the ranks of each TP group received the
     same token inputs (one all-gather of the token count and one of the inputs over the TP
@@ -97,30 +112,23 @@ class BackendOptions:
     (`DeepseekV41.without_weights(cfg)`). Loading is strict: see `load_checkpoint`."""
     skip_unimplemented_parts: bool = False
     """With `checkpoint`: load a checkpoint that holds parts the model does not implement
-    (DeepSeek V4.1's Engram, DSpark draft blocks, vision tower) without them; the outputs then
-    differ from the released model's."""
+    (DeepSeek V4.1: the vision tower) without them."""
     share_compile: bool = True
     """One rank per host compiles a per-rank program; the host's other ranks load it
     (`runtime.host_cache`, under inductor's cache directory). False: every rank compiles."""
+    family: FamilyOptions = field(default_factory=FamilyOptions)
+    """The model family's own options, given in the same dict as the others (DeepSeek V4.1:
+    `attn_entry`, `attn_exit`, `embedding`, `engram`): `GivenOptions` until the backend knows
+    the family, then an instance of its class (`ModelAdapter.options`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"tp must be a positive int, got {self.tp!r}")
         if not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"ep must be a positive int, got {self.ep!r}")
-        for name, allowed in (
-            ("lowering", _LOWERINGS),
-            ("embedding", _EMBEDDINGS),
-            ("ep_dispatch", _EP_DISPATCH),
-            ("ep_rows", _EP_ROWS),
-            ("attn_exit", _ATTN_EXITS),
-            ("attn_entry", _ATTN_ENTRIES),
-            ("engram", _ENGRAM),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported; choose one of {allowed}"
-                )
+        check_choice("lowering", self.lowering, _LOWERINGS)
+        check_choice("ep_dispatch", self.ep_dispatch, _EP_DISPATCH)
+        check_choice("ep_rows", self.ep_rows, _EP_ROWS)
         self._check_target(self.lowering)
         budget = self.extra_weight_bytes
         if budget is not None and (not isinstance(budget, int) or budget < 0):
@@ -144,18 +152,21 @@ class BackendOptions:
             )
 
     @staticmethod
+    def names() -> tuple[str, ...]:
+        """The generic options' names (`family` is not one: its options are given by name)."""
+        return tuple(f.name for f in dataclasses.fields(BackendOptions) if f.name != "family")
+
+    @staticmethod
     def from_dict(options: dict[str, Any] | None) -> BackendOptions:
+        """The generic options of `options`, checked; the other names kept as the family's,
+        `GivenOptions`, for `families.options_for` to check against the model's family."""
         options = dict(options or {})
-        known = {f.name for f in dataclasses.fields(BackendOptions)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown dsv41_sp option(s) {unknown}; the options are {sorted(known)}"
-            )
-        if isinstance(options.get("dump_after"), (list, str)):
-            after = options["dump_after"]
-            options["dump_after"] = (after,) if isinstance(after, str) else tuple(after)
-        return BackendOptions(**options)
+        generic = {k: v for k, v in options.items() if k in BackendOptions.names()}
+        given = tuple(sorted((k, v) for k, v in options.items() if k not in generic))
+        if isinstance(generic.get("dump_after"), (list, str)):
+            after = generic["dump_after"]
+            generic["dump_after"] = (after,) if isinstance(after, str) else tuple(after)
+        return BackendOptions(**generic, family=GivenOptions(given=given))
 
     def target(self, device_type: str) -> str:
         """The lowering for tensors on `device_type` ("auto" resolved), checked against the
@@ -179,8 +190,7 @@ class BackendOptions:
         its weights come from)."""
         skip = {
             "dump_dir", "dump_after", "check_inputs", "share_compile", "checkpoint",
-            "skip_unimplemented_parts",
+            "skip_unimplemented_parts", "family",
         }  # fmt: skip
-        return tuple(
-            (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in skip
-        )
+        generic = tuple((n, getattr(self, n)) for n in self.names() if n not in skip)
+        return (*generic, ("family", (type(self.family).__name__, self.family.items())))

@@ -1,5 +1,5 @@
-"""The pipeline: the named passes that turn the AOT inference graph into the per-rank graph, in
-order. Each pass's module says what it requires and what it ensures; `core.passes.PassManager`
+"""The pipeline: the named passes that turn the flat ATen inference graph (the front porch's,
+`frontend.trace`) into the per-rank graph, in order. Each pass's module says what it requires and what it ensures; `core.passes.PassManager`
 runs them (timed, logged, dumped on request, hooked).
 
 The rewrites are the same for every target; a target adds the passes it needs after them
@@ -11,7 +11,6 @@ from __future__ import annotations
 from dsv41_compile.core.passes import Pass
 from dsv41_compile.moe.expert_parallel import expert_parallel
 from dsv41_compile.options import BackendOptions
-from dsv41_compile.regions import inline_regions
 from dsv41_compile.spmd.annotate import annotate
 from dsv41_compile.spmd.entry_cut import entry_cut
 from dsv41_compile.spmd.insert import insert_collectives
@@ -26,7 +25,6 @@ from dsv41_compile.verify import verify
 __all__ = ["PASS_NAMES", "REWRITES", "VERIFY", "check_dump_after", "passes"]
 
 REWRITES: tuple[Pass, ...] = (
-    Pass("inline_regions", inline_regions),  # each layer kind's ATen, copied in at every layer
     Pass("token_sizes", token_sizes),  # every read of T from the token input
     Pass("annotate", annotate),  # a placement per node: the plan, then the op rules
     Pass("token_shifts", token_shifts),  # a shift of a token shard: one op, on the shard

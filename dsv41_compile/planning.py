@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-import dsv41_compile
+from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.fake_world import fake_world
 from dsv41_compile.core.hooks import Hooks, PipelineStopped, installed
-from dsv41_compile.models import adapters
+from dsv41_compile.families import adapters
 
 __all__ = ["plan_rank"]
 
@@ -34,7 +34,6 @@ def plan_rank(
     V4.1: `requests`, a batch; `max_len`, the cache's positions per request, static: it sizes
     the attention over the cache)."""
     model, args, token_inputs = _example(config, example)
-    dsv41_compile.mark_token_dim(*token_inputs)
     planned: list[tuple[GraphModule, CompileContext]] = []
 
     def keep(name: str, gm: GraphModule, ctx: CompileContext) -> None:
@@ -43,6 +42,7 @@ def plan_rank(
 
     hooks = Hooks(after_pass=keep, stop_after="verify")
     torch.compiler.reset()
+    mark_token_dim(*token_inputs)  # after the reset, which forgets what marking installs
     try:
         with fake_world(world_size=world_size, rank=rank), installed(hooks):
             compiled = torch.compile(model, backend="dsv41_sp", options=options, fullgraph=True)
@@ -65,7 +65,7 @@ def _example(config: Any, example: dict[str, Any]) -> tuple[torch.nn.Module, tup
             return found
     raise ValueError(
         f"plan_rank: no registered model family builds a model from a {type(config).__name__}; "
-        "pass a config of a known family (dsv41_compile.model.ModelConfig) or register an "
+        "pass a config of a known family (dsv41_compile.deepseek_v41.model.ModelConfig) or register an "
         "adapter whose planning_example accepts it (docs/architecture.md)"
     )
 

@@ -13,7 +13,7 @@ region into its inputs (the cache) become `auto_functionalized_v2(kind, ...)`. A
 outputs have sizes of their own per call (data-dependent) stays an `invoke_subgraph` call.
 
 The passes place and rewrite one flat graph, so the regions are copied in at every call,
-after AOTAutograd (`inline_regions`, the pipeline's first pass): each copy takes the call's
+after AOTAutograd (`inline_regions`, the front porch's last step): each copy takes the call's
 operands and moves every node's module path from the instance the kind was traced at
 (`layers.3`) to the call's (`layers.5`), which is what the placements, the per-layer checks and
 the dumps read (`core.meta.module_paths`). For the ATen nodes of a region to carry module paths
@@ -34,7 +34,6 @@ import torch.fx.traceback as fx_traceback
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import Unkeyed, metadata_key
 from dsv41_compile.core.symbols import new_unbacked_symbols, size_expr
@@ -84,8 +83,8 @@ def inline_dynamo_regions(gm: GraphModule) -> int:
     return _inline_calls(gm)
 
 
-def inline_regions(gm: GraphModule, *, ctx: CompileContext | None = None) -> None:
-    """The pass: every region call of the AOT graph replaced by the region's ATen nodes.
+def inline_regions(gm: GraphModule) -> None:
+    """Every region call of the AOT graph replaced by the region's ATen nodes.
 
     Requires: the AOT inference graph; regions traced by `trace_regions_with_meta`, each kind's
     ATen graph attached under its operator's name (`RegionKinds.attach`).
@@ -312,7 +311,7 @@ def trace_kinds_once(gm: GraphModule, renamed: dict[Any, Any] | None = None) -> 
 
     The operands are traced as Dynamo saw them (its example values), with the size symbols in
     `renamed` replaced (the backend's token count: Dynamo's backed symbol -> the unbacked one
-    AOTAutograd traces with, `frontend.generalize_token_count`)."""
+    AOTAutograd traces with, `frontend.tokens.generalized`)."""
     kinds = RegionKinds()
     traced: dict[tuple[Any, ...], Any] = {}
     for call in region_calls(gm):

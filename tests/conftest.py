@@ -28,7 +28,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
 
-from dsv41_compile.model import ModelConfig  # noqa: E402
+from dsv41_compile.deepseek_v41.model import ModelConfig  # noqa: E402
 from dsv41_compile.planning import plan_rank  # noqa: E402
 
 torch.set_num_threads(1)  # torch may have been imported before OMP_NUM_THREADS was set

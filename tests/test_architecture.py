@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import dsv41_compile
-from dsv41_compile import models
+from dsv41_compile import families
 from dsv41_compile.spmd import transitions
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
@@ -30,7 +30,7 @@ def test_the_tree_names_every_module_and_folder_of_the_package():
 
 @pytest.fixture
 def restored_registries():
-    with models.REGISTRY.restored(), transitions.TRANSITIONS.restored():
+    with families.REGISTRY.restored(), transitions.TRANSITIONS.restored():
         yield
 
 

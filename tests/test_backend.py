@@ -16,20 +16,22 @@ from torch.distributed.tensor import Shard
 import dsv41_compile
 from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.meta import GLOBAL_VAL, OUT, REASON, REGION, module_paths
-from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
+from dsv41_compile.deepseek_v41.testing.batches import Request, pack
+from dsv41_compile.deepseek_v41.testing.fake_rank import compile_on_fake_rank
+from dsv41_compile.deepseek_v41.testing.presets import ONE_LAYER, WIDE, compile_config
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 from dsv41_compile.spmd.entry_cut import entry_cuts
-from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.capture import capture_programs
 from dsv41_compile.testing.fake_rank import (
     collective_windows,
-    compile_on_fake_rank,
+    compile_model_on_fake_rank,
     layer_text,
     placement_counts,
 )
-from dsv41_compile.testing.presets import ONE_LAYER, WIDE, compile_config
 from dsv41_compile.testing.torch_shims import fake_process_group
+from dsv41_compile.testing.toy import ToyLM, toy_family
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def rank1():
 
 @pytest.fixture(scope="module")
 def seed_rank1():
-    """The requirement's layout exactly: the input gathered, the wo_b partial reduce-scattered."""
+    """The seed's layout exactly: the input gathered, the wo_b partial reduce-scattered."""
     return compile_on_fake_rank(1, {"tp": 4, "attn_entry": "input", "attn_exit": "reduce_scatter"})
 
 
@@ -104,7 +106,7 @@ def test_auto_exits_attention_with_an_all_to_all_of_wo_bs_input(rank1):
                 "; attn_exit='auto': all_to_all, 48 B per token against 192 B "
                 "reduce_scatter; wo_b replicated: +24,576 B of weights per rank"
             )
-    assert ctx.options.attn_exit == "all_to_all"
+    assert ctx.options.family.attn_exit == "all_to_all"
     wo_b = [s for s in ctx.signature.param_shards.values() if s.fqn.endswith("wo_b.weight")]
     assert wo_b == []  # whole on every rank
     assert not any(collective_kind(n) in ("reduce_scatter", "all_reduce") for n in gm.graph.nodes)
@@ -154,7 +156,7 @@ def test_auto_entry_gathers_the_q_and_kv_latents_where_they_are_narrower(wide_ra
 
 def test_auto_entry_keeps_the_input_where_nothing_is_narrower(rank1, seed_rank1):
     """tiny (D = 64): the latents' 32 + 32 equal the input's 64, a tie, which goes to the fewer
-    collectives: the input, the requirement's layout. attn_entry="input" plans no cut."""
+    collectives: the input, the seed's layout. attn_entry="input" plans no cut."""
     _, ctx, _ = rank1
     for layer in (0, 1):
         cut = entry_cuts(ctx)[f"layers.{layer}.attn"]
@@ -358,3 +360,63 @@ def test_a_cache_of_another_length_compiles_with_that_length_symbolic():
     (second, _) = programs[1]
     sizes = [n for n in second.graph.nodes if n.target is torch.ops.aten.sym_size.int]
     assert any(n.args[0].meta["val"].dim() == 3 and n.args[1] == 2 for n in sizes)
+
+
+def _walk_of_a_compile(compile_one) -> list[tuple[str, str, str, str]]:
+    """Every call of a function of the package made while `dsv41_sp` runs, as (its module, the
+    module of the package's nearest frame below it on the stack, its name, the module of the
+    frame that called it, torch's included)."""
+    calls: list[tuple[str, str, str, str]] = []
+    inside = [0]
+
+    def package_module(frame) -> str:
+        name = frame.f_globals.get("__name__", "")
+        return name if name.startswith("dsv41_compile.") else ""
+
+    def profile(frame, event, arg):
+        if event not in ("call", "return") or not package_module(frame):
+            return
+        entry = frame.f_code is dsv41_compile.backend.dsv41_sp.__code__
+        if entry:
+            inside[0] += 1 if event == "call" else -1
+        if event != "call" or not inside[0] or entry:
+            return
+        caller = frame.f_back
+        immediate = caller.f_globals.get("__name__", "") if caller is not None else ""
+        while caller is not None and not package_module(caller):
+            caller = caller.f_back
+        name = frame.f_code.co_name
+        calls.append((package_module(frame), package_module(caller), name, immediate))
+
+    sys.setprofile(profile)
+    try:
+        compile_one()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_compile_walks_down_from_the_entry_module_and_never_back():
+    """From `dsv41_sp` a compile goes down the layers: nothing calls back into `backend.py` (a
+    compiler AOTAutograd calls, a host-cache callback), and the front porch (`frontend/` and the
+    regions it traces) is entered from `backend.py` alone, as its two steps and their results:
+    `capture`, then `trace`."""
+    with toy_family():
+        calls = _walk_of_a_compile(
+            lambda: compile_model_on_fake_rank(ToyLM(), (torch.arange(8),), {"tp": 4})
+        )
+    backend = "dsv41_compile.backend"
+    assert len(calls) > 1000  # the profile saw the compile
+    climbs = {(caller, name) for module, _, name, caller in calls if module == backend}
+    climbs -= {(backend, name) for _, _, name, _ in calls}
+    assert climbs == set(), f"called back into backend.py: {sorted(climbs)}"
+
+    def porch(module: str) -> bool:
+        return module.startswith("dsv41_compile.frontend") or module == "dsv41_compile.regions"
+
+    entries = {(caller, name) for module, caller, name, _ in calls if porch(module)}
+    entries = {(caller, name) for caller, name in entries if not porch(caller)}
+    assert {caller for caller, _ in entries} == {backend}, sorted(entries)
+    steps = {"capture", "trace"}
+    results = {"param_shapes", "planning", "bind"}  # what the steps' results answer
+    assert steps <= {name for _, name in entries} <= steps | results, sorted(entries)

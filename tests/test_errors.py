@@ -11,11 +11,11 @@ import torch
 import torch._dynamo
 
 import dsv41_compile
-from dsv41_compile.model import DeepseekV41
+from dsv41_compile.deepseek_v41.model import DeepseekV41
+from dsv41_compile.deepseek_v41.testing.batches import Request, pack
+from dsv41_compile.deepseek_v41.testing.presets import ENGRAM_0, ONE_LAYER, compile_config
 from dsv41_compile.options import BackendOptions
-from dsv41_compile.testing.batches import Request, pack
-from dsv41_compile.testing.fake_rank import compile_model_on_fake_rank
-from dsv41_compile.testing.presets import ENGRAM_0, ONE_LAYER, compile_config
+from dsv41_compile.testing.fake_rank import compile_model_on_fake_rank, layer_collectives
 from dsv41_compile.testing.torch_shims import fake_process_group
 from dsv41_compile.testing.toy import ToyLM, toy_family
 
@@ -325,13 +325,6 @@ def test_a_size_that_makes_t_a_number_names_the_op():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (
-            {"tp": 4, "pipeline": 2},
-            "unknown dsv41_sp option(s) ['pipeline']; the options are ['attn_entry', 'attn_exit', "
-            "'check_inputs', 'checkpoint', 'dump_after', 'dump_dir', 'embedding', 'engram', 'ep', "
-            "'ep_dispatch', 'ep_rows', 'extra_weight_bytes', 'layout', "
-            "'lowering', 'share_compile', 'skip_unimplemented_parts', 'tp']",
-        ),
         ({"tp": 4, "ep": 0}, "ep must be a positive int, got 0"),
         (
             {"tp": 4, "ep": 8, "ep_dispatch": "capped"},
@@ -348,10 +341,6 @@ def test_a_size_that_makes_t_a_number_names_the_op():
             "reads the assignment counts on the host (data-dependent sizes), which torchair's "
             "GE graphs cannot run",
         ),
-        (
-            {"tp": 4, "embedding": "tied"},
-            "embedding='tied' is not supported; choose one of ('replicated', 'vocab_sharded')",
-        ),
     ],
 )
 def test_bad_options(options, message):
@@ -366,9 +355,9 @@ def test_bad_options(options, message):
     [
         (
             {"tp": 4, "dump_after": ["insert", "lower"]},
-            "dump_after names no pass: ['lower']; the passes are ('inline_regions', "
-            "'token_sizes', 'annotate', 'token_shifts', 'entry_cut', 'insert', 'localize', "
-            "'expert_parallel', 'tables', 'quantised_transport', 'graph_mode', 'verify')",
+            "dump_after names no pass: ['lower']; the passes are ('token_sizes', 'annotate', "
+            "'token_shifts', 'entry_cut', 'insert', 'localize', 'expert_parallel', 'tables', "
+            "'quantised_transport', 'graph_mode', 'verify')",
         ),
         (
             {"tp": 4, "layout": "replicated"},
@@ -379,6 +368,44 @@ def test_bad_options(options, message):
 def test_options_checked_against_the_pipeline_and_the_model_family(options, message):
     """Pass names and layouts are the pipeline's and the family's: checked at compile time."""
     assert_error(raised(lambda: compile_toy(options)), ValueError, message)
+
+
+GENERIC_OPTIONS = (
+    "['check_inputs', 'checkpoint', 'dump_after', 'dump_dir', 'ep', 'ep_dispatch', 'ep_rows', "
+    "'extra_weight_bytes', 'layout', 'lowering', 'share_compile', 'skip_unimplemented_parts', "
+    "'tp']"
+)
+
+
+def test_an_unknown_option_is_refused_with_the_generic_and_the_familys_options():
+    assert_error(
+        raised(lambda: compile_toy({"tp": 4, "pipeline": 2})),
+        ValueError,
+        f"unknown dsv41_sp option(s) ['pipeline']. The options are {GENERIC_OPTIONS}, and the "
+        "toy_lm model family's ['mlp']",
+    )
+
+
+def test_a_familys_own_option_is_its_own():
+    """The toy family's `mlp` changes the toy's program; given to DeepSeek V4.1, it is refused,
+    naming the family it belongs to."""
+    with toy_family():
+        _, ctx, _ = compile_model_on_fake_rank(
+            ToyLM(), (torch.arange(8),), {"tp": 4, "mlp": "replicated"}
+        )
+        assert layer_collectives(ctx.comm) == {0: ["all_gather(tp)"], 1: ["all_gather(tp)"]}
+        assert_error(
+            raised(lambda: compile_and_run({"tp": 4, "mlp": "replicated"})),
+            ValueError,
+            "unknown dsv41_sp option(s) ['mlp']; 'mlp' is an option of the toy_lm model family, "
+            f"not of deepseek_v41. The options are {GENERIC_OPTIONS}, and the deepseek_v41 model "
+            "family's ['attn_entry', 'attn_exit', 'embedding', 'engram']",
+        )
+    assert_error(
+        raised(lambda: compile_and_run({"tp": 4, "embedding": "tied"})),
+        ValueError,
+        "embedding='tied' is not supported; choose one of ('replicated', 'vocab_sharded')",
+    )
 
 
 def test_the_attention_exit_all_to_all_is_a_cut_of_the_sp_layout():

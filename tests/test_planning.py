@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dsv41_compile.planning import plan_rank
-from dsv41_compile.testing.cases import layer_collectives
+from dsv41_compile.testing.fake_rank import layer_collectives
 from dsv41_compile.testing.toy import ToyConfig, toy_family
 
 
@@ -30,6 +30,6 @@ def test_a_config_no_family_builds_is_refused():
         plan_rank(object(), {"tp": 4}, world_size=8)
     assert str(info.value) == (
         "plan_rank: no registered model family builds a model from a object; pass a config of "
-        "a known family (dsv41_compile.model.ModelConfig) or register an adapter whose "
+        "a known family (dsv41_compile.deepseek_v41.model.ModelConfig) or register an adapter whose "
         "planning_example accepts it (docs/architecture.md)"
     )

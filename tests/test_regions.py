@@ -19,9 +19,10 @@ from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 import dsv41_compile
 from dsv41_compile import regions
 from dsv41_compile.core.meta import module_paths
-from dsv41_compile.model.batches import Request, pack
-from dsv41_compile.model.config import layer_plan
-from dsv41_compile.model.model import Block, DeepseekV41
+from dsv41_compile.deepseek_v41.model.batches import Request, pack
+from dsv41_compile.deepseek_v41.model.config import layer_plan
+from dsv41_compile.deepseek_v41.model.model import Block, DeepseekV41
+from dsv41_compile.deepseek_v41.testing.presets import compile_config
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.regions import (
     inline_dynamo_regions,
@@ -33,7 +34,6 @@ from dsv41_compile.regions import (
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 from dsv41_compile.runtime.host_cache import program_key
-from dsv41_compile.testing.presets import compile_config
 
 
 class _Block(nn.Module):

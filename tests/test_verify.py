@@ -1,5 +1,5 @@
 """verify has teeth: each bug class hand-written SP keeps shipping, seeded into a real rewritten
-graph (tiny-swa's two window-only layers, `testing.presets.compile_config()`; rank 2 of a fake
+graph (tiny-swa's two window-only layers, `deepseek_v41.testing.presets.compile_config()`; rank 2 of a fake
 world, sp, tp=4, ep=8 padded: the graph tests/moe/test_expert_parallel.py compiles), is
 refused with an internal error naming the node and the broken invariant. The bug classes are the layout's, not an attention mode's (the seeds sit at layer 1's
 boundary collectives, its EP dispatch, its positions); verify accepts the valid graphs of every
@@ -25,9 +25,9 @@ from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.fake_prop import _OnceProp
 from dsv41_compile.core.meta import EP_SOURCE, IN, OUT, REASON, REGION
-from dsv41_compile.testing.cases import layer_collectives
-from dsv41_compile.testing.fake_rank import compile_on_fake_rank
-from dsv41_compile.testing.presets import compile_config
+from dsv41_compile.deepseek_v41.testing.fake_rank import compile_on_fake_rank
+from dsv41_compile.deepseek_v41.testing.presets import compile_config
+from dsv41_compile.testing.fake_rank import layer_collectives
 from dsv41_compile.verify import verify
 
 aten = torch.ops.aten

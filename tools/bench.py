@@ -3,7 +3,7 @@ ranks, with both EP dispatch lowerings (or `--dispatch`), side by side on the sa
 
 8 gloo processes (tp=4, dp=2, ep=8). The configurations: "sp" (the default options: the cuts
 "auto" picks), "replicated" (the all-reduce baseline, the same EP options) and "seed" (the
-requirement's layout exactly: `attn_entry="input"`, `attn_exit="reduce_scatter"`,
+seed's layout exactly: `attn_entry="input"`, `attn_exit="reduce_scatter"`,
 `ep_rows="per_assignment"`).
 Every rank compiles the model once per configuration (x EP dispatch) and then runs the scenarios with the configurations alternating, so all
 see the same machine state: decode (4 requests x 1 token per DP group), dspark (16 requests x
@@ -47,7 +47,7 @@ def configs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
 
 def scenarios(prefill: int) -> dict[str, list[list[Any]]]:
     """Per DP group; decode and dspark rows sit after the prefill's positions."""
-    from dsv41_compile.testing.batches import Request
+    from dsv41_compile.deepseek_v41.testing.batches import Request
 
     def group(dp: int, requests: int, tokens: int, start: int) -> list[Any]:
         ids = lambda s: [1 + (s * 7 + dp * 3 + i) % 500 for i in range(tokens)]  # noqa: E731
@@ -72,9 +72,9 @@ def _progress(done: int, total: int, what: str) -> None:
 
 def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     import dsv41_compile
-    from dsv41_compile.model import DeepseekV41
-    from dsv41_compile.model.validate import validate_batch
-    from dsv41_compile.testing.batches import pack
+    from dsv41_compile.deepseek_v41.model import DeepseekV41
+    from dsv41_compile.deepseek_v41.model.validate import validate_batch
+    from dsv41_compile.deepseek_v41.testing.batches import pack
     from dsv41_compile.testing.capture import capture_lowered
 
     models = {}
@@ -162,7 +162,7 @@ def model_config(args: argparse.Namespace, numerics: str = "bf16"):
     """The preset (`--dim` wide); under the official numerics as the released checkpoint runs
     it: bf16, the weights held as released (so with `--numerics both` the bf16 side is bf16
     too, its weights dequantised)."""
-    from dsv41_compile.model import ModelConfig
+    from dsv41_compile.deepseek_v41.model import ModelConfig
 
     cfg = ModelConfig.from_name(args.preset)
     if args.dim:

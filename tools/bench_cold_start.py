@@ -37,11 +37,11 @@ def first_call(rank: int, world_size: int, options: dict[str, Any]) -> dict[str,
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    from dsv41_compile.model import DeepseekV41, ModelConfig
-    from dsv41_compile.model.validate import validate_batch
+    from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
+    from dsv41_compile.deepseek_v41.model.validate import validate_batch
+    from dsv41_compile.deepseek_v41.testing.batches import pack
+    from dsv41_compile.deepseek_v41.testing.cases import SERVING_STEPS
     from dsv41_compile.runtime.host_cache import STATS
-    from dsv41_compile.testing.batches import pack
-    from dsv41_compile.testing.cases import SERVING_STEPS
 
     torch.manual_seed(0)
     model = DeepseekV41(ModelConfig.from_name("tiny"))

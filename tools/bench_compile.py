@@ -30,10 +30,10 @@ import torch._dynamo
 
 import dsv41_compile
 from dsv41_compile.core.hooks import Hooks, installed
-from dsv41_compile.model import DeepseekV41, ModelConfig
+from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
+from dsv41_compile.deepseek_v41.testing.batches import Request, pack
 from dsv41_compile.pipeline import PASS_NAMES
 from dsv41_compile.report.provenance import provenance
-from dsv41_compile.testing.batches import Request, pack
 from dsv41_compile.testing.torch_shims import fake_process_group
 
 

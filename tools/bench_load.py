@@ -8,7 +8,7 @@ Single-device loading: the whole model is read and decoded (FP8 / FP4 to the mod
 With `--tp` / `--ep`: each rank of the world (tp x dp = ep, or 8 ranks with ep = 1) reads only
 its slices, as the backend's `checkpoint` option does (`checkpoint.read_weights`), one rank
 after another in this process; the table gives each rank's bytes read and time. The synthetic
-checkpoint is written first (`testing.checkpoints`) into `--dir`.
+checkpoint is written first (`deepseek_v41.testing.checkpoints`) into `--dir`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
-from dsv41_compile.model.checkpoint import read_weights
+from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig, load_checkpoint
+from dsv41_compile.deepseek_v41.model.checkpoint import read_weights
+from dsv41_compile.deepseek_v41.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint
 from dsv41_compile.report.provenance import provenance
-from dsv41_compile.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint
 
 
 def _sequential_read(files: list[Path]) -> int:

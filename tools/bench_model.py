@@ -18,10 +18,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from dsv41_compile.model import DeepseekV41, ModelConfig
-from dsv41_compile.model.cache import KVCache
+from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
+from dsv41_compile.deepseek_v41.model.cache import KVCache
+from dsv41_compile.deepseek_v41.testing.batches import Request, pack
 from dsv41_compile.report.provenance import provenance
-from dsv41_compile.testing.batches import Request, pack
 
 Forward = Callable[[Tensor, Tensor, Tensor, KVCache], Tensor]
 

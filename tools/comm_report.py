@@ -3,9 +3,9 @@ seed layout.
 
 Three configurations: "sp" (layout="sp" with the cuts the options choose, `--ep-rows`, "auto"
 by default), "replicated" (the all-reduce baseline, with the same EP options: like for like)
-and "seed" (the requirement's layout exactly: sp, the wo_b partial reduce-scattered, one EP row
+and "seed" (the seed's layout exactly: sp, the wo_b partial reduce-scattered, one EP row
 per assignment). The Engram tables are placed by `--engram` in sp and the seed (the
-requirement predates Engram), replicated in the baseline. Each is planned for rank 0 of a fake world (`planning.plan_rank`: meta tensors, a
+seed predates Engram), replicated in the baseline. Each is planned for rank 0 of a fake world (`planning.plan_rank`: meta tensors, a
 `fake` process group, nothing allocated, nothing run) and costed from their rewritten graphs
 (`accounting.py`: ring all-gather / reduce-scatter / all-reduce, pairwise all-to-all; FLOPs of
 the matmul-like nodes). Scenarios give the tokens per DP group: decode (4 requests x 1 token),
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dsv41_compile.model import ModelConfig
+from dsv41_compile.deepseek_v41.model import ModelConfig
 from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.accounting import graph_costs, per_layer_formulas, summarize

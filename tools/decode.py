@@ -1,5 +1,5 @@
 """Decode with DeepSeek V4.1, plainly or speculatively with its DSpark drafter
-(`dsv41_compile.serving.generate`), and print the tokens, tokens per step and acceptance.
+(`dsv41_compile.deepseek_v41.serving.generate`), and print the tokens, tokens per step and acceptance.
 
 On one process the modules run eagerly; under `torchrun` every rank joins a gloo group and
 runs the backbone and the drafter compiled by `dsv41_sp` (`--tp`, `--ep`). `--compare` decodes
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from dsv41_compile.model import DeepseekV41, ModelConfig, load_checkpoint
+from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig, load_checkpoint
+from dsv41_compile.deepseek_v41.serving import Decoded, generate
 from dsv41_compile.report.provenance import provenance
-from dsv41_compile.serving import Decoded, generate
 
 
 def build(args: argparse.Namespace) -> DeepseekV41:

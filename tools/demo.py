@@ -18,18 +18,18 @@ from pathlib import Path
 
 from torch import Tensor
 
-from dsv41_compile.model import ModelConfig
-from dsv41_compile.testing.cases import (
+from dsv41_compile.deepseek_v41.model import ModelConfig
+from dsv41_compile.deepseek_v41.testing.cases import (
     SERVING_STEP_NAMES as KINDS,
 )
-from dsv41_compile.testing.cases import (
+from dsv41_compile.deepseek_v41.testing.cases import (
     SERVING_STEPS as STEPS,
 )
-from dsv41_compile.testing.cases import (
+from dsv41_compile.deepseek_v41.testing.cases import (
     CaseSpec,
     compare_on_rank,
 )
-from dsv41_compile.testing.checkpoints import synthetic_checkpoint
+from dsv41_compile.deepseek_v41.testing.checkpoints import synthetic_checkpoint
 from dsv41_compile.testing.multirank import run_ranks
 
 WORLD, TP, EP = 8, 4, 8

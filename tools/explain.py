@@ -14,7 +14,7 @@ from collections import Counter
 from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.meta import REGION
 from dsv41_compile.core.placements import format_placement
-from dsv41_compile.model import ModelConfig
+from dsv41_compile.deepseek_v41.model import ModelConfig
 from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.dump import graph_labels

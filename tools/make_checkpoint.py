@@ -2,10 +2,10 @@
 
     python tools/make_checkpoint.py --preset tiny --out /tmp/tiny_ckpt
 
-The directory gets (`testing.checkpoints.synthetic_checkpoint`) `config.json`,
+The directory gets (`deepseek_v41.testing.checkpoints.synthetic_checkpoint`) `config.json`,
 `model.safetensors.index.json` and `--files` shards: FP8 attention projections and shared expert with e8m0 32 x 32 block scales,
 FP4 routed experts with per-32 scales, the rest bf16 / fp32, under the released names. Read it
-back with `ModelConfig.from_hf(out)` and `dsv41_compile.model.load_checkpoint(model, out)`.
+back with `ModelConfig.from_hf(out)` and `dsv41_compile.deepseek_v41.model.load_checkpoint(model, out)`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dsv41_compile.model import PRESETS, ModelConfig
-from dsv41_compile.testing.checkpoints import synthetic_checkpoint
+from dsv41_compile.deepseek_v41.model import PRESETS, ModelConfig
+from dsv41_compile.deepseek_v41.testing.checkpoints import synthetic_checkpoint
 
 
 def main() -> None:

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from dsv41_compile.model import ModelConfig
+from dsv41_compile.deepseek_v41.model import ModelConfig
+from dsv41_compile.deepseek_v41.testing.batches import Request
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.provenance import provenance
-from dsv41_compile.testing.batches import Request
 
 _TABLES = re.compile(r"layers\.\d+\.engram\.embed\.(weight|scale)")
 """The Engram tables: their FP8 codes and e8m0 scales."""
@@ -193,7 +193,7 @@ def _print(cfg: ModelConfig, options: dict[str, Any], args: argparse.Namespace) 
 def _eager_heads(cfg: ModelConfig) -> int:
     """Bytes of the drafter's heads that no compiled program holds: `serving.propose` runs the
     Markov head eagerly, and nothing runs the confidence head; each rank holds both whole."""
-    from dsv41_compile.model import DeepseekV41
+    from dsv41_compile.deepseek_v41.model import DeepseekV41
 
     with torch.device("meta"):
         mtp = DeepseekV41(cfg).mtp

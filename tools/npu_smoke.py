@@ -93,9 +93,9 @@ def check_model(rank: int, device: torch.device) -> list[tuple[str, bool, str]]:
     import copy
 
     import dsv41_compile
-    from dsv41_compile.model import DeepseekV41, ModelConfig
-    from dsv41_compile.testing.batches import pack
-    from dsv41_compile.testing.cases import SERVING_STEP_NAMES, SERVING_STEPS
+    from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
+    from dsv41_compile.deepseek_v41.testing.batches import pack
+    from dsv41_compile.deepseek_v41.testing.cases import SERVING_STEP_NAMES, SERVING_STEPS
 
     torch.manual_seed(0)
     model = DeepseekV41(ModelConfig.from_name("tiny")).to(device)

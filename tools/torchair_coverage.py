@@ -207,8 +207,8 @@ def check(
 
 def model_config(preset: str, *, released: bool = False) -> Any:
     """The preset's config; `released`: its weights as released and the official numerics."""
-    from dsv41_compile.model import ModelConfig
-    from dsv41_compile.testing.presets import AS_RELEASED
+    from dsv41_compile.deepseek_v41.model import ModelConfig
+    from dsv41_compile.deepseek_v41.testing.presets import AS_RELEASED
 
     if not released:
         return ModelConfig.from_name(preset)

@@ -10,7 +10,6 @@ never names a module of a particular model.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -19,7 +18,7 @@ import torch
 
 from dsv41_compile.core.plan import ShardingPlan
 from dsv41_compile.core.torch_private import OpOverload
-from dsv41_compile.options import BackendOptions
+from dsv41_compile.options import BackendOptions, FamilyOptions
 
 __all__ = [
     "PARTS",
@@ -168,6 +167,9 @@ class WeightInput(NamedTuple):
 
 class ModelAdapter(abc.ABC):
     name: str
+    options: type[FamilyOptions] = FamilyOptions
+    """The family's own options (a `FamilyOptions` dataclass), given in the same dict as the
+    generic ones; the methods below find them as `options.family`, an instance of this class."""
     token_inputs: tuple[str, ...]
     """Model inputs whose dim 0 is the token count; the first one's length is T."""
     layouts: tuple[str, ...] = ("sp",)
@@ -216,16 +218,11 @@ class ModelAdapter(abc.ABC):
     def resolve(
         self, options: BackendOptions, params: Mapping[str, torch.Tensor]
     ) -> tuple[BackendOptions, dict[str, str]]:
-        """`options` with every `"auto"` cut decided for a model with these parameters (FQN ->
-        example value: shapes and dtypes), and why: module FQN pattern -> the choice and the
-        bytes of its alternatives (shown where the cut's collectives are). A family without
-        cuts asked for one refuses."""
-        if options.attn_exit == "all_to_all":
-            raise NotImplementedError(
-                f"the {self.name} model family has no attention exit all-to-all; use "
-                "attn_exit='reduce_scatter' (or 'auto')"
-            )
-        return dataclasses.replace(options, attn_exit="reduce_scatter"), {}
+        """`options` with every `"auto"` cut of the family's options decided for a model with
+        these parameters (FQN -> example value: shapes and dtypes), and why: module FQN
+        pattern -> the choice and the figures of its alternatives (shown where the cut's
+        collectives are). A family without cuts has nothing to decide."""
+        return options, {}
 
     def read_weights(
         self, path: str, weights: Sequence[WeightInput], *, skip_unimplemented_parts: bool

@@ -13,6 +13,7 @@ evaluated with the token count at `PLANNING_TOKENS`, whatever T the graph was tr
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import sympy
@@ -32,6 +33,7 @@ __all__ = [
     "hint_shape",
     "in_named_symbols",
     "is_token_count",
+    "new_token_symbol",
     "new_unbacked_symbols",
     "register_token_symbol",
     "same_for_every_value",
@@ -171,3 +173,14 @@ def in_named_symbols(expr: sympy.Expr, names: dict[sympy.Expr, sympy.Symbol]) ->
     """`expr` in T / Tl_max, or None when it depends on data (unbacked sizes with no name)."""
     expr = sympy.sympify(expr).xreplace(names)
     return expr if expr.free_symbols <= {T, TL_MAX} else None
+
+
+def new_token_symbol(shape_env: ShapeEnv) -> torch.SymInt:
+    """A fresh unbacked size of `shape_env` for a token count (an input, not an op's output),
+    non-negative and size-oblivious as Dynamo's unbacked sizes are (`mark_token_dim`)."""
+    with shape_env.ignore_fresh_unbacked_symbols():
+        symbol = shape_env.create_unbacked_symint()
+    with warnings.catch_warnings():  # torch 2.13 warns per call that _check_is_size will go
+        warnings.simplefilter("ignore", FutureWarning)
+        torch._check_is_size(symbol)
+    return symbol

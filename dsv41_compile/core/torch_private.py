@@ -13,6 +13,7 @@ shipped test helpers' one private import, torch's own test helpers, is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,6 +73,7 @@ __all__ = [
     "is_fake",
     "make_boxed_func",
     "mark_unbacked",
+    "on_dynamo_compiles",
     "recompile_limit",
     "register_backend",
     "replace_meta_kernel",
@@ -92,16 +94,40 @@ register_process_group = _register_process_group
 unregister_process_group = _unregister_process_group
 
 
-def replace_meta_kernel(op: OpOverload, kernel: Any) -> None:
-    """Make `kernel` what fake and meta tensors run for `op`: torch's table of Python meta
+def replace_meta_kernel(op: OpOverload, kernel: Any) -> Callable[[], None]:
+    """Make `kernel` what fake and meta tensors run for `op` -- torch's table of Python meta
     kernels (`torch._decomp.meta_table`, which fake tensors ask before an op's decomposition)
-    and the op's Python `Meta` kernel (what the Python dispatcher runs)."""
+    and the op's Python `Meta` kernel (what the Python dispatcher runs) -- and return the
+    function that puts torch's back."""
     from torch._decomp import meta_table
 
-    meta_table[op] = kernel
-    op.py_kernels.pop(torch._C.DispatchKey.Meta, None)
-    op._dispatch_cache.clear()
-    op.py_impl(torch._C.DispatchKey.Meta)(kernel)
+    key = torch._C.DispatchKey.Meta
+    saved_table, saved_kernel = meta_table.get(op), op.py_kernels.get(key)
+
+    def install(table_kernel: Any, py_kernel: Any) -> None:
+        if table_kernel is None:
+            meta_table.pop(op, None)
+        else:
+            meta_table[op] = table_kernel
+        op.py_kernels.pop(key, None)
+        if py_kernel is not None:
+            op.py_impl(key)(py_kernel)
+        op._dispatch_cache.clear()
+
+    install(kernel, kernel)
+    return lambda: install(saved_table, saved_kernel)
+
+
+def on_dynamo_compiles(start: Callable[[Any], None], end: Callable[[Any], None]) -> None:
+    """Have Dynamo call `start` when it starts compiling a frame (before it traces) and `end`
+    when that compile ends, the backend's work included (`torch._dynamo.callback_handler`);
+    nothing when they are registered already. `torch._dynamo.reset()` unregisters them."""
+    from torch._dynamo.callback import callback_handler
+
+    if start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(start)
+    if end not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(end)
 
 
 def recompile_limit() -> int:

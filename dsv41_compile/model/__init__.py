@@ -1,9 +1,12 @@
-"""The single-device DeepSeek V4.1 model: plain PyTorch, no `torch.distributed`, nothing of the
-compiler (`dsv41_compile.models.deepseek_v41` is how the compiler sees it)."""
+"""The single-device DeepSeek V4.1 model, at the import path it had before the family's wing:
+`dsv41_compile.deepseek_v41.model` re-exported (CHANGELOG.md: "The DeepSeek V4.1 wing")."""
 
-from dsv41_compile.model.cache import KVCache
-from dsv41_compile.model.checkpoint import load_checkpoint
-from dsv41_compile.model.config import PRESETS, ModelConfig
-from dsv41_compile.model.model import DeepseekV41
+from dsv41_compile.deepseek_v41.model import (
+    PRESETS,
+    DeepseekV41,
+    KVCache,
+    ModelConfig,
+    load_checkpoint,
+)
 
 __all__ = ["PRESETS", "DeepseekV41", "KVCache", "ModelConfig", "load_checkpoint"]

@@ -8,7 +8,7 @@ side by side, skipping everything after Dynamo's trace. Inductor's own compile r
 host-wide lock (`host_lock`), so that no two ranks write the same kernel at once, and its
 caches then serve the loading ranks.
 
-The key is Dynamo's graph as traced (a loading rank skips `frontend.generalize_token_count` too),
+The key is Dynamo's graph as traced (a loading rank skips the front porch's trace too),
 its inputs' dtypes and shapes (symbols numbered by first appearance, not by the rank's compile
 history), the options that change the program, the mesh's shape, the target, the installed hook
 passes, and the versions of torch and of this package's source. The cache lives beside inductor's
@@ -34,6 +34,7 @@ with `share_compile=False`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import os
@@ -59,6 +60,7 @@ from dsv41_compile.core.torch_private import (
     GraphPicklerOptions,
     TensorifyScalarRestartAnalysis,
     TensorifyState,
+    TracingContext,
     inductor_cache_dir,
 )
 
@@ -68,6 +70,8 @@ __all__ = [
     "add_guards",
     "cache_dir",
     "canonical_symbols",
+    "Claim",
+    "claim",
     "host_lock",
     "load_graph",
     "program_key",
@@ -79,8 +83,7 @@ __all__ = [
 ]
 
 STATS: Counter[str] = Counter()
-"""This process's shared compiles: "compiled" (saved for the host) and "loaded" (counted by
-the backend)."""
+"""This process's shared compiles: "compiled" (saved for the host) and "loaded"."""
 
 
 def cache_dir() -> Path:
@@ -251,3 +254,70 @@ def shared(key: str, folder: str = "programs") -> Iterator[_Slot]:
     path.mkdir(exist_ok=True)
     with FileLock(str(path / f"{key}.lock")):
         yield _Slot(path / f"{key}.pkl")
+
+
+class Claim:
+    """A compile's place in the host's cache (`claim`): the artifact another rank saved
+    (`loaded`), or the key's lock, held for this rank to compile and `save` under."""
+
+    def __init__(self, key: str | None, names: dict[sympy.Symbol, sympy.Symbol] | None) -> None:
+        self.key, self.names = key, names
+        self.loaded: Artifact | None = None
+        self._saved: Artifact | None = None
+        self._lock: Any = None
+        self._slot: _Slot | None = None
+        self._since = 0
+
+    def save(self, artifact: Artifact) -> None:
+        """What this rank compiled, for the host's other ranks (stored when the block ends)."""
+        self._saved = artifact
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        if self._slot is None:
+            return
+        try:
+            if kind is TensorifyScalarRestartAnalysis:
+                self._slot.store(Artifact(b"", None, restart=restart_requested()))
+            elif kind is None and self._saved is not None and self.names is not None:
+                shape_env = TracingContext.get().fake_mode.shape_env
+                guards = saved_guards(shape_env, self._since, self.names)
+                if guards is not None:  # else every rank compiles for itself
+                    self._slot.store(dataclasses.replace(self._saved, guards=guards))
+        finally:
+            self._lock.release()
+
+
+def claim(key: str | None, fakes: list[Any]) -> Claim:
+    """The protocol, for a compile keyed `key` on Dynamo's `fakes`: the first rank of the host
+    to claim a key compiles it, holding the key's lock until the block the claim opens ends
+    (`with claim(...) as c: ... c.save(artifact)`); the others wait for the lock, then find the
+    artifact (`loaded`) and load it side by side, the lock released. What the compile assumed
+    of the inputs' backed symbols (its new guards) and a Dynamo restart it asked for are
+    saved with it, and a rank that loads repeats them here (a restart raises, as Dynamo's
+    own). With `key` None, or inputs whose symbols have no canonical names, nothing is shared:
+    this rank compiles for itself."""
+    names = canonical_symbols(fakes) if key is not None else None
+    found = Claim(key, names)
+    if key is None or names is None:
+        return found
+    path = cache_dir() / "programs"
+    path.mkdir(exist_ok=True)
+    lock = FileLock(str(path / f"{key}.lock"))
+    lock.acquire()
+    slot = _Slot(path / f"{key}.pkl")
+    if slot.artifact is None:
+        STATS["compiled"] += 1
+        found._lock, found._slot = lock, slot
+        found._since = len(TracingContext.get().fake_mode.shape_env.guards)
+        return found
+    lock.release()  # the host's other ranks load the artifact at the same time
+    STATS["loaded"] += 1
+    artifact = slot.artifact
+    if artifact.restart is not None:
+        restart_like(artifact.restart)
+    add_guards(TracingContext.get().fake_mode.shape_env, artifact.guards, names)
+    found.loaded = artifact
+    return found

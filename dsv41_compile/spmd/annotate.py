@@ -1,6 +1,7 @@
 """annotate: give every value a placement on the tp axis; change no node.
 
 Requires: the AOT inference graph (ATen ops, parameters as placeholders named in `ctx`).
+Refuses: a plan with a pattern that matches nothing in the model (`ShardingPlan.check_matches`).
 Ensures: every node has `meta[OUT]` (its output placement(s)), every node with tensor inputs has
 `meta[IN]` (the placement each tensor input must have; the insert pass makes it so), `meta[RULE]`
 and `meta[REGION]`.
@@ -52,6 +53,9 @@ def _output_placement(node: Node) -> Placement:
 
 def annotate(gm: GraphModule, *, ctx: CompileContext) -> None:
     mesh, plan = ctx.mesh.tp_mesh, ctx.plan
+    plan.check_matches(
+        ctx.param_fqns.values(), (p for n in gm.graph.nodes for p in module_paths(n))
+    )
     parameters: dict[Node, Node] = {}  # value -> the parameter it is computed from alone
     for node in gm.graph.nodes:
         _note_parameter(node, ctx, parameters)

@@ -125,7 +125,7 @@ def entry_cut(gm: GraphModule, *, ctx: CompileContext) -> None:
         if cut is None:
             continue
         cuts[region] = cut
-        ctx.choices[region] = cut.why(f"attn_entry={ctx.options.attn_entry!r}")
+        ctx.choices[region] = cut.why(ctx.plan.entry_cut_reason)
     ctx.put(EntryCuts(cuts))
 
 

@@ -33,7 +33,7 @@ replaces (`tests/targets/test_graph_mode.py`; whole graphs, run on CPU through
 
 A model's custom ops are rewritten by its adapter's `graph_mode_rewrites` (DeepSeek V4.1's
 routed experts through torch_npu's grouped matmul, its FP8 / FP4 weights and activation
-quantisation through torch_npu's MX ops: `models/deepseek_v41/graph_mode.py`). A rewrite may
+quantisation through torch_npu's MX ops: `deepseek_v41/graph_mode.py`). A rewrite may
 return None: the node stays as it is (a rewrite of a common op that applies to some of its
 nodes only). The nodes a rewrite adds get values, which a later rewrite may read.
 """

@@ -37,17 +37,15 @@ import torch.multiprocessing as mp
 __all__ = ["RankPool", "run_ranks"]
 
 
-_PRELOAD = ["dsv41_compile.testing.cases"]
-"""What the fork server imports once for every rank it starts (with it: torch, Dynamo,
-AOTAutograd, DTensor, the backend and the model)."""
-
-
-def _context() -> Any:
-    """The start method of the ranks: a fork server where the platform has one, else spawn."""
+def _context(fn: Callable[..., Any]) -> Any:
+    """The start method of the ranks: a fork server where the platform has one, else spawn.
+    The server imports this package (torch, Dynamo, AOTAutograd, DTensor, the backend, the
+    built-in family) and `fn`'s module once for every rank it starts."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # no effect once this process's server runs
+    # no effect once this process's server runs
+    ctx.set_forkserver_preload(["dsv41_compile", fn.__module__])
     return ctx
 
 
@@ -154,8 +152,8 @@ class RankPool:
         self.world_size, self.timeout = world_size, timeout
         self._procs: list[Any] = []
 
-    def _start(self) -> None:
-        ctx = _context()
+    def _start(self, fn: Callable[..., Any]) -> None:
+        ctx = _context(fn)
         self._tmp = tempfile.TemporaryDirectory()
         store = os.path.join(self._tmp.name, "store")
         self._queue = ctx.Queue()
@@ -173,7 +171,7 @@ class RankPool:
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """`[fn(r, world_size, *args) for r in ranks]`, each on its rank's process."""
         if not self._procs:
-            self._start()
+            self._start(fn)
         for tasks in self._tasks:
             tasks.put((fn, args))
         try:
@@ -220,7 +218,7 @@ def run_ranks(
     """`[fn(r, world_size, *args) for r in ranks]`, each in its own process on gloo.
     `pg_timeout`: the process group's timeout in seconds (torch's default otherwise); ranks in
     `may_exit` may end without a result (their entry is None), as a rank that dies does."""
-    ctx = _context()
+    ctx = _context(fn)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")

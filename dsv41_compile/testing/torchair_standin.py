@@ -32,9 +32,9 @@ from torch.fx import GraphModule
 from torch.library import Library
 
 from dsv41_compile.core.torch_private import OpOverload, aot_module_simplified, make_boxed_func
-from dsv41_compile.model.quant import e2m1_values, e8m0_powers
-from dsv41_compile.models.deepseek_v41.graph_mode import DTYPE_CODES, E2M1, E4M3, E8M0
+from dsv41_compile.formats import e2m1_values, e8m0_powers
 from dsv41_compile.runtime.host_cache import load_graph, program_key, save_graph, shared
+from dsv41_compile.targets.npu_dtypes import DTYPE_CODES, E2M1, E4M3, E8M0
 
 __all__ = [
     "Strict",
@@ -144,7 +144,7 @@ GROUPED_MATMUL_SCHEMA = (
     "int? per_token_scale_dtype=None) -> Tensor[]"
 )
 # torch_npu's MX quantisation ops and its quantised matmul, for graph mode's FP8 / FP4 weights
-# and the official numerics' activation quantisation (models/deepseek_v41/graph_mode.py).
+# and the official numerics' activation quantisation (deepseek_v41/graph_mode.py).
 # Schemas from the same yaml (lines 329, 335, 678).
 MX_QUANT_SCHEMA = (
     'npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str round_mode="rint", int dst_type=296, '

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv41_compile import models
+from dsv41_compile import families
 from dsv41_compile.core.registry import Registry
 from dsv41_compile.spmd import rules, transitions
 from dsv41_compile.testing.toy import ToyAdapter
@@ -27,10 +27,10 @@ def test_a_second_entry_under_a_key_is_refused_and_restored_blocks_undo():
 
 
 def test_model_families_rules_and_transitions_are_registered_once():
-    with models.REGISTRY.restored():
-        models.register_adapter(ToyAdapter())
+    with families.REGISTRY.restored():
+        families.register_adapter(ToyAdapter())
         with pytest.raises(ValueError, match="a model family is registered for 'toy_lm'"):
-            models.register_adapter(ToyAdapter())
+            families.register_adapter(ToyAdapter())
     with pytest.raises(ValueError, match="a sharding rule is registered for"):
         rules.rule(torch.ops.aten.embedding.default)(lambda node, given: None)
     emit = transitions.TRANSITIONS.values()[0][1]

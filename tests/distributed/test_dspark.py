@@ -1,5 +1,5 @@
 """Speculative decoding on 8 gloo ranks (tp=4, ep=8): the backbone and the DSpark drafter each
-compiled once by `dsv41_sp` with the requirement's layout, driven by `serving.generate` on every
+compiled once by `dsv41_sp` with the seed's layout, driven by `serving.generate` on every
 rank as under `torchrun`, give exactly the tokens of plain greedy decoding on one device for
 three requests of different lengths, 40 new tokens each. The model is tiny-dspark cut to four
 backbone layers (window-only with Engram, ratio-2 FULL, ratio-1 FULL making candidates, ratio-1
@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv41_compile.model import ModelConfig
-from dsv41_compile.serving import generate
-from dsv41_compile.testing.checkpoints import synthetic_checkpoint
+from dsv41_compile.deepseek_v41.model import ModelConfig
+from dsv41_compile.deepseek_v41.serving import generate
+from dsv41_compile.deepseek_v41.testing.checkpoints import synthetic_checkpoint
+from dsv41_compile.deepseek_v41.testing.speculative import DecodeSpec, decode_on_rank, model_of
 from dsv41_compile.testing.multirank import RankPool
-from dsv41_compile.testing.speculative import DecodeSpec, decode_on_rank, model_of
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The model a researcher edits: the edits of the corpus (`testing.edits`) compiled on 4 gloo
+"""The model a researcher edits: the edits of the corpus (`deepseek_v41.testing.edits`) compiled on 4 gloo
 ranks (tp=4, eager) against the same edited model on one device, through steps whose token
 counts the shards do not divide evenly: a prefill of T = 7 with two padding rows of the model's own
 (slot -1) among the tokens, a decode of T = 3 < tp (rank 3 holds no token: an empty shard),
@@ -31,15 +31,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import dsv41_compile.testing.edits as edits_module
+import dsv41_compile.deepseek_v41.testing.edits as edits_module
 from dsv41_compile.core.errors import InternalError
-from dsv41_compile.model import DeepseekV41
-from dsv41_compile.testing.batches import Request, pack
-from dsv41_compile.testing.cases import CaseSpec, compare_on_rank
-from dsv41_compile.testing.edits import EDITS
+from dsv41_compile.deepseek_v41.model import DeepseekV41
+from dsv41_compile.deepseek_v41.testing.batches import Request, pack
+from dsv41_compile.deepseek_v41.testing.cases import CaseSpec, compare_on_rank
+from dsv41_compile.deepseek_v41.testing.edits import EDITS
+from dsv41_compile.deepseek_v41.testing.presets import SINKHORN_3, compile_config
 from dsv41_compile.testing.fake_rank import compile_model_on_fake_rank
 from dsv41_compile.testing.multirank import RankPool
-from dsv41_compile.testing.presets import SINKHORN_3, compile_config
 
 WORLD = TP = 4
 STEPS = (
@@ -110,7 +110,7 @@ RUNS = {
         around=("capped_head",),
         modes=("marked", "unmarked"),
     ),
-    # the requirement's exit (wo_b row-parallel, its fp32 partial sum reduce-scattered)
+    # the seed's exit (wo_b row-parallel, its fp32 partial sum reduce-scattered)
     "partial-sums": EditedModel(layers=(("wo_b_bias",), ("attn_out_norm",))),
 }
 
@@ -140,7 +140,7 @@ EXTRA = {
 }
 STATIC_LITERAL_T = {
     # `F.pad(x, (0, 0, j, 0))[:T]` with `T = x.shape[0]`: a static trace writes T as the number
-    # 7 and the slice keeps it (frontend.py generalizes the sizes of views and factories, not
+    # 7 and the slice keeps it (the front porch generalizes the sizes of views and factories, not
     # a slice's bounds), so in the static program for T = 7 the slice is not a shift and the
     # padded value is gathered (exact, dearer); the dynamic and marked programs shift
     "causal_conv",

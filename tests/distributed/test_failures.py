@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsv41_compile.testing.faults import different_batch_on_one_rank, peer_lost
+from dsv41_compile.deepseek_v41.testing.faults import different_batch_on_one_rank, peer_lost
 from dsv41_compile.testing.multirank import RankPool, run_ranks
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@
 mixed T: a prefill (T = 8), a decode with T = 3 < tp (tp_rank 3 holds no token) in one DP group
 and T = 1 in the other, then one group idle (T = 0) while the other verifies 6 draft tokens.
 
-Every program each rank compiles has the requirement's per-layer collectives, whatever T
+Every program each rank compiles has the seed's per-layer collectives, whatever T
 Dynamo traced it with, and the logits and caches match the single-device model at the fp32
 bound. How many programs each rank compiles is Dynamo's choice, counted here (docs/backend.md,
 "Token counts"): without `mark_token_dim`, a static graph for the first T, one with a dynamic T
@@ -21,7 +21,7 @@ across the groups, do not. (Both modes on every rank would trace and compile eac
 twice as often for the same programs.)
 
 Not run here: `dynamic=False`, a static graph per distinct T. A static T is made symbolic before
-any layout is planned (`frontend.generalize_token_count`), so each of those programs is planned
+any layout is planned (`frontend.tokens.generalized`), so each of those programs is planned
 as the unmarked mode's static ones for T = 8, 0 and 1 are; tests/test_errors.py checks that
 `dynamic=False` is refused before it would pass Dynamo's recompile limit.
 """
@@ -34,12 +34,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv41_compile.model.checkpoint import INDEX, read_weights
-from dsv41_compile.testing.batches import Request
-from dsv41_compile.testing.cases import CaseSpec, compare_on_rank, model_config
-from dsv41_compile.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint
+from dsv41_compile.deepseek_v41.model.checkpoint import INDEX, read_weights
+from dsv41_compile.deepseek_v41.testing.batches import Request
+from dsv41_compile.deepseek_v41.testing.cases import CaseSpec, compare_on_rank, model_config
+from dsv41_compile.deepseek_v41.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint
+from dsv41_compile.deepseek_v41.testing.presets import ENGRAM_0, ONE_LAYER, SINKHORN_3, WIDE
 from dsv41_compile.testing.multirank import RankPool
-from dsv41_compile.testing.presets import ENGRAM_0, ONE_LAYER, SINKHORN_3, WIDE
 
 pytestmark = pytest.mark.slow
 

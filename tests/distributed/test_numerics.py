@@ -14,11 +14,11 @@ ulp can land on the other side of a bf16 or FP8 rounding step (measured with one
 token and destination rank: up to 1.1e-2). The bf16 numerics run in fp32 here: their bf16
 roundings are the official numerics' minus the FP8 / FP4 steps.
 
-Runs (steps: `testing.cases.SERVING_STEPS`, the last with DP group 0 idle, T = 0), all with 3
+Runs (steps: `deepseek_v41.testing.cases.SERVING_STEPS`, the last with DP group 0 idle, T = 0), all with 3
 Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPool`):
 - tiny cut to six layers that keep every attention mode and meet one kind twice (a ratio-1
   REUSE at layers 3 and 5: one subgraph traced by Dynamo, copied in at both,
-  `testing.presets.EVERY_MODE_6`), at twice its width (D = 128, where the entry cut gathers
+  `deepseek_v41.testing.presets.EVERY_MODE_6`), at twice its width (D = 128, where the entry cut gathers
   the q / kv latents in five of the six layers and the input in the ratio-2 one:
   `attn_entry="auto"`), sp, ep=8 exact, eager, per-layer
   intermediates captured, `DeepseekV41.without_weights` compiled with the `checkpoint` option:
@@ -35,11 +35,11 @@ Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPo
   routed experts with theirs, each rank its own experts'), one EP row per assignment: ep=8
   exact, eager; ep=8 padded as handed to torchair (the FP8 linears as MXFP8 quantised matmuls,
   the FP8 rows of the quantised transport made and read by torch_npu's MX ops:
-  `models/deepseek_v41/graph_mode.py`);
+  `deepseek_v41/graph_mode.py`);
 - on one rank: the five every-mode layers as released (the official numerics) as handed to
   torchair.
 These call the model with `mark_token_dim`; tests/distributed/test_front_door.py calls it the
-other ways. The EP runs also check the requirement's assignment counts and the traffic each
+other ways. The EP runs also check the seed's assignment counts and the traffic each
 rank records in comm.json. The other runs take the default cuts (`attn_exit="auto"`: wo_b's
 input moved to its tokens' ranks by an all-to-all, wo_b whole on every rank, no cross-rank
 sum; `ep_rows="auto"`: one EP row per token and destination rank). The EP exchange adds
@@ -61,12 +61,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dsv41_compile.model import ModelConfig
-from dsv41_compile.model.checkpoint import INDEX
-from dsv41_compile.testing.cases import SERVING_STEPS, CaseSpec, compare_on_rank, model_config
-from dsv41_compile.testing.checkpoints import synthetic_checkpoint
-from dsv41_compile.testing.multirank import RankPool, run_ranks
-from dsv41_compile.testing.presets import (
+from dsv41_compile.deepseek_v41.model import ModelConfig
+from dsv41_compile.deepseek_v41.model.checkpoint import INDEX
+from dsv41_compile.deepseek_v41.testing.cases import (
+    SERVING_STEPS,
+    CaseSpec,
+    compare_on_rank,
+    model_config,
+)
+from dsv41_compile.deepseek_v41.testing.checkpoints import synthetic_checkpoint
+from dsv41_compile.deepseek_v41.testing.presets import (
     AS_RELEASED,
     ENGRAM_0,
     EVERY_MODE_5,
@@ -76,6 +80,7 @@ from dsv41_compile.testing.presets import (
     WIDE,
     compile_config,
 )
+from dsv41_compile.testing.multirank import RankPool, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +93,7 @@ def capture_points(cfg: ModelConfig) -> tuple[str, ...]:
     """Per layer: the attention input (replicated), the residual streams after the attention
     half (entering hc_ffn) and after the MoE half (entering the next hc_attn; the last layer's
     collapsed streams enter the final norm). Plus the shared expert's input of layer 0 (its
-    local rows: the requirement's "2 rows per rank")."""
+    local rows: the seed's "2 rows per rank")."""
     points = []
     for i in range(cfg.n_layers):
         points += [f"layers.{i}.attn", f"layers.{i}.hc_ffn"]
@@ -96,7 +101,7 @@ def capture_points(cfg: ModelConfig) -> tuple[str, ...]:
     return (*points, "layers.0.ffn.shared_expert")
 
 
-# Every run compiles with 3 Sinkhorn iterations (`testing.presets`), on both sides of every
+# Every run compiles with 3 Sinkhorn iterations (`deepseek_v41.testing.presets`), on both sides of every
 # comparison.
 def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> CaseSpec:
     cfg = compile_config(preset, overrides)  # what `model_config(case)` builds
@@ -144,7 +149,7 @@ RUNS = {
     # the official numerics (bf16): FP8 / FP4 roundings, bf16 probabilities, the fp32 head;
     # each rank holds its experts' FP4 codes and scales (`weight_format="released"`): the exact
     # EP lowering eager, the padded one in graph mode (the released weights and the official
-    # quantisations through torch_npu's MX ops, `models/deepseek_v41/graph_mode.py`, run by
+    # quantisations through torch_npu's MX ops, `deepseek_v41/graph_mode.py`, run by
     # the CPU stand-in)
     **{
         f"tiny-swa-official-ep-{dispatch}-{lowering}": spec(
@@ -335,7 +340,7 @@ def valid_tokens(step) -> int:
 
 
 @pytest.mark.parametrize("name", EP_RUNS)
-def test_requirement_example_dispatches_each_valid_assignment_once(name):
+def test_the_seeds_example_dispatches_each_valid_assignment_once(name):
     """Two DP groups of 3 + 2 + 3 tokens: 16 unique tokens, top-6 -> exactly 96 routed
     assignments leave their source ranks in total (not 8 ranks x 8 tokens x 6 = 384), and the
     shared expert runs on 2 rows per rank, 16 in all."""
@@ -408,7 +413,7 @@ def test_ep_traffic_adds_up_on_every_step(name):
 
 
 TP_SHARDED = {"attn.wq_b": 0, "attn.wo_a": 0, "attn.attn_sink": 0}
-"""The plan's tp shards (`models/deepseek_v41/plan.py`): checkpoint name suffix -> dim. The
+"""The plan's tp shards (`deepseek_v41/plan.py`): checkpoint name suffix -> dim. The
 checkpoint run exits attention with the all-to-all (`attn_exit="auto"` at tiny's sizes), so
 `wo_b` is whole on every rank."""
 

@@ -16,16 +16,11 @@ import torch
 from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.meta import REASON, REGION
 from dsv41_compile.core.placements import ExpertShard
+from dsv41_compile.deepseek_v41.testing.batches import Request
+from dsv41_compile.deepseek_v41.testing.fake_rank import compile_on_fake_rank, run_on_fake_rank
+from dsv41_compile.deepseek_v41.testing.presets import ONE_LAYER, compile_config
 from dsv41_compile.moe.stats import EpLayer, ep_layers
-from dsv41_compile.testing.batches import Request
-from dsv41_compile.testing.fake_rank import (
-    collective_windows,
-    compile_on_fake_rank,
-    layer_text,
-    placement_counts,
-    run_on_fake_rank,
-)
-from dsv41_compile.testing.presets import ONE_LAYER, compile_config
+from dsv41_compile.testing.fake_rank import collective_windows, layer_text, placement_counts
 
 aten = torch.ops.aten
 TINY_SWA = compile_config()  # 16 experts, top-6: 2 experts per rank at ep=8
@@ -65,7 +60,7 @@ def test_moe_halves_talk_only_over_ep_and_attention_only_over_tp(fixture, a2a, r
     for i in range(2):
         # the exit: wo_b's input to its tokens' ranks (auto), or the seed's ReduceScatter
         exit = (
-            (f"layers.{i}.attn.wo_b", "all_to_all") if ctx.options.attn_exit == "all_to_all"
+            (f"layers.{i}.attn.wo_b", "all_to_all") if ctx.options.family.attn_exit == "all_to_all"
             else (f"layers.{i}", "reduce_scatter")
         )  # fmt: skip
         expected[(f"layers.{i}.attn", "all_gather", "tp")] = 1

@@ -9,8 +9,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dsv41_compile.core.placements import ExpertShard
-from dsv41_compile.model.ops import routed_experts
-from dsv41_compile.models.deepseek_v41.adapter import DEEPSEEK_V41
+from dsv41_compile.deepseek_v41.adapter import DEEPSEEK_V41
+from dsv41_compile.deepseek_v41.model.ops import routed_experts
 from dsv41_compile.spmd.rules import strategy_for
 from dsv41_compile.testing.torch_shims import fake_process_group
 

@@ -17,8 +17,8 @@ import torch
 
 from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.meta import REGION
+from dsv41_compile.deepseek_v41.testing.presets import ENGRAM_0, ONE_LAYER, WIDE, compile_config
 from dsv41_compile.report.accounting import graph_costs, summarize
-from dsv41_compile.testing.presets import ENGRAM_0, ONE_LAYER, WIDE, compile_config
 
 WORLD, TP, EP, T = 8, 4, 8, 8
 LAYERS = 2

@@ -10,8 +10,8 @@ import pytest
 from torch.distributed.tensor import Replicate
 
 from dsv41_compile.core.meta import OUT, REGION
+from dsv41_compile.deepseek_v41.testing.presets import compile_config
 from dsv41_compile.report.dump import graph_text, layer_module
-from dsv41_compile.testing.presets import compile_config
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-import dsv41_compile.model.ops  # noqa: F401  (registers dsv41::routed_experts)
+import dsv41_compile.deepseek_v41.model.ops  # noqa: F401  (registers dsv41::routed_experts)
 from dsv41_compile.core.placements import format_placement
 from dsv41_compile.spmd import dtensor_adapter
 from dsv41_compile.spmd.dtensor_adapter import PlacedTensor, propagate

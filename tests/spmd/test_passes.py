@@ -10,8 +10,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.hooks import Hooks, PipelineStopped, installed
 from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REGION
-from dsv41_compile.testing.cases import layer_collectives
-from dsv41_compile.testing.fake_rank import compile_model_on_fake_rank
+from dsv41_compile.testing.fake_rank import compile_model_on_fake_rank, layer_collectives
 from dsv41_compile.testing.toy import ToyLM, toy_family
 
 TOKENS = torch.tensor([3, 1, 4, 1, 5])

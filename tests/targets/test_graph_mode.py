@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dsv41_compile.model.numerics import act_quant
-from dsv41_compile.model.quant import quantize_fp4, quantize_fp8
-from dsv41_compile.models.deepseek_v41.adapter import DeepseekV41Adapter
-from dsv41_compile.models.deepseek_v41.graph_mode import E4M3
+from dsv41_compile.deepseek_v41.adapter import DeepseekV41Adapter
+from dsv41_compile.deepseek_v41.model.numerics import act_quant
+from dsv41_compile.deepseek_v41.model.quant import quantize_fp4, quantize_fp8
 from dsv41_compile.targets.graph_mode import rewrite_for_graph_mode
+from dsv41_compile.targets.npu_dtypes import E4M3
 from dsv41_compile.testing.graphs import rewritten_for_graph_mode
 from dsv41_compile.testing.torchair_standin import register_npu_ops
 

@@ -12,11 +12,11 @@ import torch
 
 from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.hooks import Hooks, installed
-from dsv41_compile.models.deepseek_v41.graph_mode import grouped_matmul
+from dsv41_compile.deepseek_v41.graph_mode import grouped_matmul
+from dsv41_compile.deepseek_v41.testing.fake_rank import compile_on_fake_rank
+from dsv41_compile.deepseek_v41.testing.presets import ONE_LAYER, compile_config
 from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.testing.capture import capture_programs
-from dsv41_compile.testing.fake_rank import compile_on_fake_rank
-from dsv41_compile.testing.presets import ONE_LAYER, compile_config
 from dsv41_compile.testing.torchair_standin import TorchairStandIn, graph_ops
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsv41_compile.testing.batches import Request, incremental_schedule, pack
+from dsv41_compile.deepseek_v41.testing.batches import Request, incremental_schedule, pack
 
 
 def test_pack_concatenates_requests() -> None:

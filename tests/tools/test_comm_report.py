@@ -1,4 +1,4 @@
-"""tools/comm_report.py on tiny-swa (`testing.presets.compile_config()`: costs are per layer): the
+"""tools/comm_report.py on tiny-swa (`deepseek_v41.testing.presets.compile_config()`: costs are per layer): the
 report's JSON layout, the seed, sp and replicated configurations costed from their graphs, and
 the plot written. The
 plans are tests/report/test_accounting.py's (the same graphs, planned once on the worker both
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dsv41_compile.testing.presets import compile_config
+from dsv41_compile.deepseek_v41.testing.presets import compile_config
 
 
 def test_report_json_and_plot(tmp_path, plan_once, load_tool):

@@ -3,7 +3,7 @@ as test_accounting plans it (the same memoised plan), rank 0 of tp=4, ep=8."""
 
 from __future__ import annotations
 
-from dsv41_compile.testing.presets import ENGRAM_0, ONE_LAYER, compile_config
+from dsv41_compile.deepseek_v41.testing.presets import ENGRAM_0, ONE_LAYER, compile_config
 
 F32 = 4
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from dsv41_compile.testing.presets import ONE_LAYER, compile_config
+from dsv41_compile.deepseek_v41.testing.presets import ONE_LAYER, compile_config
 
 
 def test_scan_tells_real_converters_from_stubs(torchair_registry):

@@ -1,0 +1,294 @@
+"""DeepSeek V4.1's custom ops in graph mode (`lowering="torchair"`): the rewrites
+`targets.graph_mode` applies to them, in torch_npu's ops (registered when torch_npu is imported;
+on CPU by `testing.torchair_standin.register_npu_ops`):
+
+    dsv41::routed_experts       the assignments sorted by expert, `npu_grouped_matmul` per
+                                weight with the rows per expert as groups
+    dsv41::routed_experts_fp4   each local expert's FP4 weights decoded from their released
+                                bytes (`npu_anti_mx_quant`, float4_e2m1 with e8m0 scales per
+                                32), then as dsv41::routed_experts
+    dsv41::fp8_weight           the e4m3 codes decoded with their block scales, each 32 x 32
+                                block's scale spread over its 32 rows (`npu_anti_mx_quant`);
+                                where the product's input is FP8-quantised too, see aten.mm
+    dsv41::act_quant_dequant    `npu_dynamic_mx_quant` to e4m3 in blocks of 32 with the
+                                rounded-up power-of-two scale (scale_alg=1), and back
+                                (`npu_anti_mx_quant`)
+    aten.mm(a, t(w))            where `a` and `w` are both e4m3 codes decoded by the rewrites
+                                above (an FP8 linear under the official numerics): one
+                                `npu_quant_matmul` of the codes with their scales (MXFP8,
+                                group_sizes [1, 1, 32]); any other mm stays
+    dsv41::fp8_encode_rows      the FP8 rows a collective moves (quantised transport): the
+                                codes of `npu_dynamic_mx_quant` as bytes, then its scales
+    dsv41::fp8_decode_rows      those rows back to bf16 (`npu_anti_mx_quant`)
+    dsv41::engram_lookup        the rows' bytes gathered, dequantised by the op's own formula
+
+The act quantisation is the official one except in a block whose largest magnitude is below
+1e-4: the official `act_quant` floors that magnitude at 1e-4 (scale 2^-22), the NPU op does not
+(a finer scale, codes at least as precise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx import Proxy
+
+from dsv41_compile.core.emitter import cast
+from dsv41_compile.deepseek_v41.model.ops import clamped_swiglu, engram_dequantize
+from dsv41_compile.targets.npu_dtypes import DTYPE_CODES, E2M1, E4M3, E8M0
+
+__all__ = [
+    "act_quant_dequant_mx",
+    "engram_lookup_gathered",
+    "fp8_decode_rows_mx",
+    "fp8_encode_rows_mx",
+    "fp8_matmul",
+    "fp8_weight_decoded",
+    "grouped_matmul",
+    "npu_op",
+    "routed_experts_fp4_grouped",
+    "routed_experts_grouped",
+]
+
+
+def engram_lookup_gathered(emit, val, table, scale, rows, columns, dtype):
+    """`dsv41::engram_lookup` for graph mode: the rows' bytes gathered (`index_select` of the
+    table and of its scales viewed as uint8), then the op's own dequantisation
+    (`model.ops.engram_dequantize`)."""
+    flat = aten.view.default(rows, [-1])
+    codes = aten.index_select.default(aten.view.dtype(table, torch.uint8), 0, flat)
+    scales = aten.index_select.default(aten.view.dtype(scale, torch.uint8), 0, flat)
+    shape = [-1, *rows.node.meta["val"].shape[1:]]
+    width = table.node.meta["val"].shape[1]
+    codes = aten.view.default(codes, [*shape, width])
+    scales = aten.view.default(scales, [*shape, width // 32])
+    return engram_dequantize(codes, scales, dtype)
+
+
+aten = torch.ops.aten
+
+
+def routed_experts_grouped(
+    emit, val, x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, fp8_hidden=False, n_experts=None
+):
+    """`dsv41::routed_experts` for graph mode: the (row, k) assignments sorted by expert,
+    torch_npu's grouped matmul for w1 / w3 / w2 with the rows per expert as groups, the clamped
+    SwiGLU and the routing weight in fp32, `index_add` back to the rows in expert order (the
+    reference kernel's order). Static sizes, no host read, no E x FLOPs; unassigned rows are
+    sorted past the last group (what the kernel leaves there is not documented: zeroed before
+    the sum). Under the official numerics (`fp8_hidden`) the hidden activation entering w2 is
+    FP8-quantised per 32 values (`act_quant_dequant_mx`)."""
+    if n_experts is None:  # else w1 is a node the rewrite made: no value recorded yet
+        n_experts = w1.node.meta["val"].shape[0]
+    dtype = x.node.meta["val"].dtype
+    top_k = topk_idx.node.meta["val"].shape[1]
+    experts = emit.call(aten.arange.default, n_experts, dtype=torch.int64, device=val.device)
+    none = emit.call(aten.scalar_tensor.default, n_experts, dtype=torch.int64, device=val.device)
+    # The (row, k) assignments in expert order, unassigned ones (-1) last under key E.
+    expert = aten.view.default(topk_idx, [-1])
+    key = aten.where.self(aten.ge.Scalar(expert, 0), expert, none)
+    ordered = aten.sort.default(key)
+    sorted_key, order = ordered[0], ordered[1]
+    row = aten.floor_divide.default(order, top_k)
+    rows = aten.index_select.default(x, 0, row)
+    weight = aten.index_select.default(aten.view.default(topk_weight, [-1]), 0, order)
+    counts = aten.sum.dim_IntList(
+        aten.eq.Tensor(aten.unsqueeze.default(sorted_key, 1), experts), [0]
+    )  # rows per expert: the groups
+    gate = cast(_grouped(rows, w1, counts), dtype, torch.float32)
+    up = cast(_grouped(rows, w3, counts), dtype, torch.float32)
+    h = aten.mul.Tensor(clamped_swiglu(gate, up, swiglu_limit), aten.unsqueeze.default(weight, 1))
+    h = cast(h, torch.float32, dtype)
+    if fp8_hidden:
+        h = _quant_dequant(h, dtype)
+    y = cast(_grouped(h, w2, counts), dtype, torch.float32)
+    # rows past the last group (unassigned) are not defined by the kernel: zeroed, never read
+    assigned = aten.unsqueeze.default(aten.lt.Scalar(sorted_key, n_experts), 1)
+    zero = emit.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32, device=val.device)
+    y = aten.where.self(assigned, y, zero)
+    # each row's outputs added in fp32 in expert order (the order they come in): the kernel's
+    return aten.index_add.default(aten.zeros_like.default(x, dtype=torch.float32), 0, row, y)
+
+
+def npu_op(name: str) -> Any:
+    """torch_npu's op `name` (registered when torch_npu is imported; on CPU by
+    `testing.torchair_standin.register_npu_ops`), or an error saying so."""
+    if not hasattr(torch.ops.npu, name):
+        raise ValueError(
+            f"graph mode computes with torch_npu's {name}, which is not registered: import "
+            "torch_npu first (lowering='torchair' does), or on CPU call "
+            "dsv41_compile.testing.torchair_standin.register_npu_ops()"
+        )
+    return getattr(torch.ops.npu, name).default
+
+
+def _mx_quant(x: Proxy) -> Proxy:
+    """`x` as e4m3 codes and e8m0 scale pairs, in blocks of 32 along its last dim, each scale
+    amax / 448 rounded up to a power of two (scale_alg=1, the official rule)."""
+    return npu_op("npu_dynamic_mx_quant")(
+        x, axis=-1, round_mode="rint", dst_type=E4M3, block_size=32, scale_alg=1
+    )
+
+
+def _quant_dequant(x: Proxy, dtype: torch.dtype) -> Proxy:
+    """`x` through FP8 e4m3 and back, in blocks of 32 along its last dim."""
+    quantised = _mx_quant(x)
+    return npu_op("npu_anti_mx_quant")(
+        quantised[0], quantised[1], axis=-1, dst_type=DTYPE_CODES[dtype], src_type=E4M3
+    )
+
+
+def act_quant_dequant_mx(emit, val, x):
+    """`dsv41::act_quant_dequant` (numerics="official"): `npu_dynamic_mx_quant` to e4m3 with
+    the rounded-up power-of-two scale per 32 values (scale_alg=1, the official rule), then
+    `npu_anti_mx_quant` back to bf16. Where the value feeds an FP8 linear, the product is one
+    `npu_quant_matmul` (`fp8_matmul`)."""
+    return _quant_dequant(x, val.dtype)
+
+
+def fp8_encode_rows_mx(emit, val, x):
+    """`dsv41::fp8_encode_rows`: bf16 `[..., n]` as bytes `[..., n + n / 32]`, the e4m3 codes,
+    then one e8m0 scale per 32 (the MX op's pairs of scales, the pad of an odd count dropped)."""
+    shape = list(val.shape)
+    n = shape[-1] * 32 // 33
+    quantised = _mx_quant(x)
+    codes = aten.view.dtype(quantised[0], torch.uint8)
+    scales = aten.reshape.default(quantised[1], [*_view_lead(shape), 2 * -(-n // 64)])
+    scales = aten.slice.Tensor(scales, -1, 0, n // 32)
+    return aten.cat.default([codes, scales], -1)
+
+
+def fp8_decode_rows_mx(emit, val, rows):
+    """`dsv41::fp8_decode_rows`: bytes `[..., n + n / 32]` back to bf16 `[..., n]`."""
+    shape = list(val.shape)
+    n = shape[-1]
+    codes = aten.view.dtype(aten.slice.Tensor(rows, -1, 0, n), torch.float8_e4m3fn)
+    scales = aten.slice.Tensor(rows, -1, n, n + n // 32)
+    if (n // 32) % 2:
+        scales = aten.constant_pad_nd.default(scales, [0, 1], 0)
+    pairs = aten.reshape.default(scales, [*_view_lead(shape), -(-n // 64), 2])
+    return npu_op("npu_anti_mx_quant")(
+        codes, pairs, axis=-1, dst_type=DTYPE_CODES[val.dtype], src_type=E4M3
+    )
+
+
+def _view_lead(shape: list[Any]) -> list[Any]:
+    """The leading dims of `shape` for a view: the one symbolic size (the token count) as -1."""
+    return [-1 if isinstance(s, torch.SymInt) else int(s) for s in shape[:-1]]
+
+
+def _scale_pairs(scale: Proxy, rows: int, per: int) -> Proxy:
+    """e8m0 scales `[..., ceil(rows / per), ceil(k / 32)]`, one per `per` rows and 32 values of
+    a row (per = 32 for an FP8 weight's blocks, 1 for the experts' FP4 weights), as the MX ops
+    take them: one per row, those along a row in pairs `[..., rows, ceil(k / 64), 2]` (an odd
+    count padded with a zero byte), uint8."""
+    shape = list(scale.node.meta["val"].shape)
+    lead, blocks = shape[:-2], shape[-1]
+    scale = aten.view.dtype(scale, torch.uint8)
+    if per > 1:  # each block's scale on each of its rows
+        spread = aten.expand.default(
+            aten.unsqueeze.default(scale, -2), [*lead, shape[-2], per, blocks]
+        )
+        flat = aten.reshape.default(spread, [*lead, shape[-2] * per, blocks])
+        scale = aten.slice.Tensor(flat, -2, 0, rows)
+    if blocks % 2:
+        scale = aten.constant_pad_nd.default(scale, [0, 1], 0)
+    return aten.reshape.default(scale, [*lead, rows, (blocks + 1) // 2, 2])
+
+
+def fp8_weight_decoded(emit, val, weight, scale, dtype):
+    """`dsv41::fp8_weight`: the e4m3 codes times their 32 x 32 block's scale, spread over the
+    block's rows (`npu_anti_mx_quant` scales blocks of 32 along a row), in `dtype`."""
+    rows = weight.node.meta["val"].shape[0]
+    return npu_op("npu_anti_mx_quant")(
+        weight, _scale_pairs(scale, rows, 32), axis=-1, dst_type=DTYPE_CODES[dtype], src_type=E4M3
+    )
+
+
+def fp8_matmul(emit, val, a, b):
+    """`aten.mm(a, b)` where `a` is FP8 codes decoded (`npu_anti_mx_quant`, e4m3, along its
+    rows) and `b` the transpose of an FP8 weight decoded the same way: torch_npu's MXFP8
+    `npu_quant_matmul` of the codes, `b`'s scales `[K/64, N, 2]`, `a`'s as the per-token ones
+    `[M, K/64, 2]`. None (the mm stays) for any other mm."""
+    x, w = _decoded_e4m3(a.node), None
+    if b.node.target is aten.t.default:
+        w = _decoded_e4m3(b.node.args[0])
+    if x is None or w is None or x.kwargs["dst_type"] != w.kwargs["dst_type"]:
+        return None
+    return npu_op("npu_quant_matmul")(
+        emit.proxy(x.args[0]),
+        aten.t.default(emit.proxy(w.args[0])),
+        aten.transpose.int(emit.proxy(w.args[1]), 0, 1),
+        pertoken_scale=emit.proxy(x.args[1]),
+        output_dtype=x.kwargs["dst_type"],
+        scale_dtype=E8M0,
+        pertoken_scale_dtype=E8M0,
+        group_sizes=[1, 1, 32],
+    )
+
+
+def _decoded_e4m3(node: Any) -> Any:
+    """`node` when it decodes 2-D e4m3 codes along their rows (`npu_anti_mx_quant`), else
+    None."""
+    if not hasattr(torch.ops.npu, "npu_anti_mx_quant") or not isinstance(node, torch.fx.Node):
+        return None
+    if node.target is not torch.ops.npu.npu_anti_mx_quant.default:
+        return None
+    if node.kwargs.get("src_type") != E4M3 or node.kwargs.get("axis") != -1:
+        return None
+    return node if node.args[0].meta["val"].dim() == 2 else None
+
+
+def routed_experts_fp4_grouped(
+    emit, val, x, topk_idx, topk_weight, w1, s1, w2, s2, w3, s3, swiglu_limit, fp8_hidden=False
+):
+    """`dsv41::routed_experts_fp4`: each of the rank's experts' weights decoded from their FP4
+    bytes (e2m1 pairs, low nibble first, an e8m0 scale per 32 along a row: `npu_anti_mx_quant`)
+    to the activation dtype, then the grouped matmuls of `routed_experts_grouped`. The weights
+    stay resident as released; the decoded copy lives for the call. (torch_npu's grouped matmul
+    also takes FP4 weights with FP8 activations directly -- its MXA8W4 form -- which would skip
+    that copy; not mapped: its scale layout is not documented in torchair's converter.)"""
+    dtype = x.node.meta["val"].dtype
+
+    def decoded(w: Proxy, s: Proxy) -> Proxy:
+        rows = w.node.meta["val"].shape[1]
+        return npu_op("npu_anti_mx_quant")(
+            aten.view.dtype(w, torch.uint8),
+            _scale_pairs(s, rows, 1),
+            axis=-1,
+            dst_type=DTYPE_CODES[dtype],
+            src_type=E2M1,
+        )
+
+    return routed_experts_grouped(
+        emit,
+        val,
+        x,
+        topk_idx,
+        topk_weight,
+        decoded(w1, s1),
+        decoded(w2, s2),
+        decoded(w3, s3),
+        swiglu_limit,
+        fp8_hidden,
+        n_experts=w1.node.meta["val"].shape[0],
+    )
+
+
+def _grouped(x: Proxy, weights: Proxy, counts: Proxy) -> Proxy:
+    """`F.linear(x[group e], weights[e])` for consecutive row groups of sizes `counts`."""
+    op = grouped_matmul()
+    return op(
+        [x],
+        [aten.transpose.int(weights, 1, 2)],
+        group_list=counts,
+        split_item=3,  # one output tensor
+        group_type=0,  # groups along x's rows
+        group_list_type=1,  # counts, not cumulative
+    )[0]
+
+
+def grouped_matmul() -> Any:
+    """torch_npu's `npu_grouped_matmul`."""
+    return npu_op("npu_grouped_matmul")

@@ -1,0 +1,106 @@
+"""Host-side validation of a packed batch against a KV cache, run before the model's forward.
+
+The forward itself stays free of `.tolist()` and data-dependent checks so that it compiles to one
+graph; callers (the demo, benchmarks, serving loops) run `validate_batch` on each batch instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dsv41_compile.deepseek_v41.model.cache import KVCache
+
+__all__ = ["validate_batch"]
+
+
+def validate_batch(
+    input_ids: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+    cache: KVCache,
+    *,
+    vocab_size: int,
+) -> None:
+    """Raise `ValueError` unless `(input_ids, positions, slots)` is a valid batch for `cache`.
+
+    A batch is T packed tokens: `input_ids`, `positions` and `slots` are 1-D int64 tensors of
+    length T. `slots[t]` is the cache slot (request) of token t, in `0..cache.num_slots - 1`, or
+    -1 for a padding row. A request's tokens form one contiguous run of the batch, their
+    positions increase by exactly 1, and the run's first position equals the number of tokens
+    the cache already holds for that slot (`cache.lengths[slot]`), so prefill, decode and
+    multi-token decode all continue the cache.
+
+    Padding rows (slot -1) are exempt from the continuity checks: their ids and positions are
+    ignored by the model, and are only required to lie in `[0, vocab_size)` and
+    `[0, cache.max_len)` so that indexing with them is safe. A padding row between two tokens of
+    the same slot splits that request into two runs, which is an error.
+
+    Every message names the offending token index and what to change.
+    """
+    named = {"input_ids": input_ids, "positions": positions, "slots": slots}
+    for name, tensor in named.items():
+        if tensor.dim() != 1:
+            raise ValueError(
+                f"{name} must be a 1-D tensor [T] of packed tokens, got shape {tuple(tensor.shape)}"
+            )
+        if tensor.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64, got {tensor.dtype}; convert it with .long()")
+    lengths = {name: tensor.shape[0] for name, tensor in named.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(
+            "input_ids, positions and slots must have the same length T, got "
+            + ", ".join(f"{name}={n}" for name, n in lengths.items())
+        )
+
+    num_slots = cache.num_slots
+    max_len = cache.max_len
+    held = cache.lengths.tolist()
+    ids_T = input_ids.tolist()
+    pos_T = positions.tolist()
+    slot_T = slots.tolist()
+
+    finished_runs: dict[int, tuple[int, int]] = {}  # slot -> (first token, last token) of its run
+    run_slot = -1  # slot of the run that the previous token belongs to; -1 = none
+    run_start = 0
+    for t, (tok, pos, slot) in enumerate(zip(ids_T, pos_T, slot_T)):
+        if not -1 <= slot < num_slots:
+            raise ValueError(
+                f"token {t}: slot {slot} is out of range; use 0..{num_slots - 1} for a request "
+                f"or -1 for a padding row"
+            )
+        if not 0 <= tok < vocab_size:
+            raise ValueError(f"token {t}: input id {tok} is out of vocab [0, {vocab_size})")
+        if pos < 0:
+            raise ValueError(f"token {t}: position {pos} is negative")
+        if pos >= max_len:
+            raise ValueError(
+                f"token {t}: position {pos} is beyond max_len {max_len} of the cache; "
+                f"create the cache with a larger max_len"
+            )
+
+        if slot != -1 and slot == run_slot:
+            if pos != pos_T[t - 1] + 1:
+                raise ValueError(
+                    f"token {t}: position {pos} of slot {slot} does not follow position "
+                    f"{pos_T[t - 1]} of token {t - 1}; positions inside a request must increase "
+                    f"by exactly 1"
+                )
+            continue
+
+        if run_slot != -1:
+            finished_runs[run_slot] = (run_start, t - 1)
+        run_slot, run_start = slot, t
+        if slot == -1:
+            continue
+        if slot in finished_runs:
+            first, last = finished_runs[slot]
+            raise ValueError(
+                f"token {t}: slot {slot} starts a second run (its tokens {first}..{last} came "
+                f"earlier); a request's tokens must be contiguous in the batch"
+            )
+        if pos != held[slot]:
+            raise ValueError(
+                f"token {t}: position {pos} does not continue the cache: slot {slot} holds "
+                f"{held[slot]} tokens, so the next position must be {held[slot]}, got {pos}"
+            )

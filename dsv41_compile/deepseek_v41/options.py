@@ -1,0 +1,52 @@
+"""DeepSeek V4.1's own options (`FamilyOptions`), given to `torch.compile(..., options={...})`
+beside the generic ones: where its attention's entry gather and exit cut run, how its
+embedding is held, and where its Engram tables live. Each `"auto"` is decided for the model's
+sizes when it compiles (`DeepseekV41Adapter.resolve`), and the choice with its figures is in
+`graph.py`, `comm.json` and `tools/explain.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv41_compile.options import FamilyOptions, check_choice
+
+__all__ = ["DeepseekV41Options"]
+
+_ATTN_ENTRIES = ("auto", "input")
+_ATTN_EXITS = ("auto", "reduce_scatter", "all_to_all")
+_EMBEDDINGS = ("replicated", "vocab_sharded")
+_ENGRAM = ("auto", "replicated", "sharded", "host")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepseekV41Options(FamilyOptions):
+    attn_entry: str = "auto"
+    """What attention's entry AllGather moves in the sp layout: "input" (the normed `[Tl, D]`
+    input: the seed's layout, which gathers after attention's norm) or "auto" (per layer, the
+    cheapest cut between the input and the ops that need all tokens: the per-token ops before
+    it -- projections with replicated weights, norms, rope -- run on the token shard and their
+    narrower outputs are gathered; the input itself when nothing is cheaper)."""
+    attn_exit: str = "auto"
+    """How attention's output leaves the TP group in the sp layout: "reduce_scatter" (the
+    row-parallel `wo_b`'s fp32 partial sum, reduce-scattered to token shards: the seed's layout)
+    or "all_to_all" (`wo_b`'s input moves to the token shards in the activation dtype and each
+    rank runs the whole `wo_b` on its tokens: no cross-rank sum, exact, but `wo_b` is
+    replicated on every TP rank). "auto": the one with fewer bytes, unless the replicated
+    weights exceed `extra_weight_bytes`."""
+    embedding: str = "replicated"
+    """"replicated" (each rank looks up its token shard) or "vocab_sharded" (rows sharded over
+    tp; the partial lookups are reduce-scattered to the token shards)."""
+    engram: str = "auto"
+    """Where the Engram tables live: "replicated" (whole on every rank), "sharded" (split by
+    their hash columns over the world, ep = world: each rank holds about 1/world of the rows,
+    and each Engram layer sends every token's row ids to the ranks holding their columns and
+    gets the rows back in FP8 with their scales, two all-to-alls), "host" (sharded, each
+    rank's rows in host memory, looked up there), or "auto": sharded when ep is the world and
+    replicating the tables would hold more than 1 GiB per rank (or more than
+    `extra_weight_bytes`), else replicated."""
+
+    def __post_init__(self) -> None:
+        check_choice("attn_entry", self.attn_entry, _ATTN_ENTRIES)
+        check_choice("attn_exit", self.attn_exit, _ATTN_EXITS)
+        check_choice("embedding", self.embedding, _EMBEDDINGS)
+        check_choice("engram", self.engram, _ENGRAM)

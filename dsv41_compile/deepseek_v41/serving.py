@@ -1,0 +1,344 @@
+"""Decoding: `generate` runs requests from their prompts to `max_new_tokens` each, plainly (one
+backbone call per token) or speculatively with the DSpark drafter (`model.dspark`).
+
+A speculative step, for every unfinished request at once (one packed call each):
+
+1. **verify**: the backbone takes the request's pending tokens (the next token, and a token
+   the cache was cut before, if any) and the drafter's proposals after them, and returns
+   logits for every row and what the drafter reads (`hidden=True`);
+2. **accept**: greedy (temperature 0) keeps the proposals while each equals the argmax of
+   the logits before it, then takes that argmax: the tokens are exactly those of plain greedy
+   decoding. Sampling (temperature > 0) keeps proposal d with probability `min(1, p(d) /
+   q(d))` and on the first rejection samples from `max(p - q, 0)` renormalised (p the
+   backbone's distribution, q the drafter's): each token is distributed as the backbone
+   samples it. When every proposal is kept, one more token comes from the last row's logits;
+3. **cut**: the backbone's cache is cut back to the kept positions (`DeepseekV41.cut_cache`:
+   the rows the rejected positions wrote are put back, so the cache is that of a run that
+   never saw them). With a ratio-2 compressor the cut is even (`cache_cut`), and a kept token
+   it drops is fed again with the next verify;
+4. **draft**: the drafter takes the backbone's captures of the newly kept positions (its
+   cache only ever holds kept positions) and a block `[next token, noise, ...]`, and each
+   proposal is sampled in order with the Markov bias of the one before.
+
+`generate` drives eager modules or compiled ones (`backbone=`, `drafter=`: the programs
+`torch.compile` returns, run on every rank alike); the cache rollback and the Markov chain
+run eagerly on `model` itself (every rank holds the same caches).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dsv41_compile.backend import mark_token_dim
+from dsv41_compile.deepseek_v41.model import DeepseekV41
+from dsv41_compile.deepseek_v41.model.batches import Request, pack
+
+__all__ = ["Decoded", "accept_sampled", "generate", "propose", "sample"]
+
+
+@dataclass
+class Decoded:
+    """What `generate` made: the new tokens of each request, and per step (backbone call
+    after the prefill) the tokens it added over all requests and the proposals it kept."""
+
+    tokens: list[list[int]]
+    step_tokens: list[int] = field(default_factory=list)
+    step_accepted: list[int] = field(default_factory=list)
+    step_proposed: list[int] = field(default_factory=list)
+    step_requests: list[int] = field(default_factory=list)
+    """Requests decoded in each step."""
+    backbone_seconds: list[float] = field(default_factory=list)
+    """Wall time of each backbone call (the prefill first; compiles included)."""
+    drafter_seconds: list[float] = field(default_factory=list)
+    """Wall time of each drafter call with its proposals' sampling."""
+
+    @property
+    def acceptance(self) -> float:
+        """Kept proposals over proposals made."""
+        return sum(self.step_accepted) / max(1, sum(self.step_proposed))
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a request gains per step, on average (1 without drafts)."""
+        return sum(self.step_tokens) / max(1, sum(self.step_requests))
+
+
+def sample(logits_V: Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """The argmax at temperature 0; otherwise a draw from `softmax(logits / temperature)`."""
+    if temperature == 0:
+        return int(logits_V.argmax())
+    probs = torch.softmax(logits_V.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def accept_sampled(
+    drafts: Sequence[int],
+    q_DV: Tensor,
+    p_RV: Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Rejection sampling of `drafts` (each drawn from its row of `q_DV`) against the target
+    distributions `p_RV` (D + 1 rows: the one before each draft, then the one after the last):
+    `(kept, next token)`. The kept drafts and the next token are distributed as drawing each
+    from `p` in turn."""
+    for j, d in enumerate(drafts):
+        p, q = p_RV[j], q_DV[j]
+        u = torch.rand((), generator=generator)
+        if float(u) * float(q[d]) <= float(p[d]):  # u < p/q without dividing by q(d)
+            continue
+        residual = (p - q).clamp(min=0)
+        return j, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p_RV[len(drafts)], 1, generator=generator))
+
+
+@dataclass
+class _Request:
+    slot: int
+    tokens: list[int]
+    """Every token known, from position 0: the prompt, then what was generated."""
+    prompt: int
+    held: int = 0
+    """Positions in the backbone's cache."""
+    drafter_held: int = 0
+    """Positions in the drafter's cache."""
+    drafts: list[int] = field(default_factory=list)
+    q: Tensor | None = None
+    """The drafter's distributions the drafts were sampled from (temperature > 0)."""
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt
+
+    @property
+    def pending(self) -> int:
+        """Known tokens not in the backbone's cache (the next one, and one a cut dropped)."""
+        return len(self.tokens) - self.held
+
+
+def _accept(
+    drafts: list[int],
+    q_DV: Tensor | None,
+    logits_RV: Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """(drafts kept, the next token) from the backbone's logits before each draft and after
+    the last: greedy, or rejection sampling (`accept_sampled`)."""
+    if temperature > 0:
+        p_RV = torch.softmax(logits_RV.float() / temperature, dim=-1)
+        return accept_sampled(drafts, q_DV, p_RV, generator)
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == int(logits_RV[kept].argmax()):
+        kept += 1
+    return kept, int(logits_RV[kept].argmax())
+
+
+def generate(
+    model: DeepseekV41,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    speculative: bool = True,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    backbone: Callable[..., Any] | None = None,
+    drafter: Callable[..., Any] | None = None,
+    max_len: int | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> Decoded:
+    """Decode `max_new_tokens` after each prompt, all requests packed into each call.
+
+    `speculative`: with the DSpark drafter (`model.mtp`, which the config must have); plain
+    decoding otherwise. `temperature` 0 is greedy. `backbone` / `drafter`: what to call for
+    `model` and `model.mtp` (their compiled programs; the modules by default). `max_len`: the
+    cache's positions per request (default: the longest prompt plus what it may need).
+    `on_step(n)` is called after each step with the tokens it added (a progress bar)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, each of at least one token")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    cfg = model.cfg
+    if speculative and not cfg.num_nextn_predict_layers:
+        raise ValueError(
+            "speculative=True drafts with the DSpark stages; this model's config has none "
+            "(num_nextn_predict_layers = 0): use speculative=False"
+        )
+    block = cfg.dspark_block_size if speculative else 0
+    if speculative and block + 2 > cfg.window_size:
+        raise ValueError(
+            f"a verify call feeds up to {block + 2} positions per request, more than the window "
+            f"of {cfg.window_size}: its cache could not be cut back (DeepseekV41.save_rows)"
+        )
+    backbone = model if backbone is None else backbone
+    if drafter is None and speculative:
+        drafter = model.mtp
+    longest = max(len(p) for p in prompts)
+    max_len = max_len or longest + max_new_tokens + block + 2
+    cache = model.new_cache(len(prompts), max_len)
+    draft_cache = model.mtp.new_cache(len(prompts)) if speculative else None
+    requests = [_Request(slot, list(p), len(p)) for slot, p in enumerate(prompts)]
+    out = Decoded(tokens=[[] for _ in prompts])
+
+    def draft(batch: Sequence[_Request], verified: _Verified) -> None:
+        args = (draft_cache, verified, temperature, generator, out, max_new_tokens)
+        _draft(model, drafter, batch, *args)
+
+    with torch.no_grad():
+        # prefill: the prompts, then the first token and the first proposals
+        verified = _call_backbone(backbone, requests, cache, speculative, out)
+        for r in requests:
+            last = verified.rows[r.slot][1] - 1
+            r.tokens.append(sample(verified.logits[last], temperature, generator))
+            r.held = r.prompt
+        if speculative:
+            draft(requests, verified)
+        out.step_tokens.append(len(requests))
+        out.step_requests.append(len(requests))
+        if on_step:
+            on_step(len(requests))
+
+        while active := [r for r in requests if r.generated < max_new_tokens]:
+            saved = {
+                r.slot: model.save_rows(cache, r.slot, r.held, r.pending + len(r.drafts))
+                for r in active
+                if r.drafts
+            }
+            verified = _call_backbone(backbone, active, cache, speculative, out)
+            kept_total = proposed = 0
+            for r in active:
+                start, stop = verified.rows[r.slot]
+                # the logits before each draft, and after the last
+                before = verified.logits[start + r.pending - 1 : stop]
+                kept, nxt = _accept(r.drafts, r.q, before, temperature, generator)
+                keep = r.held + r.pending + kept  # positions fed and right
+                r.tokens += r.drafts[:kept] + [nxt]
+                kept_total, proposed = kept_total + kept, proposed + len(r.drafts)
+                cut = keep
+                if kept < len(r.drafts):  # rows of rejected drafts were written: put back
+                    cut = model.cache_cut(keep)
+                    model.cut_cache(cache, saved[r.slot], cut, r.tokens)
+                r.held, r.drafts, r.q = cut, [], None
+            if speculative:
+                draft(active, verified)
+            out.step_tokens.append(kept_total + len(active))
+            out.step_accepted.append(kept_total)
+            out.step_proposed.append(proposed)
+            out.step_requests.append(len(active))
+            if on_step:
+                on_step(kept_total + len(active))
+    for r in requests:
+        out.tokens[r.slot] = r.tokens[r.prompt :]
+    return out
+
+
+@dataclass
+class _Verified:
+    """One backbone call: its logits, each slot's rows, and (speculative) the captures the
+    drafter reads with their positions and slots."""
+
+    logits: Tensor
+    rows: dict[int, tuple[int, int]]
+    positions: Tensor
+    slots: Tensor
+    hidden: Tensor | None
+
+
+def _call_backbone(
+    backbone: Callable[..., Any],
+    requests: Sequence[_Request],
+    cache: Any,
+    speculative: bool,
+    out: Decoded,
+) -> _Verified:
+    """One packed call: each request's tokens from its cache's length on, then its drafts."""
+    batch, rows, start = [], {}, 0
+    for r in requests:
+        ids = r.tokens[r.held :] + r.drafts
+        batch.append(Request(r.slot, ids, r.held))
+        rows[r.slot] = (start, start + len(ids))
+        start += len(ids)
+    ids, positions, slots = pack(batch)
+    mark_token_dim(ids, positions, slots)  # one compiled program for every step's token count
+    hidden, start = None, time.perf_counter()
+    if speculative:
+        logits, hidden = backbone(ids, positions, slots, cache, hidden=True)
+    else:
+        logits = backbone(ids, positions, slots, cache)
+    out.backbone_seconds.append(time.perf_counter() - start)
+    return _Verified(logits, rows, positions, slots, hidden)
+
+
+def _draft(
+    model: DeepseekV41,
+    drafter: Callable[..., Any],
+    requests: Sequence[_Request],
+    cache: Any,
+    verified: _Verified,
+    temperature: float,
+    generator: torch.Generator | None,
+    out: Decoded,
+    max_new_tokens: int,
+) -> None:
+    """The drafter's call for the unfinished `requests`: the captures of their newly kept
+    positions into its cache, a block after each, then the proposals sampled in order."""
+    cfg = model.cfg
+    todo = [r for r in requests if r.generated < max_new_tokens]
+    if not todo:
+        return
+    hidden, positions, slots = verified.hidden, verified.positions, verified.slots
+    assert hidden is not None, "a speculative verify captures the drafter's input"
+    take: list[int] = []
+    blocks = []
+    for r in todo:
+        start, stop = verified.rows[r.slot]
+        known = len(r.tokens) - 1  # positions with their token fed and right
+        for i in range(start, stop):
+            if r.drafter_held <= int(positions[i]) < known:
+                take.append(i)
+        r.drafter_held = known
+        noise = [cfg.dspark_noise_token_id] * (cfg.dspark_block_size - 1)
+        blocks.append(Request(r.slot, [r.tokens[-1], *noise], known))
+    index = torch.tensor(take, dtype=torch.int64)
+    ids, block_positions, block_slots = pack(blocks)
+    context = hidden[index], positions[index], slots[index]
+    mark_token_dim(ids, block_positions, block_slots, *context)
+    start = time.perf_counter()
+    logits, _ = drafter(ids, block_positions, block_slots, cache, *context)
+    for b, r in enumerate(todo):
+        budget = max_new_tokens - r.generated - 1  # the verify adds one token of its own
+        rows_BV = logits[b * cfg.dspark_block_size : (b + 1) * cfg.dspark_block_size]
+        count = min(budget, cfg.dspark_block_size)
+        r.drafts, r.q = propose(model, rows_BV, r.tokens[-1], count, temperature, generator)
+    out.drafter_seconds.append(time.perf_counter() - start)
+
+
+def propose(
+    model: DeepseekV41,
+    logits_BV: Tensor,
+    first: int,
+    count: int,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[list[int], Tensor | None]:
+    """`count` proposals from a draft block's logits, in order: row i's logits plus the Markov
+    bias of the token before (`first`, then each proposal) give the next one. Returns them and,
+    when sampling (temperature > 0), the distributions they were drawn from."""
+    markov = model.mtp.markov_head
+    previous, drafts, q = first, [], []
+    with torch.no_grad():
+        for i in range(count):
+            bias, _ = markov(torch.tensor([previous]))
+            biased = logits_BV[i] + bias[0]
+            if temperature > 0:
+                q.append(torch.softmax(biased.float() / temperature, dim=-1))
+            previous = sample(biased, temperature, generator)
+            drafts.append(previous)
+    return drafts, torch.stack(q) if q else None

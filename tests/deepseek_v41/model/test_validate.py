@@ -1,0 +1,139 @@
+"""Tests for `validate_batch`: one per error, plus valid ragged and padded batches.
+
+The cache is a stand-in with the three attributes `validate_batch` reads, so these tests do not
+depend on the model.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dsv41_compile.deepseek_v41.model.validate import validate_batch
+
+VOCAB = 1024
+
+
+def make_cache(lengths: list[int], max_len: int = 16) -> SimpleNamespace:
+    return SimpleNamespace(
+        num_slots=len(lengths),
+        max_len=max_len,
+        lengths=torch.tensor(lengths, dtype=torch.int64),
+    )
+
+
+def check(ids: list[int], positions: list[int], slots: list[int], cache: SimpleNamespace) -> None:
+    validate_batch(
+        torch.tensor(ids, dtype=torch.int64),
+        torch.tensor(positions, dtype=torch.int64),
+        torch.tensor(slots, dtype=torch.int64),
+        cache,
+        vocab_size=VOCAB,
+    )
+
+
+def test_ragged_prefill_and_decode_continuing_the_cache_pass() -> None:
+    cache = make_cache([0, 0, 7])
+    # slots 0 and 1 prefill 3 and 2 tokens; slot 2 decodes one token after the 7 it holds.
+    check([1, 2, 3, 4, 5, 6], [0, 1, 2, 0, 1, 7], [0, 0, 0, 1, 1, 2], cache)
+    # multi-token decode (k = 2) on slot 2, slots in any order
+    check([7, 8, 9], [7, 8, 0], [2, 2, 0], cache)
+
+
+def test_padding_rows_are_accepted() -> None:
+    cache = make_cache([4, 0])
+    check([10, 11, 12, 0, 0, 0], [4, 0, 1, 0, 0, 3], [0, 1, 1, -1, -1, -1], cache)
+    check([0, 0], [0, 0], [-1, -1], cache)
+
+
+def test_empty_batch_passes() -> None:
+    check([], [], [], make_cache([0]))
+
+
+def test_not_1d() -> None:
+    ids = torch.zeros(2, 3, dtype=torch.int64)
+    flat = torch.zeros(6, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"input_ids must be a 1-D tensor \[T\].*\(2, 3\)"):
+        validate_batch(ids, flat, flat, make_cache([0]), vocab_size=VOCAB)
+
+
+def test_mismatched_lengths() -> None:
+    with pytest.raises(ValueError, match="same length T, got input_ids=3, positions=3, slots=2"):
+        check([1, 2, 3], [0, 1, 2], [0, 0], make_cache([0]))
+
+
+def test_dtype_not_int64() -> None:
+    ids = torch.tensor([1, 2], dtype=torch.int64)
+    pos = torch.tensor([0, 1], dtype=torch.int32)
+    slots = torch.tensor([0, 0], dtype=torch.int64)
+    with pytest.raises(ValueError, match="positions must be int64, got torch.int32"):
+        validate_batch(ids, pos, slots, make_cache([0]), vocab_size=VOCAB)
+
+
+def test_id_out_of_vocab() -> None:
+    with pytest.raises(ValueError, match=r"token 5: input id 70000 is out of vocab \[0, 1024\)"):
+        check([1, 2, 3, 4, 5, 70000], [0, 1, 2, 3, 4, 5], [0] * 6, make_cache([0]))
+
+
+def test_negative_id_out_of_vocab() -> None:
+    with pytest.raises(ValueError, match=r"token 0: input id -1 is out of vocab"):
+        check([-1], [0], [0], make_cache([0]))
+
+
+def test_padding_id_out_of_vocab() -> None:
+    with pytest.raises(ValueError, match=r"token 1: input id 5000 is out of vocab"):
+        check([1, 5000], [0, 0], [0, -1], make_cache([0]))
+
+
+@pytest.mark.parametrize("slot", [3, -2])
+def test_slot_out_of_range(slot: int) -> None:
+    with pytest.raises(ValueError, match=rf"token 1: slot {slot} is out of range; use 0..2 "):
+        check([1, 2], [0, 0], [0, slot], make_cache([0, 0, 0]))
+
+
+def test_negative_position() -> None:
+    with pytest.raises(ValueError, match="token 0: position -1 is negative"):
+        check([1], [-1], [0], make_cache([0]))
+
+
+def test_position_beyond_max_len() -> None:
+    with pytest.raises(ValueError, match="token 1: position 16 is beyond max_len 16"):
+        check([1, 2], [15, 16], [0, 0], make_cache([15]))
+
+
+def test_padding_position_beyond_max_len() -> None:
+    with pytest.raises(ValueError, match="token 0: position 99 is beyond max_len 16"):
+        check([0], [99], [-1], make_cache([0]))
+
+
+def test_request_split_into_two_runs() -> None:
+    with pytest.raises(ValueError, match=r"token 3: slot 0 starts a second run .*tokens 0\.\.1"):
+        check([1, 2, 3, 4], [0, 1, 0, 2], [0, 0, 1, 0], make_cache([0, 0]))
+
+
+def test_request_split_by_padding() -> None:
+    with pytest.raises(ValueError, match="token 2: slot 0 starts a second run"):
+        check([1, 0, 2], [0, 0, 1], [0, -1, 0], make_cache([0]))
+
+
+def test_positions_inside_a_run_must_step_by_one() -> None:
+    with pytest.raises(
+        ValueError, match="token 2: position 3 of slot 0 does not follow position 1 of token 1"
+    ):
+        check([1, 2, 3], [0, 1, 3], [0, 0, 0], make_cache([0]))
+
+
+def test_repeated_position_inside_a_run() -> None:
+    with pytest.raises(ValueError, match="token 1: position 0 of slot 0 does not follow"):
+        check([1, 2], [0, 0], [0, 0], make_cache([0]))
+
+
+def test_first_position_must_continue_the_cache() -> None:
+    with pytest.raises(
+        ValueError,
+        match=(
+            "token 1: position 9 does not continue the cache: slot 2 holds 7 tokens, "
+            "so the next position must be 7, got 9"
+        ),
+    ):
+        check([1, 2], [0, 9], [0, 2], make_cache([0, 0, 7]))
