@@ -14,9 +14,12 @@ venv: $(STAMP)
 $(PY):
 	python3 -m venv $(VENV)
 
-# torch is pinned before the editable install so pip never resolves an unpinned torch.
+# torch is pinned before the editable install so pip never resolves an unpinned torch. Its CPU
+# build comes from torch's CPU index (the package index serves the CUDA build on Linux x86-64);
+# where that index is unreachable, from the package index pip is configured with (a machine
+# whose pip configuration holds the CPU wheel).
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) install $(TORCH_PIN) || $(PIP) install --index-url $(TORCH_CPU_INDEX) $(TORCH_PIN)
+	$(PIP) install --retries 1 --index-url $(TORCH_CPU_INDEX) $(TORCH_PIN) || $(PIP) install $(TORCH_PIN)
 	$(PIP) install -e '.[test]'
 	touch $@
 

@@ -42,8 +42,14 @@ from dsv41_compile.core.torch_private import (
     TracingContext,
     aot_module_simplified,
     auto_functionalized_v2,
+    destroy_library,
     detect_fake_mode,
     invoke_subgraph,
+    op_schema,
+    op_short_name,
+    size_of,
+    sym_expr,
+    sym_shape_env,
     tracing,
 )
 
@@ -111,10 +117,10 @@ def _body_and_operands(gm: GraphModule, call: Node) -> tuple[GraphModule, list[A
         attr, _identifier, *operands = call.args
         return getattr(gm, attr.target), list(operands), []
     if call.target is not auto_functionalized_v2:  # a kind's operator
-        return getattr(gm, call.target._opname), list(call.args), []
+        return getattr(gm, op_short_name(call.target)), list(call.args), []
     kwargs = call.kwargs
     op = call.args[0]
-    body = getattr(gm, kwargs["subgraph"].target if op is invoke_subgraph else op._opname)
+    body = getattr(gm, kwargs["subgraph"].target if op is invoke_subgraph else op_short_name(op))
     bases = list(kwargs["_all_bases"])
     operands: list[Any] = []
     for i, _ in enumerate(n for n in body.graph.nodes if n.op == "placeholder"):
@@ -187,7 +193,7 @@ def _inline(
             copy.meta = {**node.meta, **moved(node)}
             env[node] = copy
     returned = [*results, *new_bases] if call.target is auto_functionalized_v2 else results
-    if isinstance(call.target, OpOverload) and len(call.target._schema.returns) == 1:
+    if isinstance(call.target, OpOverload) and len(op_schema(call.target).returns) == 1:
         call.replace_all_uses_with(returned[0])  # a kind's operator returns one output bare
     for user in list(call.users):
         if user.op != "call_function" or user.target is not operator.getitem:
@@ -299,7 +305,7 @@ class RegionKinds:
             aten_gm.add_submodule(name, body)
 
     def close(self) -> None:
-        self.library._destroy()
+        destroy_library(self.library)
 
 
 def trace_kinds_once(gm: GraphModule, renamed: dict[Any, Any] | None = None) -> RegionKinds:
@@ -332,7 +338,7 @@ def trace_kinds_once(gm: GraphModule, renamed: dict[Any, Any] | None = None) -> 
         with gm.graph.inserting_before(call):
             new = gm.graph.call_function(op, tuple(operands))
         new.meta = dict(call.meta)
-        if len(op._schema.returns) == 1:  # an operator returns one output bare, not a tuple
+        if len(op_schema(op).returns) == 1:  # an operator returns one output bare, not a tuple
             (new.meta["example_value"],) = call.meta["example_value"]
             for user in list(call.users):
                 user.replace_all_uses_with(new)
@@ -358,10 +364,10 @@ def renamed_symbols(before: list[Any], after: list[Any]) -> dict[Any, Any]:
             if (
                 isinstance(a, torch.SymInt)
                 and isinstance(b, torch.SymInt | int)
-                and a.node.expr.is_Symbol
-                and size_expr(b) != a.node.expr
+                and sym_expr(a).is_Symbol
+                and size_expr(b) != sym_expr(a)
             ):
-                renamed[a.node.expr] = size_expr(b)
+                renamed[sym_expr(a)] = size_expr(b)
     return renamed
 
 
@@ -386,10 +392,10 @@ def _empty(like: torch.Tensor, shape: Any, stride: Any) -> torch.Tensor:
 def _size(size: Any, renamed: dict[Any, Any]) -> Any:
     if not isinstance(size, torch.SymInt):
         return size
-    expr = size.node.expr.xreplace(renamed)
-    if expr == size.node.expr:
+    expr = sym_expr(size).xreplace(renamed)
+    if expr == sym_expr(size):
         return size
-    return size.node.shape_env.create_symintnode(expr, hint=None)
+    return size_of(sym_shape_env(size), expr)
 
 
 def _trace_kind(kinds: RegionKinds, body: GraphModule, values: list[Any]) -> Any:

@@ -10,8 +10,8 @@ first 5, 10, 20 and all 40 layers of `flash` (tp=4, ep=8, the EP lowering `--ep-
 the cost of planning at real size, split into Dynamo (until the backend starts; it traces each
 layer kind once, but still walks every layer), the layer kinds the backend traces to ATen once
 each (how many, and their seconds), AOTAutograd's trace of the model with each kind's calls as
-one operator, and each of our passes (the first, `inline_regions`, copies each kind in at
-every layer; the passes then plan every layer); and the peak memory of the process
+one operator, the kinds copied in at every layer (`inline`), and each of our passes (which
+plan every layer); and the peak memory of the process
 (`ru_maxrss`, which only grows: the last row's is the run's peak). The last line says how the
 40-layer plan grew over the 5-layer one, stage by stage: a longer prefix meets layer kinds a
 shorter one does not (each traced once), and the other stages still grow with the layers.

@@ -18,7 +18,7 @@ from dsv41_compile.core.mesh import Mesh
 from dsv41_compile.core.meta import EP_TOKENS, GLOBAL_VAL, OUT, REASON, SYMBOL
 from dsv41_compile.core.plan import ShardingPlan, pattern_matches
 from dsv41_compile.core.signature import ProgramSignature
-from dsv41_compile.core.torch_private import FakeTensorMode
+from dsv41_compile.core.torch_private import FakeTensorMode, new_input_size
 from dsv41_compile.options import BackendOptions
 
 __all__ = ["CompileContext"]
@@ -87,9 +87,7 @@ class CompileContext:
         with gm.graph.inserting_after(placeholders[-1]):
             node = gm.graph.placeholder(EP_TOKENS)
         # A size only the runtime knows: a fresh unbacked symbol (>= 1) for fake propagation.
-        shape_env = self.fake_mode.shape_env
-        with shape_env.ignore_fresh_unbacked_symbols():  # an input, not an op's output
-            value = shape_env.create_unbacked_symint()
+        value = new_input_size(self.fake_mode.shape_env)
         torch._check(value >= 1)
         node.meta.update({"val": value, OUT: None, SYMBOL: "Tl_max"})
         node.meta[REASON] = "max token-shard length over the EP group (agreed before the call)"

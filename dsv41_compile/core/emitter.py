@@ -12,6 +12,7 @@ from torch.fx import Graph, Node, Proxy
 from torch.fx.proxy import GraphAppendingTracer
 
 from dsv41_compile.core.meta import NAMED, REASON
+from dsv41_compile.core.torch_private import rename_node
 
 __all__ = ["Emitter", "cast"]
 
@@ -39,7 +40,7 @@ class Emitter:
         return self.tracer.create_proxy("call_function", op, args, kwargs)
 
     def named(self, value: Proxy, name: str, why: str | None = None) -> Proxy:
-        value.node._rename(name)
+        rename_node(value.node, name)
         value.node.meta[NAMED] = True
         if why is not None:
             value.node.meta[REASON] = why

@@ -17,6 +17,7 @@ from dsv41_compile.core.torch_private import (
     FakeTensorMode,
     OpOverload,
     enable_python_dispatcher,
+    op_schema,
     tree_map_only,
 )
 
@@ -47,7 +48,7 @@ class _OnceProp(FakeTensorProp):
         self._results: dict[tuple[object, ...], object] = {}
 
     def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not isinstance(target, OpOverload) or target._schema.is_mutable:
+        if not isinstance(target, OpOverload) or op_schema(target).is_mutable:
             return super().call_function(target, args, kwargs)
         if _READS_DATA.intersection(target.tags):
             # A result shared with an earlier layer carries that layer's memo of its data

@@ -8,25 +8,16 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from dsv41_compile.core.torch_private import FakeProcessGroup
+from dsv41_compile.core.torch_private import register_fake_backend
 
 __all__ = ["fake_world"]
-
-
-def _create_fake_pg(common_opts: object, backend_opts: object) -> dist.ProcessGroup:
-    return FakeProcessGroup._create_internal(
-        common_opts.group_rank, common_opts.group_size, backend_opts
-    )
 
 
 @contextmanager
 def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     """A `fake` default process group of `world_size` ranks, this process being `rank`;
     destroyed on exit."""
-    if "fake" not in dist.Backend._plugins:
-        dist.Backend.register_backend(
-            "fake", _create_fake_pg, extended_api=True, devices=["cpu", "cuda"]
-        )
+    register_fake_backend()
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         yield

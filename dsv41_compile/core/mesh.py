@@ -18,11 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dsv41_compile.core.torch_private import register_process_group, unregister_process_group
+from dsv41_compile.core.torch_private import (
+    inherit_timeout,
+    register_process_group,
+    unregister_process_group,
+)
 
 __all__ = ["Mesh", "build_mesh", "tp_group_name"]
 
@@ -107,10 +110,8 @@ def _inherit_timeout(group: dist.ProcessGroup, device_type: str) -> None:
     """Give the TP group the world's timeout. c10d creates subgroups with its default (30
     minutes for gloo) whatever `init_process_group(timeout=...)` said; a rank waiting on a dead
     TP peer would then hang that long instead of failing at the user's timeout."""
-    world = dist.group.WORLD._get_backend(torch.device(device_type))
-    options = getattr(world, "options", None)  # a fake process group has none
-    if group is not dist.group.WORLD and options is not None:
-        dist.distributed_c10d._set_pg_timeout(options._timeout, group)
+    if group is not dist.group.WORLD:
+        inherit_timeout(group, dist.group.WORLD, device_type)
 
 
 def _alias(name: str, group: dist.ProcessGroup) -> None:

@@ -8,6 +8,8 @@ import re
 import torch
 from torch.fx import Node
 
+from dsv41_compile.core.torch_private import sym_expr
+
 __all__ = [
     "EP_SOURCE",
     "EP_TOKENS",
@@ -137,7 +139,7 @@ def metadata_key(value: object) -> object:
             value.device,
         )
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        return ("S", value.node.expr)
+        return ("S", sym_expr(value))
     if isinstance(value, list | tuple):
         return (type(value).__name__, *(metadata_key(v) for v in value))
     if isinstance(value, dict):
@@ -151,4 +153,4 @@ _PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.
 
 
 def _exprs(sizes: object) -> tuple[object, ...]:
-    return tuple(s.node.expr if isinstance(s, torch.SymInt) else s for s in sizes)
+    return tuple(sym_expr(s) if isinstance(s, torch.SymInt) else s for s in sizes)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -114,8 +114,6 @@ class ShardingPlan:
     cheapest cut of the per-token ops reading the token-sharded input (`spmd.entry_cut`)."""
     entry_cut_reason: str = "entry cut"
     """How `graph.py` names what asked for the entry cuts (a family's option, for example)."""
-    optional: frozenset[str] = field(default=frozenset())
-    """Anchor, exit and entry-cut patterns that may match no module of a model."""
 
     def __post_init__(self) -> None:
         for name in ("params", "anchors", "exits"):
@@ -142,14 +140,14 @@ class ShardingPlan:
         params, modules = sorted(set(param_fqns)), sorted(set(module_paths))
         tables = [
             ("params", [(e.pattern, e.optional) for e in self.params], params, "parameter"),
-            ("anchors", [(e.pattern, None) for e in self.anchors], modules, "module"),
-            ("exits", [(e.pattern, None) for e in self.exits], modules, "module"),
+            ("anchors", [(e.pattern, e.optional) for e in self.anchors], modules, "module"),
+            ("exits", [(e.pattern, e.optional) for e in self.exits], modules, "module"),
             ("entry_cuts", [(p, None) for p in self.entry_cuts], modules, "module"),
         ]
         problems = []
         for table, patterns, names, kind in tables:
             for pattern, optional in patterns:
-                if optional is not None or pattern in self.optional:
+                if optional is not None:
                     continue
                 if not any(pattern_matches(pattern, name) for name in names):
                     problems.append(_unmatched(table, pattern, names, kind))
@@ -166,7 +164,7 @@ class ShardingPlan:
 def _unmatched(table: str, pattern: str, names: list[str], kind: str) -> str:
     """One unmatched pattern and the closest of `names`, written as patterns (`layers.*.x`)."""
     shapes = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", n) for n in names})
-    closest = difflib.get_close_matches(pattern, shapes, n=3, cutoff=0.5)
+    closest = difflib.get_close_matches(pattern, shapes, n=3, cutoff=0.75)
     near = f" (closest: {', '.join(closest)})" if closest else f" (no {kind} name is close)"
     return f"{table} pattern {pattern!r} matches no {kind}{near}"
 

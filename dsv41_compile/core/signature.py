@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Placement
 
+from dsv41_compile.core.torch_private import new_input_size
+
 __all__ = ["ParamInput", "ParamShard", "ProgramSignature"]
 
 
@@ -166,8 +168,6 @@ class ProgramSignature:
             fakes.append(torch.zeros((), dtype=torch.int64))
         if self.ep_tokens:
             if ep_tokens is None:
-                shape_env = fake_mode.shape_env
-                with shape_env.ignore_fresh_unbacked_symbols():  # an input, not an op's output
-                    ep_tokens = shape_env.create_unbacked_symint()
+                ep_tokens = new_input_size(fake_mode.shape_env)
             fakes.append(ep_tokens)
         return fakes

@@ -22,7 +22,15 @@ from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
 from dsv41_compile.core.meta import SYMBOL
-from dsv41_compile.core.torch_private import SympyMax, SympyMin, tree_leaves
+from dsv41_compile.core.torch_private import (
+    SympyMax,
+    SympyMin,
+    backed_values,
+    new_input_size,
+    sym_expr,
+    sym_shape_env,
+    tree_leaves,
+)
 
 __all__ = [
     "PLANNING_TOKENS",
@@ -65,7 +73,7 @@ def register_token_symbol(size: object) -> None:
     the symbol it equals for every value (`same_for_every_value`)."""
     if not isinstance(size, torch.SymInt):
         return
-    env, expr = size.node.shape_env, size.node.expr
+    env, expr = sym_shape_env(size), sym_expr(size)
     tokens = _TOKEN_SYMBOLS.setdefault(env, set())
     tokens.add(expr)
     if not isinstance(expr, sympy.Symbol):
@@ -110,7 +118,7 @@ def is_token_count(size: object) -> bool:
     are not."""
     if not isinstance(size, torch.SymInt):
         return False
-    return size.node.expr in _TOKEN_SYMBOLS.get(size.node.shape_env, ())
+    return sym_expr(size) in _TOKEN_SYMBOLS.get(sym_shape_env(size), ())
 
 
 def hint(size: object) -> int:
@@ -119,11 +127,11 @@ def hint(size: object) -> int:
     Memoised per shape env: the passes ask for the same few sizes tens of thousands of times."""
     if not isinstance(size, torch.SymInt):
         return int(size)
-    env, expr = size.node.shape_env, size.node.expr
+    env, expr = sym_shape_env(size), sym_expr(size)
     hints = _HINTS.setdefault(env, {})
     if expr not in hints:
         tokens = {s for e in _TOKEN_SYMBOLS.get(env, ()) for s in e.free_symbols}
-        backed = env.backed_var_to_val
+        backed = backed_values(env)
         values = {
             s: backed[s] if s in backed and s not in tokens else PLANNING_TOKENS
             for s in expr.free_symbols
@@ -139,7 +147,7 @@ def hint_shape(val: torch.Tensor) -> tuple[int, ...]:
 def size_expr(size: object) -> sympy.Expr:
     """A size (int, SymInt, or a node holding one) as a sympy expression."""
     val = size.meta["val"] if isinstance(size, torch.fx.Node) else size
-    return sympy.sympify(val.node.expr) if isinstance(val, torch.SymInt) else sympy.Integer(val)
+    return sympy.sympify(sym_expr(val)) if isinstance(val, torch.SymInt) else sympy.Integer(val)
 
 
 def new_unbacked_symbols(result: object, inputs: object) -> set[sympy.Symbol]:
@@ -165,7 +173,7 @@ def graph_symbols(gm: GraphModule) -> dict[sympy.Expr, sympy.Symbol]:
         name = node.meta.get(SYMBOL)
         val = node.meta.get("val")
         if name is not None and isinstance(val, torch.SymInt):
-            names[val.node.expr] = NAMES[name]
+            names[sym_expr(val)] = NAMES[name]
     return names
 
 
@@ -178,8 +186,7 @@ def in_named_symbols(expr: sympy.Expr, names: dict[sympy.Expr, sympy.Symbol]) ->
 def new_token_symbol(shape_env: ShapeEnv) -> torch.SymInt:
     """A fresh unbacked size of `shape_env` for a token count (an input, not an op's output),
     non-negative and size-oblivious as Dynamo's unbacked sizes are (`mark_token_dim`)."""
-    with shape_env.ignore_fresh_unbacked_symbols():
-        symbol = shape_env.create_unbacked_symint()
+    symbol = new_input_size(shape_env)
     with warnings.catch_warnings():  # torch 2.13 warns per call that _check_is_size will go
         warnings.simplefilter("ignore", FutureWarning)
         torch._check_is_size(symbol)

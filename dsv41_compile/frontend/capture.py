@@ -21,6 +21,7 @@ from dsv41_compile.core.torch_private import (
     TracingContext,
     is_fake,
     recompile_limit,
+    sym_expr,
 )
 from dsv41_compile.families import adapter_for, options_for
 from dsv41_compile.options import BackendOptions
@@ -90,7 +91,7 @@ class Captured:
             # with an unbacked one. Backed sizes are reasoned about at their example value, and
             # a token-shard length whose example is 1 makes views of it come out wrong.
             for i, x in enumerate(values):
-                if isinstance(x, torch.SymInt) and x.node.expr == count.node.expr:
+                if isinstance(x, torch.SymInt) and sym_expr(x) == sym_expr(count):
                     generalized[i] = u
         for name in self.adapter.token_inputs:
             i = self.inputs.index_of(name)
@@ -118,7 +119,7 @@ def capture(gm: GraphModule, example_inputs: list[Any], options: BackendOptions)
         _check_weights(example_inputs, inputs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     count = placeholders[token_index].meta["example_value"].shape[0]
-    if isinstance(count, torch.SymInt) and free_unbacked_symbols(count.node.expr):
+    if isinstance(count, torch.SymInt) and free_unbacked_symbols(sym_expr(count)):
         count = None
     fake_mode = TracingContext.get().fake_mode
     fakes = [

@@ -34,6 +34,9 @@ from dsv41_compile.core.torch_private import (
     FakeTensorMode,
     TracingContext,
     enable_python_dispatcher,
+    equalities,
+    sym_expr,
+    sym_hint,
 )
 from dsv41_compile.frontend.capture import Captured, mark_call
 from dsv41_compile.regions import inline_dynamo_regions
@@ -139,7 +142,7 @@ def _token_slots(
         elif isinstance(x, torch.SymInt):
             # An int input Dynamo made a symbol (dynamic=True: a cache's max_len): its symbol
             # lives in Dynamo's shape env, not in this one; its example value stands in.
-            fakes.append(x.node.hint if x.node.hint is not None else x)
+            fakes.append(sym_hint(x) if sym_hint(x) is not None else x)
         else:
             fakes.append(x)
     by_node: dict[Node, list[tuple[Slot, torch.SymInt]]] = {}
@@ -172,8 +175,8 @@ def _token_slots(
             "serves every T"
         ) from error
     classes = _equal_symbols(shape_env)
-    token_class = classes(u.node.expr)
-    return [c for c, symbol in symbols.items() if classes(symbol.node.expr) == token_class]
+    token_class = classes(sym_expr(u))
+    return [c for c, symbol in symbols.items() if classes(sym_expr(symbol)) == token_class]
 
 
 class _Tracked(Interpreter):
@@ -245,8 +248,8 @@ def specializes_tokens(
     class Watched(_Tracked):
         def run_node(self, node: Node) -> Any:
             out = super().run_node(node)
-            if count.node.expr.is_number:
-                raise _Specialized(node, int(count.node.expr))
+            if sym_expr(count).is_number:
+                raise _Specialized(node, int(sym_expr(count)))
             return out
 
     interpreter = Watched(gm)
@@ -301,10 +304,6 @@ def _equal_symbols(shape_env: ShapeEnv) -> Callable[[sympy.Expr], sympy.Expr]:
                 a, b = b, a
             parent[a] = b  # an integer, when there is one, is the representative
 
-    for a, b in shape_env.replacements.items():
+    for a, b in equalities(shape_env):
         union(a, b)
-    for asserts in shape_env.deferred_runtime_asserts.values():
-        for ra in asserts:
-            if isinstance(ra.expr, sympy.Eq):
-                union(*ra.expr.args)
     return find

@@ -23,7 +23,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from dsv41_compile.core.errors import InternalError
-from dsv41_compile.core.torch_private import aot_module_simplified
+from dsv41_compile.core.torch_private import aot_module_simplified, sym_expr
 from dsv41_compile.frontend.capture import Captured, mark_call
 from dsv41_compile.frontend.meta_kernels import size_oblivious_meta
 from dsv41_compile.frontend.tokens import branches_on_tokens, generalized, specializes_tokens
@@ -130,7 +130,7 @@ def _check_token_count(gm: GraphModule, aten_inputs: list[Any], captured: Captur
     """The token count must still be a symbol in AOTAutograd's graph: name the op that made it
     a number (`tokens.specializes_tokens`)."""
     count = aten_inputs[captured.token_index].shape[0]
-    if isinstance(count, torch.SymInt) and not count.node.expr.is_number:
+    if isinstance(count, torch.SymInt) and not sym_expr(count).is_number:
         return
     inputs = captured.symbolic_inputs(captured.fakes)
     specialized = specializes_tokens(gm, inputs, captured.token_index, mark_call(captured.adapter))

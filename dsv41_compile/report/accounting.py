@@ -39,7 +39,7 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import TABLE, module_paths
 from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols
-from dsv41_compile.core.torch_private import FloorDiv
+from dsv41_compile.core.torch_private import FloorDiv, sym_expr
 from dsv41_compile.moe.stats import EpLayer, ep_layers
 from dsv41_compile.report.comm import collective_bytes
 
@@ -206,7 +206,7 @@ def _flops(node: Node, ctx: CompileContext) -> sympy.Expr:
 
 
 def _size(s: object) -> sympy.Expr:
-    return sympy.sympify(s.node.expr) if isinstance(s, torch.SymInt) else sympy.Integer(s)
+    return sympy.sympify(sym_expr(s)) if isinstance(s, torch.SymInt) else sympy.Integer(s)
 
 
 def _substitutions(gm: GraphModule, ctx: CompileContext) -> dict[object, sympy.Expr]:
@@ -217,7 +217,7 @@ def _substitutions(gm: GraphModule, ctx: CompileContext) -> dict[object, sympy.E
             info = _ep_layer(node, ctx)
             if info is None:
                 raise InternalError("a host read outside an expert-parallel MoE", node)
-            names[node.meta["val"].node.expr] = _rows_per_peer(info) * tl
+            names[sym_expr(node.meta["val"])] = _rows_per_peer(info) * tl
     return names
 
 

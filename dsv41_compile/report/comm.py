@@ -23,6 +23,7 @@ from dsv41_compile.core.collectives import collective_axis, collective_kind
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import REASON, REGION
 from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols, in_named_symbols, size_expr
+from dsv41_compile.core.torch_private import sym_expr
 
 __all__ = [
     "EXAMPLE_TOKEN_COUNTS",
@@ -104,7 +105,7 @@ def format_size(size: object, names: dict[sympy.Expr, sympy.Symbol]) -> str:
     ones as their range (`sum(ep_recv_8..15)`: the rows the 8 EP ranks send this rank)."""
     if not isinstance(size, torch.SymInt):
         return str(size)
-    expr = sympy.sympify(size.node.expr).xreplace(names)
+    expr = sympy.sympify(sym_expr(size)).xreplace(names)
     args = sympy.Add.make_args(expr)
     terms = [re.fullmatch(r"(.+)_(\d+)", str(t)) if isinstance(t, sympy.Symbol) else None
              for t in args]  # fmt: skip
@@ -159,7 +160,7 @@ def _read_sizes(gm: GraphModule) -> dict[sympy.Symbol, sympy.Symbol]:
     names: dict[sympy.Symbol, sympy.Symbol] = {}
     for node in gm.graph.nodes:
         val = node.meta.get("val")
-        expr = val.node.expr if isinstance(val, torch.SymInt) else None
+        expr = sym_expr(val) if isinstance(val, torch.SymInt) else None
         if isinstance(expr, sympy.Symbol) and free_unbacked_symbols(expr):
             names.setdefault(expr, sympy.Symbol(node.name))
     return names

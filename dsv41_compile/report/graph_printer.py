@@ -24,7 +24,7 @@ from torch.fx import GraphModule, Node
 from dsv41_compile.core.meta import NAMED, OUT, REASON, REGION
 from dsv41_compile.core.placements import format_placement
 from dsv41_compile.core.symbols import graph_symbols
-from dsv41_compile.core.torch_private import OpOverload
+from dsv41_compile.core.torch_private import OpOverload, op_short_name, sym_expr
 
 __all__ = ["format_folded", "format_graph"]
 
@@ -37,7 +37,7 @@ _WORD = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
 
 def _size(s: object, names: dict[sympy.Expr, sympy.Symbol]) -> str:
     if isinstance(s, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return str(sympy.sympify(s.node.expr).xreplace(names)).replace(" ", "")
+        return str(sympy.sympify(sym_expr(s)).xreplace(names)).replace(" ", "")
     return str(s)
 
 
@@ -63,7 +63,7 @@ def _target(node: Node) -> str:
         return _OPS[node.target]
     if isinstance(node.target, OpOverload):
         ns = node.target.namespace
-        return f"{'' if ns == 'aten' else ns + '.'}{node.target._opname}"
+        return f"{'' if ns == 'aten' else ns + '.'}{op_short_name(node.target)}"
     return getattr(node.target, "__name__", str(node.target))
 
 

@@ -61,7 +61,10 @@ from dsv41_compile.core.torch_private import (
     TensorifyScalarRestartAnalysis,
     TensorifyState,
     TracingContext,
+    add_guard,
     inductor_cache_dir,
+    shape_env_guards,
+    sym_expr,
 )
 
 __all__ = [
@@ -157,7 +160,7 @@ def canonical_symbols(fake_inputs: list[Any]) -> dict[sympy.Symbol, sympy.Symbol
         for size in sizes:
             if not isinstance(size, torch.SymInt):
                 continue
-            new = [s for s in size.node.expr.free_symbols if s not in names]
+            new = [s for s in sym_expr(size).free_symbols if s not in names]
             if len(new) > 1:
                 return None
             for symbol in new:
@@ -167,7 +170,7 @@ def canonical_symbols(fake_inputs: list[Any]) -> dict[sympy.Symbol, sympy.Symbol
 
 def _input_description(x: object, names: dict[sympy.Symbol, sympy.Symbol]) -> str:
     def size(s: object) -> str:
-        return str(s.node.expr.xreplace(names)) if isinstance(s, torch.SymInt) else str(s)
+        return str(sym_expr(s).xreplace(names)) if isinstance(s, torch.SymInt) else str(s)
 
     if isinstance(x, torch.Tensor):
         return f"{x.dtype}[{','.join(size(s) for s in x.shape)}]{x.device.type}"
@@ -198,7 +201,7 @@ def saved_guards(
     """The guards `shape_env` gained after its first `since`, over canonical symbols; None
     when one involves a symbol that is not an input's size (the program is then not shared)."""
     guards = []
-    for guard in shape_env.guards[since:]:
+    for guard in shape_env_guards(shape_env)[since:]:
         if not guard.expr.free_symbols <= set(names):
             return None
         guards.append(guard.expr.xreplace(names))
@@ -211,7 +214,7 @@ def add_guards(
     """Make `guards` (over canonical symbols) guards of this rank's frame."""
     local = {canonical: symbol for symbol, canonical in names.items()}
     for guard in guards:
-        shape_env.evaluate_expr(guard.xreplace(local))
+        add_guard(shape_env, guard.xreplace(local))
 
 
 def restart_requested() -> tuple[str, ...]:
@@ -260,13 +263,18 @@ class Claim:
     """A compile's place in the host's cache (`claim`): the artifact another rank saved
     (`loaded`), or the key's lock, held for this rank to compile and `save` under."""
 
-    def __init__(self, key: str | None, names: dict[sympy.Symbol, sympy.Symbol] | None) -> None:
-        self.key, self.names = key, names
-        self.loaded: Artifact | None = None
+    def __init__(
+        self,
+        names: dict[sympy.Symbol, sympy.Symbol] | None = None,
+        *,
+        loaded: Artifact | None = None,
+        lock: Any = None,
+        slot: _Slot | None = None,
+        since: int = 0,
+    ) -> None:
+        self.names, self.loaded = names, loaded
+        self._lock, self._slot, self._since = lock, slot, since
         self._saved: Artifact | None = None
-        self._lock: Any = None
-        self._slot: _Slot | None = None
-        self._since = 0
 
     def save(self, artifact: Artifact) -> None:
         """What this rank compiled, for the host's other ranks (stored when the block ends)."""
@@ -300,24 +308,21 @@ def claim(key: str | None, fakes: list[Any]) -> Claim:
     own). With `key` None, or inputs whose symbols have no canonical names, nothing is shared:
     this rank compiles for itself."""
     names = canonical_symbols(fakes) if key is not None else None
-    found = Claim(key, names)
     if key is None or names is None:
-        return found
+        return Claim()
     path = cache_dir() / "programs"
     path.mkdir(exist_ok=True)
     lock = FileLock(str(path / f"{key}.lock"))
     lock.acquire()
     slot = _Slot(path / f"{key}.pkl")
+    shape_env = TracingContext.get().fake_mode.shape_env
     if slot.artifact is None:
         STATS["compiled"] += 1
-        found._lock, found._slot = lock, slot
-        found._since = len(TracingContext.get().fake_mode.shape_env.guards)
-        return found
+        return Claim(names, lock=lock, slot=slot, since=len(shape_env_guards(shape_env)))
     lock.release()  # the host's other ranks load the artifact at the same time
     STATS["loaded"] += 1
     artifact = slot.artifact
     if artifact.restart is not None:
         restart_like(artifact.restart)
-    add_guards(TracingContext.get().fake_mode.shape_env, artifact.guards, names)
-    found.loaded = artifact
-    return found
+    add_guards(shape_env, artifact.guards, names)
+    return Claim(names, loaded=artifact)

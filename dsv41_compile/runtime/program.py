@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from dsv41_compile.core.mesh import Mesh
 from dsv41_compile.core.signature import ProgramSignature
+from dsv41_compile.core.torch_private import version_counter
 from dsv41_compile.moe.stats import EpLayer
 from dsv41_compile.runtime.checks import check_same_inputs, collective_failure
 
@@ -95,13 +96,13 @@ class ShardedProgram:
 
     def local_shard(self, index: int, full: torch.Tensor) -> torch.Tensor:
         cached = self._shards.get(index)
-        if cached is not None and cached[0] is full and cached[1] == full._version:
+        if cached is not None and cached[0] is full and cached[1] == version_counter(full):
             return cached[2]
         shard = self.signature.param_shards[index]
         local = shard.take(full, self.tp_rank if shard.axis == "tp" else self.rank)
         if shard.host:
             local = local.cpu()  # a table in host memory: looked up on the host
-        self._shards[index] = (full, full._version, local)
+        self._shards[index] = (full, version_counter(full), local)
         return local
 
     def agree_ep_tokens(self, tokens: int) -> int:

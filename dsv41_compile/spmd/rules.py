@@ -40,6 +40,7 @@ from dsv41_compile.core.placements import format_placement
 from dsv41_compile.core.registry import Registry
 from dsv41_compile.core.strategy import RuleFn, Strategy
 from dsv41_compile.core.symbols import PLANNING_TOKENS, hint, hint_shape, is_token_count
+from dsv41_compile.core.torch_private import sym_hint
 from dsv41_compile.spmd.dtensor_adapter import PlacedTensor, propagate
 
 __all__ = [
@@ -316,5 +317,5 @@ def _hint(val: object) -> object:
     if isinstance(val, torch.SymInt):
         return hint(val)
     if isinstance(val, (torch.SymFloat, torch.SymBool)):
-        return val.node.hint
+        return sym_hint(val)
     return val

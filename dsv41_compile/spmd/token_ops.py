@@ -46,6 +46,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REAL_ROWS, tensor_inputs
 from dsv41_compile.core.strategy import Strategy
+from dsv41_compile.core.torch_private import custom_op_overload
 from dsv41_compile.spmd.rules import EXACT_SUMS, is_token_shard, rule
 from dsv41_compile.spmd.transitions import (
     TokenSizes,
@@ -124,7 +125,7 @@ def _roll(node: Node, given: Sequence[Placement]) -> Strategy | None:
     return None
 
 
-@rule(shift_tokens._opoverload)
+@rule(custom_op_overload(shift_tokens))
 def _shift(node: Node, given: Sequence[Placement]) -> Strategy | None:
     x, _ = given
     if is_token_shard(node.args[0], x):
@@ -189,7 +190,7 @@ def localize_token_ops(gm: GraphModule, sizes: TokenSizes) -> None:
             _scan(graph, node, sizes)
         elif node.target is aten.roll.default and 0 in _roll_dims(node):
             _roll_tokens(graph, node, out, sizes)
-        elif node.target is shift_tokens._opoverload:
+        elif node.target is custom_op_overload(shift_tokens):
             _shift_tokens(graph, node, sizes)
 
 

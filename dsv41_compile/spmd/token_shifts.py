@@ -30,6 +30,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import OUT
 from dsv41_compile.core.symbols import is_token_count
+from dsv41_compile.core.torch_private import custom_op_overload
 from dsv41_compile.spmd.annotate import annotate
 from dsv41_compile.spmd.token_ops import shift_tokens
 
@@ -49,7 +50,7 @@ def token_shifts(gm: GraphModule, *, ctx: CompileContext) -> None:
         with graph.inserting_before(node):
             if not isinstance(outside, torch.fx.Node):
                 outside = _constant_rows(graph, x, k, outside, ctx)
-            shift = graph.call_function(shift_tokens._opoverload, (x, k, outside))
+            shift = graph.call_function(custom_op_overload(shift_tokens), (x, k, outside))
         shift.meta["val"] = x.meta["val"]
         for key in ("stack_trace", "nn_module_stack"):
             if key in node.meta:

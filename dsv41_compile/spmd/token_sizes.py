@@ -21,6 +21,7 @@ from torch.fx import GraphModule
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.symbols import register_token_symbol
+from dsv41_compile.core.torch_private import sym_expr
 
 __all__ = ["token_sizes"]
 
@@ -34,7 +35,7 @@ def token_sizes(gm: GraphModule, *, ctx: CompileContext) -> None:
     register_token_symbol(count)
     if not isinstance(count, torch.SymInt):
         return  # a static token count: no symbolic read to redirect
-    symbol = count.node.expr
+    symbol = sym_expr(count)
     with graph.inserting_after(token):
         read = graph.call_function(aten.sym_size.int, (token, 0))
     read.meta["val"] = count
@@ -44,10 +45,10 @@ def token_sizes(gm: GraphModule, *, ctx: CompileContext) -> None:
         val = node.meta.get("val")
         if not isinstance(val, torch.SymInt) or node.args[0] is token:
             continue
-        if val.node.expr == symbol:  # (a count the shape env made an expression)
+        if sym_expr(val) == symbol:  # (a count the shape env made an expression)
             linear = (1, 0)
         elif isinstance(symbol, sympy.Symbol):
-            linear = _linear_in(sympy.expand(val.node.expr), symbol)
+            linear = _linear_in(sympy.expand(sym_expr(val)), symbol)
         else:
             linear = None
         if linear is None:

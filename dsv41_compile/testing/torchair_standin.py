@@ -31,7 +31,13 @@ import torch
 from torch.fx import GraphModule
 from torch.library import Library
 
-from dsv41_compile.core.torch_private import OpOverload, aot_module_simplified, make_boxed_func
+from dsv41_compile.core.torch_private import (
+    OpOverload,
+    aot_module_simplified,
+    make_boxed_func,
+    op_short_name,
+    overload_name,
+)
 from dsv41_compile.formats import e2m1_values, e8m0_powers
 from dsv41_compile.runtime.host_cache import load_graph, program_key, save_graph, shared
 from dsv41_compile.targets.npu_dtypes import DTYPE_CODES, E2M1, E4M3, E8M0
@@ -85,7 +91,7 @@ def op_name(target: object) -> str:
     """The name torchair registers `target`'s converter under: `torch.ops.aten.mm.default`,
     `operator.add` (read by tools/torchair_coverage.py)."""
     if isinstance(target, OpOverload):
-        return f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"
+        return f"torch.ops.{target.namespace}.{op_short_name(target)}.{overload_name(target)}"
     module = getattr(target, "__module__", "") or ""
     return f"{module.removeprefix('_')}.{getattr(target, '__name__', target)}"
 
