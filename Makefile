@@ -27,6 +27,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 # Two workers, one per core: multi-rank runs leave a core idle while one rank compiles for the
 # host. A test file (or the files tests/conftest.py groups) runs on one worker, where the compiles

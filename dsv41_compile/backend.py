@@ -117,6 +117,8 @@ def _compile(captured: Captured, build: _Build, save: Callable[[Artifact], None]
         if hooks.on_pipeline is not None:
             hooks.on_pipeline(traced.gm, ctx)
     text = graph_text(traced.gm, ctx) if ctx.options.dump_dir is not None else None
+    if ctx.signature is None:
+        raise InternalError("the pipeline left the program without its signature (localize)")
     spec = ProgramSpec(ctx.signature, ep_layers(ctx), text, tuple(ctx.comm))
     save(Artifact(save_graph(traced.gm), spec))
     handoff = _handoff(spec, ctx.local_inputs(traced.gm), ctx.fake_mode, captured, build)
@@ -133,7 +135,7 @@ def _shared_key(captured: Captured, build: _Build) -> str | None:
     watched = any(h.stop_after or h.after_pass or h.on_pipeline for h in hooks)
     if not opts.share_compile or opts.dump_after or None in tags or watched:
         return None  # the pipeline must run here
-    parts = (opts.cache_key(), mesh.world_size, mesh.tp, mesh.ep, mesh.device_type)
+    parts: tuple[Any, ...] = (opts.cache_key(), mesh.world_size, mesh.tp, mesh.ep, mesh.device_type)
     parts += (build.target.name, captured.adapter.name, tags)
     dumps = opts.dump_dir is not None  # an artifact holds its graph's text only then
     return program_key(captured.gm, captured.fakes, (*parts, dumps))
@@ -174,6 +176,9 @@ def _context(traced: Traced, captured: Captured, build: _Build) -> CompileContex
     # "auto" cuts decided for this model's sizes: the passes see the options they chose.
     params = {fqn: placeholders[i].meta["val"] for i, fqn in inputs.param_fqns.items()}
     opts, choices = captured.adapter.resolve(captured.options, params)
+    fake_mode = detect_fake_mode(traced.inputs)
+    if fake_mode is None:
+        raise InternalError("AOTAutograd's graph inputs are not fake tensors")
     return CompileContext(
         mesh=build.mesh,
         options=opts,
@@ -185,7 +190,7 @@ def _context(traced: Traced, captured: Captured, build: _Build) -> CompileContex
         buffers=frozenset(placeholders[i].name for i in inputs.buffers),
         input_sources={placeholders[i].name: name for i, name in inputs.input_names.items()},
         token_input=placeholders[captured.token_index].name,
-        fake_mode=detect_fake_mode(traced.inputs),
+        fake_mode=fake_mode,
         stage_seconds=dict(traced.stage_seconds),
         kinds_traced=traced.kinds_traced,
     )

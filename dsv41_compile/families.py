@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import TypeVar
 
 from dsv41_compile.core.adapter import ModelAdapter
 from dsv41_compile.core.registry import Registry
@@ -26,11 +27,14 @@ __all__ = [
 REGISTRY: Registry[ModelAdapter] = Registry("model family")
 """The registered families by name (`ModelAdapter.name`)."""
 
+_Adapter = TypeVar("_Adapter", bound=ModelAdapter)
 
-def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
+
+def register_adapter(adapter: _Adapter) -> _Adapter:
     """Add a model family; it is asked before the ones registered earlier. A family of the
     same name must be unregistered first (a ValueError otherwise)."""
-    return REGISTRY.add(adapter.name, adapter)
+    REGISTRY.add(adapter.name, adapter)
+    return adapter
 
 
 def unregister_adapter(adapter: ModelAdapter) -> None:

@@ -70,7 +70,7 @@ def _example(config: Any, example: dict[str, Any]) -> tuple[torch.nn.Module, tup
     )
 
 
-def _stopped(error: BaseException) -> bool:
+def _stopped(error: BaseException | None) -> bool:
     while error is not None:
         if isinstance(error, PipelineStopped):
             return True

@@ -26,8 +26,8 @@ inputs of the same metadata, which verify's fake propagation exploits (`verify`)
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -38,6 +38,7 @@ from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import Unkeyed, metadata_key
 from dsv41_compile.core.symbols import new_unbacked_symbols, size_expr
 from dsv41_compile.core.torch_private import (
+    FakeTensor,
     OpOverload,
     TracingContext,
     aot_module_simplified,
@@ -114,14 +115,19 @@ def _body_and_operands(gm: GraphModule, call: Node) -> tuple[GraphModule, list[A
     """The region a call runs, its operands (a `_Written` for an input the region writes) and
     the call's bases (`auto_functionalized_v2`'s `_all_bases`; none for a plain call)."""
     if call.target is invoke_subgraph:
-        attr, _identifier, *operands = call.args
-        return getattr(gm, attr.target), list(operands), []
+        attr, _identifier, *passed = call.args
+        return getattr(gm, cast(str, attr.target)), list(passed), []
     if call.target is not auto_functionalized_v2:  # a kind's operator
-        return getattr(gm, op_short_name(call.target)), list(call.args), []
+        return getattr(gm, op_short_name(cast(OpOverload, call.target))), list(call.args), []
     kwargs = call.kwargs
     op = call.args[0]
-    body = getattr(gm, kwargs["subgraph"].target if op is invoke_subgraph else op_short_name(op))
-    bases = list(kwargs["_all_bases"])
+    body = getattr(
+        gm,
+        cast(str, kwargs["subgraph"].target)
+        if op is invoke_subgraph
+        else op_short_name(cast(OpOverload, op)),
+    )
+    bases = list(cast(Sequence[Node], kwargs["_all_bases"]))
     operands: list[Any] = []
     for i, _ in enumerate(n for n in body.graph.nodes if n.op == "placeholder"):
         if f"arg{i}" in kwargs:
@@ -198,7 +204,7 @@ def _inline(
     for user in list(call.users):
         if user.op != "call_function" or user.target is not operator.getitem:
             raise InternalError(f"a region's result is used whole by {user.name}", call)
-        user.replace_all_uses_with(returned[user.args[1]])
+        user.replace_all_uses_with(returned[cast(int, user.args[1])])
         graph.erase_node(user)
     graph.erase_node(call)
 
@@ -266,7 +272,7 @@ def trace_regions_with_meta(gm: GraphModule) -> None:
     main graph that way; a region it calls as a function, and its ATen nodes would carry the
     call's module path only.)"""
     for call in region_calls(gm):
-        body = getattr(gm, call.args[0].target)
+        body = getattr(gm, cast(str, call.args[0].target))
         if isinstance(body, GraphModule):
             body.forward = _node_by_node(body)  # type: ignore[method-assign]
 
@@ -331,7 +337,7 @@ def trace_kinds_once(gm: GraphModule, renamed: dict[Any, Any] | None = None) -> 
         except Unkeyed:
             continue  # an operand whose data matters: AOTAutograd traces this call itself
         if key not in traced:
-            traced[key] = _trace_kind(kinds, getattr(gm, attr.target), values)
+            traced[key] = _trace_kind(kinds, getattr(gm, cast(str, attr.target)), values)
         op = traced[key]
         if op is None:
             continue
@@ -354,6 +360,7 @@ def renamed_symbols(before: list[Any], after: list[Any]) -> dict[Any, Any]:
     """The size symbols of graph inputs `before` that `after` replaced: symbol -> expression."""
     renamed: dict[Any, Any] = {}
     for old, new in zip(before, after):
+        pairs: list[tuple[int | torch.SymInt, int | torch.SymInt]]
         if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
             pairs = list(zip(old.shape, new.shape))
         elif isinstance(old, torch.SymInt) and isinstance(new, torch.SymInt):
@@ -379,7 +386,7 @@ def _renamed(value: Any, renamed: dict[Any, Any]) -> Any:
         return _size(value, renamed)
     if not isinstance(value, torch.Tensor) or not free_symbols(value) & renamed.keys():
         return value
-    with value.fake_mode:
+    with cast(FakeTensor, value).fake_mode:
         shape = [_size(d, renamed) for d in value.shape]
         return _empty(value, shape, [_size(d, renamed) for d in value.stride()])
 
@@ -403,9 +410,9 @@ def _trace_kind(kinds: RegionKinds, body: GraphModule, values: list[Any]) -> Any
     Dynamo's fake values), or None when its outputs have data-dependent sizes of their own."""
     captured: list[GraphModule] = []
 
-    def capture(graph: GraphModule, _inputs: list[Any]) -> Any:
-        captured.append(graph)
-        return graph
+    def capture(gm: GraphModule, example_inputs: Sequence[Any]) -> Any:
+        captured.append(gm)
+        return gm
 
     with tracing(TracingContext(detect_fake_mode(values))):
         aot_module_simplified(

@@ -36,7 +36,7 @@ from torch.fx import GraphModule, Node
 
 from dsv41_compile.core.collectives import collective_axis, collective_kind, dispatched_values
 from dsv41_compile.core.context import CompileContext
-from dsv41_compile.core.errors import InternalError
+from dsv41_compile.core.errors import InternalError, as_node
 from dsv41_compile.core.fake_prop import propagate_local_values
 from dsv41_compile.core.meta import (
     GLOBAL_VAL,
@@ -157,9 +157,9 @@ def _has_token_dim(node: Node) -> bool:
 
 def _check_reduction(node: Node, kind: str) -> None:
     """A reduction over tp sums the fp32 partial sum the model computed, nothing else."""
-    source = node.args[0]
+    source = as_node(node.args[0], "the value a collective moves")
     while _on_the_way_to_a_reduction(source) and collective_kind(source) is None:
-        source = source.args[0]
+        source = as_node(source.args[0], "the value a collective moves")
     if not isinstance(_placement(source), Partial):
         raise InternalError(
             f"a {kind} sums {source.name} over tp, but {source.name} is "
@@ -297,7 +297,7 @@ def _used(node: Node) -> bool:
 def _reduces_tokens(node: Node) -> bool:
     """An all-reduce of a value whose dim 0 is the token count (its partial's, before
     localization)."""
-    source = node.args[0]
+    source = as_node(node.args[0], "the value a collective moves")
     while source.meta.get(GLOBAL_VAL) is None and source.args and isinstance(source.args[0], Node):
         source = source.args[0]
     return _has_token_dim(source)
@@ -309,7 +309,7 @@ _HALVES = {"attention": "attention half", "moe": "MoE half", "layer": "between i
 def _ends(node: Node) -> tuple[Node, list[Node]]:
     """The value a collective redistributes and the model nodes that read the result: past the
     nodes inserted around it (pads, waits, splits: they carry a reason)."""
-    producer = node.args[0]
+    producer = as_node(node.args[0], "the value a collective moves")
     while REASON in producer.meta and producer.op == "call_function":
         inputs = [a for a in producer.args if isinstance(a, Node)]
         if not inputs:  # made here (an exchange's index): no model value before it

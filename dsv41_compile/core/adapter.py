@@ -119,7 +119,9 @@ class WeightSlice(NamedTuple):
     (dim 0 of stacked expert weights) the experts an EP rank holds."""
 
     dim: int
-    index: int
+    # the field shadows tuple.index, which mypy reports as an incompatible override; the field
+    # is the class's API (and its repr), tuple.index is never called on a slice
+    index: int  # type: ignore[assignment]
     parts: int
 
     def bounds(self, size: int) -> tuple[int, int]:
@@ -239,8 +241,9 @@ class ModelAdapter(abc.ABC):
         return f"choose a tp that divides {self.tp_divides or size}"
 
     def planning_example(
-        self, config: Any, **example: Any
+        self, config: Any, *args: Any, **example: Any
     ) -> tuple[torch.nn.Module, tuple[Any, ...], tuple[torch.Tensor, ...]] | None:
+        # (`*args: Any, **example: Any`: a family's override takes the arguments it accepts)
         """For `planning.plan_rank`: the model of `config` built on the meta device, the
         arguments of one example call (meta tensors; `example` says what the family accepts)
         and the token inputs among them; None when `config` is not a config of this family."""

@@ -3,6 +3,9 @@ values the EP dispatches send. What they cost is `report.comm`'s; which run wher
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -13,7 +16,7 @@ from dsv41_compile.core.meta import EP_SOURCE
 __all__ = ["COLLECTIVES", "collective_axis", "collective_kind", "dispatched_values"]
 
 c10d = torch.ops._c10d_functional
-COLLECTIVES = {
+COLLECTIVES: dict[Callable[..., Any] | str, str] = {  # keyed like `Node.target`
     c10d.all_gather_into_tensor.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",

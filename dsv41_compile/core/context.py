@@ -87,6 +87,8 @@ class CompileContext:
         with gm.graph.inserting_after(placeholders[-1]):
             node = gm.graph.placeholder(EP_TOKENS)
         # A size only the runtime knows: a fresh unbacked symbol (>= 1) for fake propagation.
+        if self.fake_mode.shape_env is None:
+            raise InternalError("the compile's fake mode has no shape env")
         value = new_input_size(self.fake_mode.shape_env)
         torch._check(value >= 1)
         node.meta.update({"val": value, OUT: None, SYMBOL: "Tl_max"})

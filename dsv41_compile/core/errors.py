@@ -15,7 +15,7 @@ from torch.fx import Node
 
 from dsv41_compile.core.meta import describe
 
-__all__ = ["Dsv41Error", "InternalError"]
+__all__ = ["Dsv41Error", "InternalError", "as_node"]
 
 
 class Dsv41Error(Exception):
@@ -42,3 +42,11 @@ class InternalError(Dsv41Error):
         if self.graph_path:
             text += f"; the graph the pass left is in {self.graph_path} (attach it to the report)"
         return text
+
+
+def as_node(arg: object, what: str) -> Node:
+    """`arg`, an argument a pass knows to hold a tensor, as the node it is (FX types an argument
+    as any value); `what` names the argument in the `InternalError` raised when it is not one."""
+    if not isinstance(arg, Node):
+        raise InternalError(f"expected a node as {what}, got {arg!r}")
+    return arg

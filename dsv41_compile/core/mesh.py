@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import GroupName
 
 from dsv41_compile.core.torch_private import (
     inherit_timeout,
@@ -115,5 +116,6 @@ def _inherit_timeout(group: dist.ProcessGroup, device_type: str) -> None:
 
 
 def _alias(name: str, group: dist.ProcessGroup) -> None:
-    unregister_process_group(name)  # from an earlier world; a no-op for an unknown name
-    register_process_group(name, group)
+    group_name = GroupName(name)  # (the str itself: c10d's type for a group's name)
+    unregister_process_group(group_name)  # from an earlier world; a no-op for an unknown name
+    register_process_group(group_name, group)

@@ -4,6 +4,8 @@ node came from, its model source line, and how a replacement inherits them."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from typing import TypeGuard
 
 import torch
 from torch.fx import Node
@@ -103,7 +105,7 @@ def replace_node(node: Node, out: Node, added: list[Node], reason: str | None = 
     node.graph.erase_node(node)
 
 
-def is_tensor(x: object) -> bool:
+def is_tensor(x: object) -> TypeGuard[Node]:
     """`x` is a node with a tensor value: its "val", or for a node a pass inserted before the
     values were propagated again, the global value it stands for (`GLOBAL_VAL`)."""
     if not isinstance(x, Node):
@@ -114,7 +116,12 @@ def is_tensor(x: object) -> bool:
 def tensor_inputs(node: Node) -> list[Node]:
     """The tensor-valued input nodes of `node`, in pytree order of its args (repeats kept)."""
     leaves: list[Node] = []
-    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: leaves.append(n) or n)
+
+    def keep(n: Node) -> Node:
+        leaves.append(n)
+        return n
+
+    torch.fx.node.map_arg((node.args, node.kwargs), keep)
     return [n for n in leaves if is_tensor(n)]
 
 
@@ -152,5 +159,5 @@ def metadata_key(value: object) -> object:
 _PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
-def _exprs(sizes: object) -> tuple[object, ...]:
+def _exprs(sizes: Iterable[object]) -> tuple[object, ...]:
     return tuple(sym_expr(s) if isinstance(s, torch.SymInt) else s for s in sizes)

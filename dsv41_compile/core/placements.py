@@ -44,7 +44,7 @@ class ColumnShard(Placement):
         return ColumnShard, (self.host,)
 
 
-def format_placement(placement: Placement | None) -> str:
+def format_placement(placement: object) -> str:
     """Short form: `S(0)`, `R`, `P` (`P(max)` for a non-sum partial), `-` for no tensor; other
     placements (`E(0)`) by their repr."""
     if placement is None:

@@ -138,7 +138,7 @@ class ShardingPlan:
         """A ValueError naming each pattern that matches none of a model's parameters
         (`params`) or modules (the rest), unless it says it may, with the closest names."""
         params, modules = sorted(set(param_fqns)), sorted(set(module_paths))
-        tables = [
+        tables: list[tuple[str, list[tuple[str, str | None]], list[str], str]] = [
             ("params", [(e.pattern, e.optional) for e in self.params], params, "parameter"),
             ("anchors", [(e.pattern, e.optional) for e in self.anchors], modules, "module"),
             ("exits", [(e.pattern, e.optional) for e in self.exits], modules, "module"),

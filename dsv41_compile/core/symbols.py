@@ -121,7 +121,7 @@ def is_token_count(size: object) -> bool:
     return sym_expr(size) in _TOKEN_SYMBOLS.get(sym_shape_env(size), ())
 
 
-def hint(size: object) -> int:
+def hint(size: int | torch.SymInt) -> int:
     """A concrete value of `size`: token symbols at `PLANNING_TOKENS`, other backed symbols at
     their example value, other unbacked symbols (data-dependent sizes) at `PLANNING_TOKENS`.
     Memoised per shape env: the passes ask for the same few sizes tens of thousands of times."""

@@ -39,7 +39,12 @@ from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 from torch._ops import OpOverload
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorMode,
+    is_fake,
+    unset_fake_temporarily,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
@@ -56,6 +61,7 @@ __all__ = [
     "DTensorSpec",
     "DynamoCompileContext",
     "FakeProcessGroup",
+    "FakeTensor",
     "FakeTensorMode",
     "FloorDiv",
     "GraphPickler",
@@ -154,12 +160,12 @@ def on_dynamo_compiles(start: Callable[[Any], None], end: Callable[[Any], None])
         callback_handler.register_end_callback(end)
 
 
-def sym_expr(size: torch.SymInt) -> sympy.Expr:
+def sym_expr(size: torch.SymInt | torch.SymFloat | torch.SymBool) -> sympy.Expr:
     """The sympy expression of a symbolic size (its `SymNode`'s)."""
     return size.node.expr
 
 
-def sym_hint(size: torch.SymInt) -> int | None:
+def sym_hint(size: torch.SymInt | torch.SymFloat | torch.SymBool) -> int | float | bool | None:
     """The example value of a symbolic size, None for an unbacked one."""
     return size.node.hint
 
@@ -176,8 +182,9 @@ def new_input_size(shape_env: ShapeEnv) -> torch.SymInt:
         return shape_env.create_unbacked_symint()
 
 
-def size_of(shape_env: ShapeEnv, expr: sympy.Expr) -> torch.SymInt:
-    """A symbolic size of `shape_env` for `expr`, without a hint."""
+def size_of(shape_env: ShapeEnv, expr: sympy.Expr) -> int | torch.SymInt:
+    """A symbolic size of `shape_env` for `expr`, without a hint (an int when `expr` is a
+    number)."""
     return shape_env.create_symintnode(expr, hint=None)
 
 
@@ -253,7 +260,8 @@ def register_fake_backend() -> None:
     import torch.distributed as dist
 
     def create(common_opts: Any, backend_opts: Any) -> Any:
-        return FakeProcessGroup._create_internal(
+        # torch's stub omits `options`, which the binding takes (torch's own fake_pg passes it)
+        return FakeProcessGroup._create_internal(  # type: ignore[call-arg]
             common_opts.group_rank, common_opts.group_size, backend_opts
         )
 

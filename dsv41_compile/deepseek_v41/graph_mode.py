@@ -134,9 +134,9 @@ def _mx_quant(x: Proxy) -> Proxy:
 def _quant_dequant(x: Proxy, dtype: torch.dtype) -> Proxy:
     """`x` through FP8 e4m3 and back, in blocks of 32 along its last dim."""
     quantised = _mx_quant(x)
-    return npu_op("npu_anti_mx_quant")(
-        quantised[0], quantised[1], axis=-1, dst_type=DTYPE_CODES[dtype], src_type=E4M3
-    )
+    anti_quant = npu_op("npu_anti_mx_quant")
+    codes, scales = quantised[0], quantised[1]  # type: ignore[index]  # fx.Proxy's operators are set at import (torch.fx.proxy)
+    return anti_quant(codes, scales, axis=-1, dst_type=DTYPE_CODES[dtype], src_type=E4M3)
 
 
 def act_quant_dequant_mx(emit, val, x):

@@ -74,7 +74,7 @@ def deepseek_v41_plan(
         )
     if layout != "sp":
         raise ValueError(f"layout={layout!r}: the plans are 'sp' and 'replicated'")
-    anchors = (
+    anchors: tuple[Entry, ...] = (
         Entry("layers.*", Shard(0)),
         Entry("layers.*.attn", Replicate()),
         Entry("layers.*.ffn", Shard(0)),

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -132,7 +132,8 @@ def _accept(
     the last: greedy, or rejection sampling (`accept_sampled`)."""
     if temperature > 0:
         p_RV = torch.softmax(logits_RV.float() / temperature, dim=-1)
-        return accept_sampled(drafts, q_DV, p_RV, generator)
+        # q_DV is None only without drafts, when no row of it is read
+        return accept_sampled(drafts, cast(Tensor, q_DV), p_RV, generator)
     kept = 0
     while kept < len(drafts) and drafts[kept] == int(logits_RV[kept].argmax()):
         kept += 1
@@ -189,7 +190,8 @@ def generate(
 
     def draft(batch: Sequence[_Request], verified: _Verified) -> None:
         args = (draft_cache, verified, temperature, generator, out, max_new_tokens)
-        _draft(model, drafter, batch, *args)
+        # called when speculative only, where drafter is set (model.mtp by default)
+        _draft(model, cast(Callable[..., Any], drafter), batch, *args)
 
     with torch.no_grad():
         # prefill: the prompts, then the first token and the first proposals
@@ -261,18 +263,18 @@ def _call_backbone(
     """One packed call: each request's tokens from its cache's length on, then its drafts."""
     batch, rows, start = [], {}, 0
     for r in requests:
-        ids = r.tokens[r.held :] + r.drafts
-        batch.append(Request(r.slot, ids, r.held))
-        rows[r.slot] = (start, start + len(ids))
-        start += len(ids)
+        fed = r.tokens[r.held :] + r.drafts
+        batch.append(Request(r.slot, fed, r.held))
+        rows[r.slot] = (start, start + len(fed))
+        start += len(fed)
     ids, positions, slots = pack(batch)
     mark_token_dim(ids, positions, slots)  # one compiled program for every step's token count
-    hidden, start = None, time.perf_counter()
+    hidden, began = None, time.perf_counter()
     if speculative:
         logits, hidden = backbone(ids, positions, slots, cache, hidden=True)
     else:
         logits = backbone(ids, positions, slots, cache)
-    out.backbone_seconds.append(time.perf_counter() - start)
+    out.backbone_seconds.append(time.perf_counter() - began)
     return _Verified(logits, rows, positions, slots, hidden)
 
 
@@ -310,14 +312,14 @@ def _draft(
     ids, block_positions, block_slots = pack(blocks)
     context = hidden[index], positions[index], slots[index]
     mark_token_dim(ids, block_positions, block_slots, *context)
-    start = time.perf_counter()
+    began = time.perf_counter()
     logits, _ = drafter(ids, block_positions, block_slots, cache, *context)
     for b, r in enumerate(todo):
         budget = max_new_tokens - r.generated - 1  # the verify adds one token of its own
         rows_BV = logits[b * cfg.dspark_block_size : (b + 1) * cfg.dspark_block_size]
         count = min(budget, cfg.dspark_block_size)
         r.drafts, r.q = propose(model, rows_BV, r.tokens[-1], count, temperature, generator)
-    out.drafter_seconds.append(time.perf_counter() - start)
+    out.drafter_seconds.append(time.perf_counter() - began)
 
 
 def propose(

@@ -14,6 +14,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dsv41_compile.core.adapter import ModelAdapter
+from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import module_paths
 from dsv41_compile.core.symbols import new_token_symbol
 from dsv41_compile.core.torch_private import (
@@ -84,6 +85,8 @@ class Captured:
         if count is None:
             return values
         fake_mode = TracingContext.get().fake_mode
+        if fake_mode.shape_env is None:
+            raise InternalError("Dynamo's fake mode has no shape env")
         u = new_token_symbol(fake_mode.shape_env)
         generalized = list(values)
         if isinstance(count, torch.SymInt):
@@ -94,10 +97,12 @@ class Captured:
                 if isinstance(x, torch.SymInt) and sym_expr(x) == sym_expr(count):
                     generalized[i] = u
         for name in self.adapter.token_inputs:
-            i = self.inputs.index_of(name)
-            real = values[i]
+            index = self.inputs.index_of(name)
+            if index is None:  # the family's adapter matched the graph by its inputs
+                raise InternalError(f"the graph has no token input {name}")
+            real = values[index]
             with fake_mode:
-                generalized[i] = torch.empty((u,), dtype=real.dtype, device=real.device)
+                generalized[index] = torch.empty((u,), dtype=real.dtype, device=real.device)
         return generalized
 
 

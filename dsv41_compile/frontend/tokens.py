@@ -20,8 +20,8 @@ named too (`specializes_tokens`).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import sympy
 import torch
@@ -84,37 +84,43 @@ def _size_slots(node: Node) -> list[Slot]:
     if node.op == "call_method" and node.target in _SIZED_METHODS and len(node.args) > 1:
         first = 1
     elif node.op == "call_method" and node.target == "new_full":
-        return [(1, i) for i in range(len(node.args[1]))]
+        return [(1, i) for i in range(len(cast(Sequence[object], node.args[1])))]
     elif node.op == "call_function" and node.target in _FACTORIES and node.args:
         if node.target is torch.arange and len(node.args) != 1:
             return []  # arange(start, end, ...): not a size
         first = 0
     else:
         return []
-    if len(node.args) == first + 1 and isinstance(node.args[first], (list, tuple)):
-        return [(first, i) for i in range(len(node.args[first]))]
+    if len(node.args) == first + 1 and isinstance(sizes := node.args[first], (list, tuple)):
+        return [(first, i) for i in range(len(sizes))]
     return [(i, None) for i in range(first, len(node.args))]
 
 
 def _get(node: Node, slot: Slot) -> object:
     position, index = slot
-    return node.args[position] if index is None else node.args[position][index]
+    if index is None:
+        return node.args[position]
+    return cast(Sequence[object], node.args[position])[index]
 
 
 def _with(args: tuple, slot: Slot, value: object) -> tuple:
     position, index = slot
-    args = list(args)
+    items = list(args)
     if index is None:
-        args[position] = value
+        items[position] = value
     else:
-        seq = list(args[position])
+        seq = list(items[position])
         seq[index] = value
-        args[position] = tuple(seq) if isinstance(args[position], tuple) else seq
-    return tuple(args)
+        items[position] = tuple(seq) if isinstance(items[position], tuple) else seq
+    return tuple(items)
 
 
 def _token_slots(
-    gm: GraphModule, example_inputs: list[Any], token_indices: set[int], count: int, mark: str
+    gm: GraphModule,
+    example_inputs: list[Any],
+    token_indices: set[int | None],
+    count: int,
+    mark: str,
 ) -> list[tuple[Node, Slot]]:
     """The size arguments of `gm` that are the token count (see `generalized`);
     `mark` is how the user marks the token dim instead."""
@@ -132,7 +138,7 @@ def _token_slots(
     symbols: dict[tuple[Node, Slot], torch.SymInt] = {}
     for candidate in candidates:
         symbols[candidate] = new_token_symbol(shape_env)
-    fakes = []
+    fakes: list[Any] = []
     for i, x in enumerate(example_inputs):
         if i in token_indices:
             with mode:

@@ -14,9 +14,9 @@ whole step (`meta_kernels`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.fx import GraphModule
@@ -103,8 +103,8 @@ def _aot(
     call `deferred`)."""
     graphs: list[tuple[GraphModule, list[Any]]] = []
 
-    def take(aten_gm: GraphModule, aten_inputs: list[Any]) -> _Deferred:
-        graphs.append((aten_gm, aten_inputs))
+    def take(gm: GraphModule, example_inputs: Sequence[Any]) -> _Deferred:
+        graphs.append((gm, cast(list[Any], example_inputs)))  # AOTAutograd passes a list
         return deferred
 
     try:

@@ -42,6 +42,7 @@ one row comes back, and the source adds the ranks' sums in rank order (= expert 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ from torch.fx import Graph, GraphModule, Node, Proxy
 from dsv41_compile.core.adapter import ActivationRows, RoutedExperts
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.emitter import Emitter, cast
+from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import (
     EP_SOURCE,
     GLOBAL_VAL,
@@ -101,7 +103,10 @@ def expert_parallel(gm: GraphModule, *, ctx: CompileContext) -> None:
         ctx.fake_mode.allow_scalar_outputs = True
     if stats:
         output = graph.output_node()
-        output.args = (tuple(output.args[0]) + tuple(stats),)
+        results = output.args[0]
+        if not isinstance(results, (tuple, list)):
+            raise InternalError(f"the graph returns {results}, not a tuple of its outputs")
+        output.args = (tuple(results) + tuple(stats),)
     graph.lint()
     gm.recompile()
 
@@ -228,7 +233,8 @@ def _exact(emit: _Emitter, op: _Routed, info: EpLayer) -> tuple[Proxy, Proxy]:
 
 def _padded(emit: _Emitter, op: _Routed, info: EpLayer, ep_tokens: Proxy) -> tuple[Proxy, Proxy]:
     ep, per_rank, K = info.ep, info.experts_per_rank, info.top_k
-    capacity = ep_tokens * info.rows_per_token  # C rows per peer, the same on every rank
+    # C rows per peer, the same on every rank
+    capacity = ep_tokens * info.rows_per_token  # type: ignore[operator]  # fx.Proxy's operators are set at import (torch.fx.proxy)
     n_rows = capacity * ep
     expert = _dispatched(aten.view.default(op.topk_idx, [-1]))  # [A = Tl*K]
     assigned = aten.ge.Scalar(expert, 0)
@@ -372,7 +378,8 @@ def _padded_per_rank(
     destination's block if the destination holds one of its experts, else an empty row
     (routes -1) that costs bytes but no expert compute."""
     ep, K = info.ep, info.top_k
-    capacity = ep_tokens * info.rows_per_token  # = Tl_max
+    # = Tl_max
+    capacity = ep_tokens * info.rows_per_token  # type: ignore[operator]  # fx.Proxy's operators are set at import (torch.fx.proxy)
     n_rows = capacity * ep
     hit_RTK, local_TK, hit_RT, sent_rows, sent = _per_rank_routes(emit, op, info)
     tl = aten.sym_size.int(op.x, 0)
@@ -469,7 +476,7 @@ def _exact_splits(
     splits = [_host_count(emit, counts[i], i, ep) for i in range(2 * ep)]
     n_send = splits[0]
     for count in splits[1:ep]:
-        n_send = n_send + count
+        n_send = n_send + count  # type: ignore[operator]  # fx.Proxy's operators are set at import (torch.fx.proxy)
     return splits[:ep], splits[ep:], n_send
 
 
@@ -491,7 +498,7 @@ _PADDED_PER_RANK_WHY = (
     "EP combine (padded, per rank): each row's sum over the rank's experts back to its source",
 )
 
-_LOWERINGS = {
+_LOWERINGS: dict[tuple[str, str], Callable[..., tuple[Proxy, Proxy]]] = {
     ("exact", "per_assignment"): _exact,
     ("padded", "per_assignment"): _padded,
     ("exact", "per_rank"): _exact_per_rank,

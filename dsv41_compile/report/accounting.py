@@ -28,6 +28,7 @@ ceil(T/tp) * (1 - C(E - E/ep, K)/C(E, K)) rows (`moe.stats.EpLayer.expected_rows
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import sympy
 import torch
@@ -129,7 +130,8 @@ def summarize(costs: list[Cost], tokens: int) -> dict[str, object]:
             record["bytes_sent"] += sent
             record["bytes_received"] += received
     per_layer = {p: {k: v / n_layers for k, v in parts[p].items()} for p in ("attention", "moe")}
-    table_layers = sorted({c.layer for c in costs if c.table})
+    # a table's exchange is in a decoder layer (Engram's): its layer is never None
+    table_layers = sorted(cast(set[int], {c.layer for c in costs if c.table}))
     table_costs = [c for c in costs if c.table]
     return {
         "tokens_per_dp_group": tokens,

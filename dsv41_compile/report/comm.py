@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import sympy
 import torch
@@ -70,7 +71,7 @@ def _numel(val: torch.Tensor) -> sympy.Expr:
     return sympy.Mul(*(size_expr(s) for s in val.shape))
 
 
-def _a2a_bytes(splits: list[object], val: torch.Tensor, rank: int) -> sympy.Expr:
+def _a2a_bytes(splits: Sequence[object], val: torch.Tensor, rank: int) -> sympy.Expr:
     """Bytes of the chunks for the other ranks (the chunk at `rank` stays)."""
     exprs = [size_expr(s) for s in splits]
     row = val.element_size() * math.prod(int(d) for d in val.shape[1:])
@@ -89,8 +90,8 @@ def collective_bytes(node: Node, ctx: CompileContext) -> tuple[str, int, sympy.E
         return (
             axis,
             group_size,
-            _a2a_bytes(node.args[2], inp, rank),
-            _a2a_bytes(node.args[1], out, rank),
+            _a2a_bytes(cast(Sequence[object], node.args[2]), inp, rank),
+            _a2a_bytes(cast(Sequence[object], node.args[1]), out, rank),
         )
     if kind == "all_reduce":
         moved = sympy.Rational(2 * (tp - 1), tp) * _numel(inp) * inp.element_size()
@@ -109,10 +110,11 @@ def format_size(size: object, names: dict[sympy.Expr, sympy.Symbol]) -> str:
     args = sympy.Add.make_args(expr)
     terms = [re.fullmatch(r"(.+)_(\d+)", str(t)) if isinstance(t, sympy.Symbol) else None
              for t in args]  # fmt: skip
-    if len(args) > 2 and all(terms) and len({t[1] for t in terms}) == 1:
-        numbers = sorted(int(t[2]) for t in terms)
+    matched = [t for t in terms if t is not None]
+    if len(args) > 2 and len(matched) == len(terms) and len({t[1] for t in matched}) == 1:
+        numbers = sorted(int(t[2]) for t in matched)
         if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
-            return f"sum({terms[0][1]}_{numbers[0]}..{numbers[-1]})"
+            return f"sum({matched[0][1]}_{numbers[0]}..{numbers[-1]})"
     return str(expr)
 
 

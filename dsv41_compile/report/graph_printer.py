@@ -16,6 +16,7 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Callable
+from typing import cast
 
 import sympy
 import torch
@@ -81,13 +82,18 @@ class _Printer:
         self.labels, self.groups = labels, groups
         self.anonymous = anonymous
         """Every name by position, the inputs' and the passes' names too (`format_folded`)."""
-        # `like`: a printer of the same graph, whose symbols and names this one shares
-        self.symbols = like.symbols if like else graph_symbols(gm)
+        # `like`: a printer of the same graph, whose symbols and names this one shares (`gm`
+        # is given without it)
+        self.symbols: dict[sympy.Expr, sympy.Symbol] = (
+            like.symbols if like else graph_symbols(cast(GraphModule, gm))
+        )
         self.stable = stable_names or anonymous
         kept = [n for n in printed if anonymous or not n.meta.get(NAMED)]
         self.names = {n: f"v{i}" for i, n in enumerate(kept)} if stable_names else {}
         self.external: dict[Node, str] = {}
-        self.by_name = like.by_name if like else {n.name: n for n in gm.graph.nodes}
+        self.by_name: dict[str, Node] = (
+            like.by_name if like else {n.name: n for n in cast(GraphModule, gm).graph.nodes}
+        )
 
     def name(self, node: Node) -> str:
         if node in self.names:

@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import sympy
 import torch
@@ -54,6 +54,7 @@ from filelock import FileLock
 from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.torch_private import (
     FakeTensorMode,
     GraphPickler,
@@ -132,7 +133,7 @@ def save_graph(gm: GraphModule) -> bytes:
 
 
 def load_graph(data: bytes) -> GraphModule:
-    gm = GraphPickler.loads(data, FakeTensorMode())
+    gm = cast(GraphModule, GraphPickler.loads(data, FakeTensorMode()))
     gm.recompile()
     return gm
 
@@ -290,12 +291,19 @@ class Claim:
             if kind is TensorifyScalarRestartAnalysis:
                 self._slot.store(Artifact(b"", None, restart=restart_requested()))
             elif kind is None and self._saved is not None and self.names is not None:
-                shape_env = TracingContext.get().fake_mode.shape_env
-                guards = saved_guards(shape_env, self._since, self.names)
+                guards = saved_guards(_shape_env(), self._since, self.names)
                 if guards is not None:  # else every rank compiles for itself
                     self._slot.store(dataclasses.replace(self._saved, guards=guards))
         finally:
             self._lock.release()
+
+
+def _shape_env() -> ShapeEnv:
+    """The shape env of the compile Dynamo is running (its tracing context's fake mode's)."""
+    shape_env = TracingContext.get().fake_mode.shape_env
+    if shape_env is None:
+        raise InternalError("Dynamo's fake mode has no shape env")
+    return shape_env
 
 
 def claim(key: str | None, fakes: list[Any]) -> Claim:
@@ -315,7 +323,7 @@ def claim(key: str | None, fakes: list[Any]) -> Claim:
     lock = FileLock(str(path / f"{key}.lock"))
     lock.acquire()
     slot = _Slot(path / f"{key}.pkl")
-    shape_env = TracingContext.get().fake_mode.shape_env
+    shape_env = _shape_env()
     if slot.artifact is None:
         STATS["compiled"] += 1
         return Claim(names, lock=lock, slot=slot, since=len(shape_env_guards(shape_env)))

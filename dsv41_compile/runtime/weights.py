@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from typing import cast
 
 import torch
 
@@ -35,7 +36,7 @@ def weight_inputs(signature: ProgramSignature, mesh: Mesh) -> dict[int, WeightIn
     """Input index -> what this rank holds of that parameter (buffers are not read)."""
     out = {}
     for p in signature.weights:
-        part = None
+        part: WeightSlice | WeightRange | None = None
         if p.shard is not None and p.shard.ranges is not None:
             start, stop = p.shard.ranges[mesh.axis_rank(p.shard.axis)]
             part = WeightRange(p.shard.dim, start, stop)
@@ -89,4 +90,5 @@ def _read(
                     tensor = shard.padded(tensor)
                 host = shard.host if shard is not None else False
                 held[w] = _LOADED[root, w] = tensor if host else tensor.to(device_type)
-    return {index: held[w] for index, w in wanted.items()}
+    # every weight is held now (read above where it was not)
+    return {index: cast(torch.Tensor, held[w]) for index, w in wanted.items()}

@@ -102,7 +102,9 @@ def _annotate_placeholder(node: Node, ctx: CompileContext) -> None:
     node.meta[RULE] = f"plan: {fqn}"
 
 
-def _indivisible(fqn: str, shape: list, placement: Placement, parts: int, advice: str) -> str:
+def _indivisible(
+    fqn: str, shape: list, placement: Shard | ExpertShard, parts: int, advice: str
+) -> str:
     size = shape[placement.dim]
     if isinstance(placement, ExpertShard):
         return (

@@ -229,8 +229,9 @@ def _cut(
         node.meta[IN] = ins
         node.meta[OUT] = outs if isinstance(node.meta.get("val"), (tuple, list)) else outs[0]
         node.meta[RULE] = rule
-    rows = tuple(_row_bytes(n) for n in gathered)
-    if any(r is None for r in rows):
+    sizes = [_row_bytes(n) for n in gathered]
+    rows = tuple(r for r in sizes if r is not None)
+    if len(rows) != len(sizes):
         raise InternalError(f"{region}: the cut gathers a value without a row size")
     alternative = None
     if not sharded:  # the input won: what the cheapest cut that moves the ops would gather

@@ -15,6 +15,8 @@ global size are refused.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -104,7 +106,7 @@ def column_ranges(table: Node, ctx: CompileContext) -> tuple[tuple[int, int], ..
         raise InternalError(
             "a column-split table is read by no table-lookup op of the model family", table
         )
-    bounds = list(lookup.args[TableLookup.COLUMNS])
+    bounds = list(cast(Sequence[int], lookup.args[TableLookup.COLUMNS]))
     columns, world = len(bounds) - 1, ctx.mesh.world_size
     k = -(-columns // world)
     return tuple(
@@ -138,7 +140,7 @@ def _local_view_sizes(
 
 
 def _local_expand_sizes(node: Node, dim: int, ctx: CompileContext) -> list[object]:
-    sizes = list(node.args[1])
+    sizes = list(cast(Sequence[object], node.args[1]))
     source = node.args[0].meta[GLOBAL_VAL]
     offset = len(sizes) - source.dim()
     if sizes[dim] == -1:

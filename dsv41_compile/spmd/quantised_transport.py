@@ -26,6 +26,8 @@ same adapter entry (`moe.expert_parallel`).
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch.fx import GraphModule, Node
@@ -58,7 +60,7 @@ def quantised_transport(gm: GraphModule, *, ctx: CompileContext) -> None:
         elif (quantizations := _only_quantized(wait, codec)) is not None:
             _move_encoded(gm, node, wait, value, codec, "the rows its receiver quantises")
             for q in quantizations:  # the decoded rows are quantize(rows) already
-                q.replace_all_uses_with(q.args[0])
+                q.replace_all_uses_with(cast(Node, q.args[0]))
                 gm.graph.erase_node(q)
     gm.graph.lint()
     gm.recompile()
@@ -71,7 +73,7 @@ def _move_encoded(
     width = source.meta["val"].shape[-1]
     with graph.inserting_before(collective):
         encoded = graph.call_function(codec.encode, (source,))
-    collective.replace_input_with(collective.args[0], encoded)
+    collective.replace_input_with(cast(Node, collective.args[0]), encoded)
     with graph.inserting_after(wait):
         decoded = graph.call_function(codec.decode, (wait,))
     wait.replace_all_uses_with(decoded, delete_user_cb=lambda user: user is not decoded)
@@ -131,7 +133,7 @@ def _moves_rows(node: Node, block: int) -> bool:
     if target is aten.unflatten.int:
         return _dim(node, 1, 0, ndim) != last
     if target is aten.permute.default:
-        return list(node.args[1])[-1] % ndim == last
+        return list(cast(Sequence[int], node.args[1]))[-1] % ndim == last
     if target in (aten.clone.default, aten.contiguous.default):
         return True
     if target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
@@ -155,4 +157,4 @@ def _input_ndim(node: Node) -> int | None:
 
 def _dim(node: Node, position: int, default: int, ndim: int) -> int:
     dim = node.args[position] if len(node.args) > position else node.kwargs.get("dim", default)
-    return dim % ndim
+    return cast(int, dim) % ndim

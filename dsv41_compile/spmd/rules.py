@@ -27,12 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.node import Argument
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import GLOBAL_VAL, describe, is_tensor, tensor_inputs
@@ -40,7 +42,7 @@ from dsv41_compile.core.placements import format_placement
 from dsv41_compile.core.registry import Registry
 from dsv41_compile.core.strategy import RuleFn, Strategy
 from dsv41_compile.core.symbols import PLANNING_TOKENS, hint, hint_shape, is_token_count
-from dsv41_compile.core.torch_private import sym_hint
+from dsv41_compile.core.torch_private import OpOverload, sym_hint
 from dsv41_compile.spmd.dtensor_adapter import PlacedTensor, propagate
 
 __all__ = [
@@ -75,7 +77,7 @@ its own rounding: a lower-precision float is summed by one device in fp32 and ro
 
 
 def _global(node: Node) -> torch.Tensor:
-    return node.meta.get(GLOBAL_VAL, node.meta.get("val"))
+    return cast(torch.Tensor, node.meta.get(GLOBAL_VAL, node.meta.get("val")))
 
 
 def is_token_shard(node: Node, placement: Placement | None) -> bool:
@@ -144,10 +146,10 @@ class RuleAnswers:
     """DTensor's answers asked in one compile, by question (`dtensor_adapter.propagate`'s
     memo): the layers of a kind ask the same ones."""
 
-    by_question: dict[object, object] = field(default_factory=dict)
+    by_question: dict[object, Strategy | Exception] = field(default_factory=dict)
 
 
-def rule_answers(ctx: CompileContext) -> dict[object, object]:
+def rule_answers(ctx: CompileContext) -> dict[object, Strategy | Exception]:
     """This compile's memo of DTensor's answers (made on first use)."""
     answers = ctx.get(RuleAnswers, None)
     if answers is None:
@@ -156,7 +158,9 @@ def rule_answers(ctx: CompileContext) -> dict[object, object]:
     return answers.by_question
 
 
-def tensor_outputs(node: Node, strategy: Strategy) -> Iterator[tuple[Placement, torch.Tensor]]:
+def tensor_outputs(
+    node: Node, strategy: Strategy
+) -> Iterator[tuple[Placement | None, torch.Tensor]]:
     """`(placement, value)` of each tensor output of `node` under `strategy`."""
     val = node.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else (val,)
@@ -169,8 +173,8 @@ def strategy_for(
     node: Node,
     given: Sequence[Placement],
     mesh: DeviceMesh,
-    model_rules: Mapping[object, RuleFn] | None = None,
-    answers: dict[object, object] | None = None,
+    model_rules: Mapping[Any, RuleFn] | None = None,
+    answers: dict[object, Strategy | Exception] | None = None,
 ) -> tuple[Strategy, str]:
     """The strategy of `node` given its tensor inputs' placements, and which rule gave it;
     `model_rules` are the model adapter's (`spmd.annotate` passes them), `answers` the
@@ -183,12 +187,12 @@ def strategy_for(
                 return strategy, "dsv41"
     if all(p == Replicate() for p in given):
         return Strategy(inputs=tuple(given), outputs=_outputs(node, Replicate())), "replicated"
-    placements = iter(given)
+    pending = iter(given)
 
-    def placed(arg: object) -> object:
+    def placed(arg: Argument) -> Any:  # a PlacedTensor for a tensor
         if is_tensor(arg):
             val = arg.meta["val"]
-            return PlacedTensor(hint_shape(val), val.dtype, next(placements))
+            return PlacedTensor(hint_shape(val), val.dtype, next(pending))
         if isinstance(arg, Node):
             return _hint(arg.meta.get("val"))
         return arg
@@ -199,7 +203,9 @@ def strategy_for(
     placements = ", ".join(format_placement(p) for p in given)
     inputs = tensor_inputs(node)
     try:
-        strategy = propagate(node.target, args, mesh, dict(node.kwargs), answers)
+        # a target DTensor has no rule for (an OpOverload or not) raises NotImplementedError
+        op = cast(OpOverload, node.target)
+        strategy = propagate(op, args, mesh, dict(node.kwargs), answers)
     except NotImplementedError:  # (before RuntimeError, its base class)
         raise NotImplementedError(
             f"no sharding rule for {describe(node)} with input placements ({placements}); add a "
@@ -242,7 +248,12 @@ def _off_token_layout(
             sharded = True
             if need != have and not isinstance(need, Replicate):
                 return f"moves the token shards of {producer.name} to {format_placement(need)}"
-        elif need != have and is_token_shard(producer, need) and need.dim != 0:
+        elif (
+            need != have
+            and is_token_shard(producer, need)
+            and isinstance(need, Shard)
+            and need.dim != 0
+        ):
             return f"shards the token dim {need.dim} of {producer.name}"
         elif need != have and isinstance(need, Shard) and not _splittable(producer, need.dim):
             size = _global(producer).shape[need.dim]
@@ -299,8 +310,8 @@ def _tokens_gathered(
     inputs: list[Node],
     given: Sequence[Placement],
     mesh: DeviceMesh,
-    model_rules: Mapping[object, RuleFn] | None,
-    answers: dict[object, object] | None,
+    model_rules: Mapping[Any, RuleFn] | None,
+    answers: dict[object, Strategy | Exception] | None,
     why: str,
 ) -> tuple[Strategy, str] | None:
     """The strategy of `node` with its token-sharded inputs gathered, and why; None when it

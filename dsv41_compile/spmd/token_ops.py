@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import Argument
 
+from dsv41_compile.core.errors import as_node
 from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REAL_ROWS, tensor_inputs
 from dsv41_compile.core.strategy import Strategy
 from dsv41_compile.core.torch_private import custom_op_overload
@@ -80,17 +83,17 @@ def _(x: Tensor, shift: int, outside: Tensor) -> Tensor:
 
 
 def _global(node: Node) -> Tensor:
-    return node.meta.get(GLOBAL_VAL, node.meta.get("val"))
+    return cast(Tensor, node.meta.get(GLOBAL_VAL, node.meta.get("val")))
 
 
 def _reduced_dims(node: Node) -> list[int]:
     """The dims a reduction reduces (all for the `.default` overloads)."""
-    ndim = _global(node.args[0]).dim()
+    ndim = _global(as_node(node.args[0], "a token op's argument")).dim()
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if node.target is aten.mean.default or dims in (None, []):
         return list(range(ndim))
-    dims = [dims] if isinstance(dims, int) else dims
-    return sorted(d % ndim for d in dims)
+    listed = [dims] if isinstance(dims, int) else cast(Sequence[int], dims)
+    return sorted(d % ndim for d in listed)
 
 
 @rule(aten.mean.dim, aten.mean.default)
@@ -98,7 +101,9 @@ def _mean(node: Node, given: Sequence[Placement]) -> Strategy | None:
     # The mean over the token dim is the sum of the real rows divided by T: a partial sum
     # (DTensor's average of the shards' means is wrong for uneven shards).
     (x,) = given
-    if not is_token_shard(node.args[0], x) or 0 not in _reduced_dims(node):
+    if not is_token_shard(
+        as_node(node.args[0], "a token op's argument"), x
+    ) or 0 not in _reduced_dims(node):
         return None
     if node.meta["val"].dtype not in EXACT_SUMS:
         return None
@@ -109,8 +114,8 @@ def _mean(node: Node, given: Sequence[Placement]) -> Strategy | None:
 def _cumsum(node: Node, given: Sequence[Placement]) -> Strategy | None:
     # A scan of the shard plus the totals of the shards before it.
     (x,) = given
-    dim = node.args[1] % _global(node.args[0]).dim()
-    if not is_token_shard(node.args[0], x) or dim != 0:
+    dim = cast(int, node.args[1]) % _global(as_node(node.args[0], "a token op's argument")).dim()
+    if not is_token_shard(as_node(node.args[0], "a token op's argument"), x) or dim != 0:
         return None
     if node.meta["val"].dtype not in EXACT_SUMS:
         return None
@@ -120,7 +125,7 @@ def _cumsum(node: Node, given: Sequence[Placement]) -> Strategy | None:
 @rule(aten.roll.default)
 def _roll(node: Node, given: Sequence[Placement]) -> Strategy | None:
     (x,) = given
-    if is_token_shard(node.args[0], x) and 0 in _roll_dims(node):
+    if is_token_shard(as_node(node.args[0], "a token op's argument"), x) and 0 in _roll_dims(node):
         return Strategy(inputs=(x,), outputs=(x,))
     return None
 
@@ -128,7 +133,7 @@ def _roll(node: Node, given: Sequence[Placement]) -> Strategy | None:
 @rule(custom_op_overload(shift_tokens))
 def _shift(node: Node, given: Sequence[Placement]) -> Strategy | None:
     x, _ = given
-    if is_token_shard(node.args[0], x):
+    if is_token_shard(as_node(node.args[0], "a token op's argument"), x):
         return Strategy(inputs=(x, Replicate()), outputs=(x,))
     return None
 
@@ -137,20 +142,23 @@ def _shift(node: Node, given: Sequence[Placement]) -> Strategy | None:
 def _cat(node: Node, given: Sequence[Placement]) -> Strategy | None:
     # Token shards concatenated along the token dim are not a token shard of the result:
     # gather them. (DTensor's rule keeps them sharded and calls the result replicated.)
-    tensors = node.args[0]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    tensors = cast(Sequence[Node], node.args[0])
+    dim = cast(int, node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
     dim %= max(_global(tensors[0]).dim(), 1)
-    if any(is_token_shard(t, p) and p.dim == dim for t, p in zip(tensors, given)):
+    if any(
+        is_token_shard(t, p) and isinstance(p, Shard) and p.dim == dim
+        for t, p in zip(tensors, given)
+    ):
         return Strategy(inputs=tuple(Replicate() for _ in given), outputs=(Replicate(),))
     return _replicated_pieces_split(tensors, given)
 
 
 @rule(aten.stack.default)
 def _stack(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim = cast(int, node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
     if dim % node.meta["val"].dim() == 0:  # a new dim before the tokens: DTensor's rule
         return None
-    return _replicated_pieces_split(node.args[0], given)
+    return _replicated_pieces_split(cast(Sequence[Node], node.args[0]), given)
 
 
 def _replicated_pieces_split(
@@ -167,9 +175,9 @@ def _replicated_pieces_split(
 
 
 def _roll_dims(node: Node) -> list[int]:
-    ndim = _global(node.args[0]).dim()
+    ndim = _global(as_node(node.args[0], "a token op's argument")).dim()
     dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
-    return [d % ndim for d in dims]
+    return [d % ndim for d in cast(Sequence[int], dims)]
 
 
 # -- per-rank forms ---------------------------------------------------------------------------
@@ -194,7 +202,7 @@ def localize_token_ops(gm: GraphModule, sizes: TokenSizes) -> None:
             _shift_tokens(graph, node, sizes)
 
 
-def _identity(reduce_op: str, dtype: torch.dtype) -> object:
+def _identity(reduce_op: str, dtype: torch.dtype) -> bool | int | float:
     """The value a padding row takes in a reduction: the reduction's identity."""
     if reduce_op == "sum":
         return False if dtype is torch.bool else 0
@@ -206,7 +214,9 @@ def _identity(reduce_op: str, dtype: torch.dtype) -> object:
     return info.min if reduce_op == "max" else info.max
 
 
-def _real_rows(graph: Graph, x: Node, fill: object, sizes: TokenSizes, site: Node) -> Node:
+def _real_rows(
+    graph: Graph, x: Node, fill: bool | int | float, sizes: TokenSizes, site: Node
+) -> Node:
     """`x` (a token shard) with its padding rows set to `fill`."""
     ndim = _global(x).dim()
     mask = sizes.row_mask(graph)
@@ -234,10 +244,10 @@ def _mask_padding(graph: Graph, node: Node, out: Partial, sizes: TokenSizes) -> 
 def _mean_as_sum(graph: Graph, node: Node, sizes: TokenSizes) -> Node:
     """`mean(x, dims)` over the token dim -> `sum(x, dims) / (T * the other reduced sizes)`:
     each rank's share of the mean, summed by the AllReduce."""
-    x = node.args[0]
+    x = as_node(node.args[0], "a token op's argument")
     dims = _reduced_dims(node)
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    count: object = sizes.T
+    count: Node = sizes.T
     shape = _global(x).shape
     others = 1
     for d in dims:
@@ -273,11 +283,11 @@ def _rows(n: int) -> str:
 def _scan(graph: Graph, node: Node, sizes: TokenSizes) -> None:
     """`cumsum(x, 0)` of a token shard: the shard's scan (padding rows 0) plus the sum of the
     shards before it."""
-    x = node.args[0]
+    x = as_node(node.args[0], "a token op's argument")
     dtype = node.kwargs.get("dtype")
     with graph.inserting_before(node):
         kept = _real_rows(graph, x, 0, sizes, node)
-        kwargs = {"dtype": dtype} if dtype is not None else {}
+        kwargs: dict[str, Argument] = {"dtype": dtype} if dtype is not None else {}
         total = graph.call_function(aten.sum.dim_IntList, (kept, [0], True), kwargs)
     node.replace_input_with(x, kept)
     with graph.inserting_before(node.next):
@@ -306,7 +316,11 @@ def _roll_tokens(graph: Graph, node: Node, out: Placement | None, sizes: TokenSi
     """`roll(x, shifts, dims)` with the token dim among `dims`: the token dim's roll on a
     replicated value as an index by `(t - k) mod T`; on a token shard as a shift by k whose
     outside rows are the wrapped rows (`(j - k) mod T`), fetched from the ranks that hold them."""
-    x, shifts, dims = node.args[0], list(node.args[1]), _roll_dims(node)
+    x, shifts, dims = (
+        as_node(node.args[0], "a token op's argument"),
+        list(cast(Sequence[int], node.args[1])),
+        _roll_dims(node),
+    )
     k = shifts[dims.index(0)]
     rest = [(s, d) for s, d in zip(shifts, dims) if d != 0]
     with graph.inserting_before(node):
@@ -399,7 +413,14 @@ def _shifted_shard(
 def _shift_tokens(graph: Graph, node: Node, sizes: TokenSizes) -> None:
     x, k, outside = node.args
     with graph.inserting_before(node):
-        nodes = _shifted_shard(graph, x, k, outside, sizes, node)
+        nodes = _shifted_shard(
+            graph,
+            as_node(x, "a token op's argument"),
+            cast(int, k),
+            as_node(outside, "a token op's argument"),
+            sizes,
+            node,
+        )
     node.replace_all_uses_with(nodes[-1])
     _move_placement(node, nodes[-1])
     graph.erase_node(node)

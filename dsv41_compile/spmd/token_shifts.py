@@ -21,13 +21,17 @@ k = 1, where the model broadcasts its one row against no row).
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch.distributed.tensor import Shard
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.node import Argument
 
 from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.errors import as_node
 from dsv41_compile.core.meta import OUT
 from dsv41_compile.core.symbols import is_token_count
 from dsv41_compile.core.torch_private import custom_op_overload
@@ -98,19 +102,23 @@ def _slice_of(node: object) -> tuple[Node, object, object] | None:
     """(x, start, end) of `x[start:end]` along dim 0, step 1."""
     if not isinstance(node, Node) or node.target is not aten.slice.Tensor:
         return None
-    x, dim, start, end, *step = (*node.args, *(() if len(node.args) > 4 else ()))
+    args: tuple[Argument, ...] = (*node.args, *(() if len(node.args) > 4 else ()))
+    x, dim, start, end, *step = args
     if dim != 0 or (step and step[0] != 1):
         return None
-    return x, start, end
+    return as_node(x, "a shift's argument"), start, end
 
 
 def _cat_shift(node: Node) -> tuple[Node, int, Node, tuple[Node, ...]] | None:
     """`cat([outside, x[:-k]])` (k > 0) or `cat([x[k:], outside])` (k < 0)."""
-    if node.target is not aten.cat.default or len(node.args[0]) != 2:
+    if node.target is not aten.cat.default:
+        return None
+    tensors = cast(Sequence[Node], node.args[0])
+    if len(tensors) != 2:
         return None
     if (node.args[1] if len(node.args) > 1 else 0) != 0:
         return None
-    first, second = node.args[0]
+    first, second = tensors
     down = _slice_of(second)
     if down is not None and _token_shard(down[0]) and down[1] == 0:
         x, _, end = down
@@ -119,7 +127,8 @@ def _cat_shift(node: Node) -> tuple[Node, int, Node, tuple[Node, ...]] | None:
             return x, k, first, (second,)
     up = _slice_of(first)
     if up is not None and _token_shard(up[0]) and isinstance(up[1], int) and up[1] > 0:
-        x, k, end = up
+        x, _, end = up
+        k = up[1]
         if _static_rows(second, x) == k and (
             end == sys.maxsize or _equals(end, x.meta["val"].shape[0])
         ):
@@ -135,8 +144,11 @@ def _pad_shift(node: Node) -> tuple[Node, int, float, tuple[Node, ...]] | None:
     padded, start, end = sliced
     if padded.target is not aten.constant_pad_nd.default or not _token_shard(padded.args[0]):
         return None
-    x, pads = padded.args[0], list(padded.args[1])
-    value = padded.args[2] if len(padded.args) > 2 else 0.0
+    x, pads = (
+        as_node(padded.args[0], "a shift's argument"),
+        list(cast(Sequence[int], padded.args[1])),
+    )
+    value = cast(float, padded.args[2] if len(padded.args) > 2 else 0.0)
     if len(pads) != 2 * x.meta["val"].dim() or any(pads[:-2]):
         return None
     before, after = pads[-2:]
@@ -149,7 +161,9 @@ def _pad_shift(node: Node) -> tuple[Node, int, float, tuple[Node, ...]] | None:
     return None
 
 
-def _constant_rows(graph: torch.fx.Graph, x: Node, k: int, value: float, ctx: CompileContext):
+def _constant_rows(
+    graph: torch.fx.Graph, x: Node, k: int, value: float, ctx: CompileContext
+) -> Node:
     """A `[|k|, ...]` block of `value` shaped like `x`'s rows: a pad's outside rows."""
     val = x.meta["val"]
     shape = [abs(k), *val.shape[1:]]

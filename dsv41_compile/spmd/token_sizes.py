@@ -45,6 +45,7 @@ def token_sizes(gm: GraphModule, *, ctx: CompileContext) -> None:
         val = node.meta.get("val")
         if not isinstance(val, torch.SymInt) or node.args[0] is token:
             continue
+        linear: tuple[int, int] | None
         if sym_expr(val) == symbol:  # (a count the shape env made an expression)
             linear = (1, 0)
         elif isinstance(symbol, sympy.Symbol):

@@ -43,6 +43,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -173,14 +174,18 @@ TRANSITIONS: Registry[tuple[Callable[[Placement, Placement], bool], Transition]]
 """(applies, emit) by the emitting function's qualified name, in registration order."""
 
 
+_Emit = TypeVar("_Emit", bound=Callable[..., list[Node]])
+"""A transition's emitter, its `src` and `dst` typed as narrowly as `applies` admits."""
+
+
 def transition(
     applies: Callable[[Placement, Placement], bool],
-) -> Callable[[Transition], Transition]:
+) -> Callable[[_Emit], _Emit]:
     """Register a transition for the placement changes `applies(src, dst)` accepts; the first
     registered one that applies is used (docs/architecture.md, "Adding a transition"). One
     registration per function (by its module and qualified name)."""
 
-    def register(emit: Transition) -> Transition:
+    def register(emit: _Emit) -> _Emit:
         TRANSITIONS.add(f"{emit.__module__}.{emit.__qualname__}", (applies, emit))
         return emit
 
@@ -197,7 +202,7 @@ def _is_sum(p: Placement) -> bool:
 
 def _global(value: Node) -> torch.Tensor:
     """The value's global fake tensor (before localization)."""
-    return value.meta.get(GLOBAL_VAL, value.meta.get("val"))
+    return cast(torch.Tensor, value.meta.get(GLOBAL_VAL, value.meta.get("val")))
 
 
 def _tokens_on(value: Node, dim: int) -> bool:
@@ -298,7 +303,7 @@ def _local_slice(
             )
         value = _pad_tokens(graph, value, val.dim(), sizes, fill)
         nodes.append(value)
-        chunk: object = sizes.Tl
+        chunk: Node | int = sizes.Tl
     elif d == 0 and not isinstance(val.shape[0], int):
         # a dim the rules took for T rows (T for T >= 1: one row at T = 0, as `x[:-1]` and
         # one row make): padded -- or cropped -- to tp*Tl from its own size

@@ -29,6 +29,8 @@ exchange's reason names it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch.fx import GraphModule, Node
@@ -65,14 +67,14 @@ def _rewrite(
     gm: GraphModule, node: Node, spec: TableLookup, ctx: CompileContext, ep_tokens: Node
 ) -> None:
     table, scale, rows, columns, *constants = node.args
-    bounds = list(columns)
+    bounds = list(cast(Sequence[int], columns))
     n_columns, world = len(bounds) - 1, ctx.mesh.world_size
     k = -(-n_columns // world)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     shard = ctx.signature.param_shards[placeholders.index(table)]
     local_rows = shard.local_shape(table.meta[GLOBAL_VAL].shape)[0]
     for held in (table, scale):  # the rank holds its rows as the bytes the exchange moves
-        _hold_as_bytes(held, placeholders.index(held), ctx)
+        _hold_as_bytes(cast(Node, held), placeholders.index(held), ctx)
     host = node.meta[IN][0].host
     width, scales = (v.meta[GLOBAL_VAL].shape[1] for v in (table, scale))
     row = width + scales  # bytes a row moves: its e4m3 codes and e8m0 scales

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.fx import Graph, GraphModule, Node, Proxy
@@ -100,7 +100,10 @@ def rewrite_for_graph_mode(
 
 
 def _replace(
-    graph: Graph, node: Node, rewrite: Callable[..., Proxy], fake_mode: FakeTensorMode | None
+    graph: Graph,
+    node: Node,
+    rewrite: Callable[..., Proxy | tuple[Proxy | None, ...] | None],
+    fake_mode: FakeTensorMode | None,
 ) -> None:
     emit = Emitter(graph)
     with emit.inserting_before(node) as added:
@@ -127,7 +130,7 @@ def _replace(
                 f"graph_mode rewrites {node.target} for its outputs {made}; {user.name} reads "
                 f"{'output ' + str(index) if index is not None else 'it whole'}. Extend graph_mode"
             )
-        replace_node(user, out[index].node, added, reason)
+        replace_node(user, out[cast(int, index)].node, added, reason)  # an index in `made`
     graph.erase_node(node)
 
 
@@ -138,7 +141,7 @@ def _values(nodes: list[Node], fake_mode: FakeTensorMode) -> None:
             if "val" in node.meta or node.op != "call_function":
                 continue
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-            node.meta["val"] = node.target(*args, **kwargs)
+            node.meta["val"] = cast(Callable[..., Any], node.target)(*args, **kwargs)
 
 
 def _softplus(emit, val, x, beta=1, threshold=20):

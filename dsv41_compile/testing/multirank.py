@@ -59,7 +59,9 @@ def _enter(environ: dict[str, str]) -> None:
 
 def _join(rank: int, world_size: int, store_path: str, pg_timeout: float | None = None) -> None:
     """This rank's gloo process group; `pg_timeout` in seconds (torch's default otherwise)."""
-    timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
+    timeout: dict[str, Any] = (
+        {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
+    )
     dist.init_process_group(
         "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size, **timeout
     )

@@ -24,6 +24,7 @@ schemas and CPU kernels (`register_npu_ops`).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -105,9 +106,9 @@ def aot_graph(gm: GraphModule, example_inputs: list[Any]) -> GraphModule:
     """The ATen graph torchair's AOT step makes of `gm` (what its converters see)."""
     graphs: list[GraphModule] = []
 
-    def compiler(aot_gm: GraphModule, _inputs: list[Any]) -> Any:
-        graphs.append(aot_gm)
-        return make_boxed_func(aot_gm.forward)
+    def compiler(gm: GraphModule, example_inputs: Sequence[Any]) -> Any:
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
 
     aot_module_simplified(
         gm,

@@ -371,6 +371,8 @@ class Attention(nn.Module):
     probabilities are bf16 (`blockwise_sink_attention`, compressed picks in position order).
     """
 
+    rope_inv_freq: Tensor  # a buffer
+
     def __init__(self, cfg: ModelConfig, layer_id: int, role: LayerRole) -> None:
         super().__init__()
         dtype = cfg.torch_dtype
@@ -551,9 +553,11 @@ class Attention(nn.Module):
             idx_TK, picked_TK = select_topk(scores_TC, self.index_topk)
             if rounding.probabilities:
                 idx_TK, picked_TK = in_position_order(idx_TK, picked_TK, scores_TC.shape[1])
-            made = (
-                (idx_TK, picked_TK, candidates_TC) if role.makes_candidates else (idx_TK, picked_TK)
-            )
+            if role.makes_candidates:
+                assert candidates_TC is not None, "made above"
+                made = (idx_TK, picked_TK, candidates_TC)
+            else:
+                made = (idx_TK, picked_TK)
         ckv_TKd = ckv_cache[cache_slot_T[:, None], idx_TK]
         if rounding.compressed_kv:
             ckv_TKd = from_fp4_rows(ckv_TKd)

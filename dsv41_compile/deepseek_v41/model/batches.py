@@ -22,7 +22,9 @@ class Request:
 
 def pack(requests: Sequence[Request]) -> tuple[Tensor, Tensor, Tensor]:
     """Concatenate requests into one packed batch: int64 `(input_ids, positions, slots)`."""
-    ids, positions, slots = [], [], []
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
     for req in requests:
         ids.extend(req.ids)
         positions.extend(range(req.start, req.start + len(req.ids)))

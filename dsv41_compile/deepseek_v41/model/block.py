@@ -35,6 +35,7 @@ class Block(nn.Module):
     calls it as it is)."""
 
     attention_cls: type[Attention] = Attention
+    ffn_norm: nn.Module  # RMSNorm as released (an edited model may norm otherwise)
 
     def __init__(self, cfg: ModelConfig, layer_id: int, role: LayerRole) -> None:
         super().__init__()

@@ -67,7 +67,8 @@ class TensorSlice(Protocol):
     """A part of dim `dim` of a parameter: `bounds(size)` are its first and past-the-end
     indices (a rank's tp shard; the experts an EP rank holds)."""
 
-    dim: int
+    @property
+    def dim(self) -> int: ...
 
     def bounds(self, size: int) -> tuple[int, int]: ...
 
@@ -80,6 +81,23 @@ class WantedWeight(NamedTuple):
     shape: tuple[int, ...]
     dtype: torch.dtype
     slice: TensorSlice | None = None
+
+
+class _Wanted(Protocol):
+    """What `read_weights` reads of a weight: `WantedWeight`'s fields (the backend's
+    `core.adapter.WeightInput` has them too)."""
+
+    @property
+    def fqn(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def slice(self) -> TensorSlice | None: ...
 
 
 _FP8 = re.compile(
@@ -208,7 +226,9 @@ def write_checkpoint(model: nn.Module, path: str | Path, *, files: int = 3) -> l
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     names = list(tensors)
-    shards, weight_map, total = [], {}, 0
+    shards: list[Path] = []
+    weight_map: dict[str, str] = {}
+    total = 0
     for i in range(files):
         shard = root / f"model-{i + 1:05d}-of-{files:05d}.safetensors"
         part = {
@@ -448,7 +468,7 @@ class _Checkpoint:
 
 def read_weights(
     path: str | Path,
-    weights: Sequence[WantedWeight],
+    weights: Sequence[_Wanted],
     *,
     skip_unimplemented_parts: bool = False,
     into: Sequence[torch.Tensor] | None = None,
@@ -470,7 +490,7 @@ def read_weights(
 
 def _read(
     checkpoint: _Checkpoint,
-    weights: Sequence[WantedWeight],
+    weights: Sequence[_Wanted],
     skip_unimplemented_parts: bool,
     into: Sequence[torch.Tensor] | None,
     token_classes: int | None = None,
@@ -481,6 +501,7 @@ def _read(
     checkpoint.check_names(layout, skip_unimplemented_parts, drafter_elsewhere)
     local = list(into) if into is not None else []
     by_fqn: dict[str, int] = {}
+    shape: list[int] | tuple[int, ...]
     for i, w in enumerate(weights):
         shape = list(w.shape)
         if w.slice is not None:

@@ -353,11 +353,11 @@ class ModelConfig:
         """`compress_ratios`, with the empty default spelled out as all zeros."""
         return self.compress_ratios or (0,) * self.n_layers
 
-    def replace(self, **changes: object) -> ModelConfig:
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @staticmethod
-    def from_name(name: str, **overrides: object) -> ModelConfig:
+    def from_name(name: str, **overrides: Any) -> ModelConfig:
         """A preset by name, optionally with some fields replaced."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; presets are: {', '.join(PRESETS)}")

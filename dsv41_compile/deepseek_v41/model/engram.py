@@ -140,6 +140,10 @@ class EngramHash(nn.Module):
     config maps id i to `i % engram_compressed_vocab_size`. The multipliers, primes and column
     offsets are buffers computed from the config."""
 
+    multipliers_LK: Tensor
+    primes_LOH: Tensor
+    offsets_LC: Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.pad_id = cfg.engram_pad_id

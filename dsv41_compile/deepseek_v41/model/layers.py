@@ -91,7 +91,7 @@ def yarn_inv_freq(
         )
 
     low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
+    high: float = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

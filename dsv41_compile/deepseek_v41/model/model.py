@@ -9,6 +9,9 @@ Legend: T tokens, N mHC streams, D hidden, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -74,7 +77,7 @@ class DeepseekV41(nn.Module):
             for name, param in list(module.named_parameters(recurse=False)):
                 empty = torch.zeros((), dtype=param.dtype).expand(param.shape)
                 setattr(module, name, nn.Parameter(empty, requires_grad=False))
-        stages = model.mtp.layers if cfg.num_nextn_predict_layers else []
+        stages: Iterable[nn.Module] = model.mtp.layers if cfg.num_nextn_predict_layers else []
         for layer in [*model.layers, *stages]:  # the buffers: from the config, on the CPU
             layer.attn.rope_inv_freq = rope_frequencies(cfg, layer.attn.role)
         if cfg.engram_layer_ids:
@@ -267,11 +270,12 @@ class DeepseekV41(nn.Module):
         topk: dict[int, tuple[Tensor, Tensor]] = {}  # each index source's, this batch only
         candidates_TC = None
         captured: list[Tensor] = []
-        for layer, role in zip(self.layers, self.plan):
+        for layer, role in zip(cast(Iterable[Block], self.layers), self.plan):
             if hidden and layer.layer_id in self.cfg.dspark_target_layer_ids:
                 captured.append(x_TND.mean(1))
             engram_TC = None
             if layer.layer_id in self.cfg.engram_layer_ids:
+                assert engram_LTC is not None, "hashed above for the Engram layers"
                 engram_TC = engram_LTC[self.cfg.engram_layer_ids.index(layer.layer_id)]
             topk_TK = topk[role.topk_source] if role.mode == "reuse" else (None, None)
             x_TND, pre_TN, *made = layer(

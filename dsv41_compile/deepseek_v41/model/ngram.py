@@ -22,9 +22,13 @@ import functools
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from sympy import nextprime
+
+if TYPE_CHECKING:
+    from tokenizers.normalizers import Normalizer
 
 __all__ = [
     "column_offsets",
@@ -91,7 +95,7 @@ def normalize_token(text: str) -> str:
 
 
 @functools.cache
-def _normalizer() -> object:
+def _normalizer() -> Normalizer:
     from tokenizers import Regex, normalizers
 
     sentinel = "\ue000"  # a private-use character: a lone space survives Strip() as this

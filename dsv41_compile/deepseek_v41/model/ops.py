@@ -172,9 +172,13 @@ def routed_experts_fp4(
 ) -> Tensor:
     """`routed_experts` with FP4 weights: each expert with rows is decoded (`fp4_weight`) for
     its group only."""
-    weights = lambda e: tuple(  # noqa: E731
-        fp4_weight(w[e], s[e], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))
-    )
+
+    def weights(e: int) -> tuple[Tensor, Tensor, Tensor]:
+        w1_e, w2_e, w3_e = (
+            fp4_weight(w[e], s[e], x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))
+        )
+        return w1_e, w2_e, w3_e
+
     return _by_expert_groups(
         x, topk_idx, topk_weight, w1.shape[0], weights, swiglu_limit, fp8_hidden
     )

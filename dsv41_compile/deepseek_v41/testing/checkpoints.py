@@ -14,7 +14,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import Shard
@@ -28,6 +28,7 @@ from dsv41_compile.deepseek_v41.model.checkpoint import (
     read_weights,
     write_checkpoint,
 )
+from dsv41_compile.deepseek_v41.model.engram import EngramTable
 from dsv41_compile.deepseek_v41.model.hf_config import config_to_hf
 from dsv41_compile.families import options_for
 from dsv41_compile.options import BackendOptions
@@ -56,12 +57,13 @@ def rank_weight_inputs(cfg: ModelConfig, options: dict[str, Any], rank: int) -> 
     opts, _ = DEEPSEEK_V41.resolve(given, dict(model.named_parameters()))
     plan = DEEPSEEK_V41.plan(opts)
     inputs = []
+    part: WeightSlice | WeightRange | None
     for fqn, p in model.named_parameters():
         placement, part = plan.param_placement(fqn), None
         if isinstance(placement, ExpertShard):
             part = WeightSlice(placement.dim, rank, opts.ep)
         elif isinstance(placement, ColumnShard):  # the rows of this rank's columns
-            bounds = model.get_submodule(fqn.rpartition(".")[0]).columns
+            bounds = cast(EngramTable, model.get_submodule(fqn.rpartition(".")[0])).columns
             k = -(-(len(bounds) - 1) // opts.ep)
             first, last = (min(r * k, len(bounds) - 1) for r in (rank, rank + 1))
             part = WeightRange(0, bounds[first], bounds[last])

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +61,10 @@ class Edit:
 
     def apply(self, model: DeepseekV41, layers: Sequence[int] | None = None) -> DeepseekV41:
         """Make the edit on `model`, in the decoder layers `layers` (all by default)."""
-        chosen = [model.layers[i] for i in (range(len(model.layers)) if layers is None else layers)]
+        chosen = [
+            cast(Block, model.layers[i])
+            for i in (range(len(model.layers)) if layers is None else layers)
+        ]
         seed = sum(map(ord, self.name)) * 1000 + (min(layers) if layers else 0)
         self.patch(model, chosen, torch.Generator().manual_seed(seed))
         return model
@@ -307,13 +310,14 @@ def _mixing(site: str, mix: Callable[..., Tensor], **params: tuple[int | str, ..
             mixes[site] = mix
             for name, shape in params.items():
                 assert not hasattr(layer, name), name  # each edit's parameters its own
-                sizes = [model.cfg.dim if s == "D" else s for s in shape]
+                sizes = [model.cfg.dim if s == "D" else cast(int, s) for s in shape]
                 setattr(layer, name, _parameter(generator, *sizes, std=0.2, mean=0.5))
             key = tuple(mixes.get(s) for s in _SITES)
             if key not in _MIXED:
                 _MIXED[key] = type("Block", (Block,), {"forward": _mixed_forward(*key)})
             layer.__class__ = _MIXED[key]
-            layer.token_mixes = mixes
+            # nn.Module.__setattr__ stores any value; torch types it Tensor | Module
+            layer.token_mixes = mixes  # type: ignore[assignment]
 
     return patch
 

@@ -86,7 +86,8 @@ def collectives(program: ShardedProgram) -> dict[str, Any]:
     """A per-rank program's collectives: `{"drafter": is it the drafter's, "by_part": {(layer,
     part, kind): count}}` (the layer None outside the layers; kinds as `comm.json` names them)."""
     fqns = {p.fqn for p in program.signature.params}
-    adapter, found = DeepseekV41Adapter(), Counter()
+    adapter = DeepseekV41Adapter()
+    found: Counter[tuple[int | None, str, str]] = Counter()
     for record in program.spec.comm:
         site = adapter.site(record["region"])
         found[(site.layer, site.part, record["kind"])] += 1
