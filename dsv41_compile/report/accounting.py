@@ -44,7 +44,16 @@ from dsv41_compile.core.torch_private import FloorDiv, sym_expr
 from dsv41_compile.moe.stats import EpLayer, ep_layers
 from dsv41_compile.report.comm import collective_bytes
 
-__all__ = ["PARTS", "Cost", "graph_costs", "per_layer_formulas", "summarize"]
+__all__ = [
+    "PARTS",
+    "Cost",
+    "graph_costs",
+    "node_flops",
+    "per_layer_formulas",
+    "sizes_in_t",
+    "summarize",
+    "symbolic_size",
+]
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -70,7 +79,7 @@ class Cost:
 def graph_costs(gm: GraphModule, ctx: CompileContext) -> list[Cost]:
     """Every collective and matmul-like node of the rewritten graph `gm`, with its part, layer,
     bytes and FLOPs as formulas in T (see the module docstring for the substitutions)."""
-    names = _substitutions(gm, ctx)
+    names = sizes_in_t(gm, ctx)
     costs = []
     moe_started: set[int] = set()
     seen_layer = False
@@ -96,7 +105,7 @@ def graph_costs(gm: GraphModule, ctx: CompileContext) -> list[Cost]:
             flops = zero
         elif node.target in _MATMULS or ctx.adapter.routed_experts_op(node.target) is not None:
             axis, sent, received, kind = None, zero, zero, "matmul"
-            flops = _in_t(_flops(node, ctx), names, node)
+            flops = _in_t(node_flops(node, ctx), names, node)
         else:
             continue
         table = kind != "matmul" and node.meta.get(TABLE, False)
@@ -182,13 +191,15 @@ def per_layer_formulas(costs: list[Cost]) -> dict[str, str]:
     return {k: str(sympy.simplify(v / n_layers)) for k, v in sorted(sums.items())}
 
 
-def _flops(node: Node, ctx: CompileContext) -> sympy.Expr:
-    shape = [_size(s) for s in node.meta["val"].shape]
+def node_flops(node: Node, ctx: CompileContext) -> sympy.Expr:
+    """The FLOPs of a matmul-like node (`mm`, `addmm`, `bmm`, `baddbmm`, a routed-experts op),
+    in the graph's own symbols (see the module docstring)."""
+    shape = [symbolic_size(s) for s in node.meta["val"].shape]
     spec = ctx.adapter.routed_experts_op(node.target)
     if spec is not None:
         x, topk_idx = node.args[:2]
-        rows = _size(x.meta["val"].shape[0])
-        routes = _size(topk_idx.meta["val"].shape[1])
+        rows = symbolic_size(x.meta["val"].shape[0])
+        routes = symbolic_size(topk_idx.meta["val"].shape[1])
         info = _ep_layer(node, ctx)
         if info is not None and info.rows == "per_rank" and info.dispatch == "exact":
             # a received row carries K routes, the valid ones are those of this rank: in
@@ -196,22 +207,24 @@ def _flops(node: Node, ctx: CompileContext) -> sympy.Expr:
             expected = _rows_per_peer(info)
             routes = info.top_k / (info.ep * expected)
         per_expert = spec.inputs_per_element * sum(
-            sympy.Mul(*(_size(s) for s in node.args[i].meta["val"].shape[1:]))
+            sympy.Mul(*(symbolic_size(s) for s in node.args[i].meta["val"].shape[1:]))
             for i in spec.matrix_args()
         )
         return 2 * rows * routes * per_expert
     if node.target in (aten.mm.default, aten.addmm.default):
         a = node.args[-2].meta["val"]
-        return 2 * shape[0] * shape[1] * _size(a.shape[1])
+        return 2 * shape[0] * shape[1] * symbolic_size(a.shape[1])
     a = node.args[-2].meta["val"]  # bmm / baddbmm: [B, M, K] @ [B, K, N]
-    return 2 * shape[0] * shape[1] * shape[2] * _size(a.shape[2])
+    return 2 * shape[0] * shape[1] * shape[2] * symbolic_size(a.shape[2])
 
 
-def _size(s: object) -> sympy.Expr:
+def symbolic_size(s: object) -> sympy.Expr:
+    """A size of a shape as a sympy expression (a symbolic size's expression)."""
     return sympy.sympify(sym_expr(s)) if isinstance(s, torch.SymInt) else sympy.Integer(s)
 
 
-def _substitutions(gm: GraphModule, ctx: CompileContext) -> dict[object, sympy.Expr]:
+def sizes_in_t(gm: GraphModule, ctx: CompileContext) -> dict[object, sympy.Expr]:
+    """The substitutions that make the sizes of `gm` formulas in T (the module docstring)."""
     tl = FloorDiv(T + ctx.mesh.tp - 1, ctx.mesh.tp)  # ceil(T/tp), printed as the graph does
     names = {k: (tl if v == TL_MAX else v) for k, v in graph_symbols(gm).items()}
     for node in gm.graph.nodes:

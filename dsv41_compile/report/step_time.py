@@ -1,0 +1,416 @@
+"""What one rank's step would take on a device, read from its rewritten per-rank graph (the
+graph handed to the target), beside the two floors it is measured against.
+
+The model, a roofline per kernel of the program as lowered (not of an ideal one):
+
+- Each op is a kernel: it reads its inputs from device memory, writes its output, and takes
+  the roofline of the two, `max(bytes / HBM bandwidth, FLOPs / peak rate)`. Sizes are formulas
+  in T, the DP group's token count, as in `report.accounting` (whose substitutions and FLOPs
+  this uses). Except:
+  - a view (reshape, slice, permute, expand, ...), a `getitem` and a size read cost nothing:
+    their readers read what they alias;
+  - pointwise ops (torch's `pointwise` tag) fuse, as a compiler fuses them: one reads only the
+    inputs no pointwise op made, and writes its output only where something other than a
+    pointwise op reads it, or the graph returns it;
+  - a gather (`index`, `index_select`, `gather`, `embedding`) reads the rows it selects (its
+    output's bytes) and its index, not its whole source;
+  - each weight is read once per step, by its first reader;
+  - a routed-experts op reads the experts the step's rows touch: of the `E_local` it holds,
+    `E_local * (1 - (1 - K/E)^R)` under uniform routing, `R` the rows of the whole world.
+- A collective takes a latency (an assumption: `devices.LATENCIES`) plus the larger of the bytes
+  it sends and receives over one rank's link (`report.comm.collective_bytes`).
+- The step is the sum: the program runs one op after another (no overlap is modelled).
+
+The floors, in HBM time at the same bandwidth:
+
+- the layout's: each byte this rank's placement makes the step read, once: the weights it holds
+  (its experts at the touched fraction) and the cache the step reads;
+- the physical one: each weight the step needs read once across the world (the experts touched
+  by the world's rows), the cache once per DP group (its TP ranks share it), over the world's
+  ranks; plus the rows this rank gathers of a weight (the embedding's), which no other rank
+  reads for it. Every DP group is taken as busy as this rank's.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+from torch.fx import GraphModule, Node
+
+from dsv41_compile.core.collectives import collective_kind
+from dsv41_compile.core.context import CompileContext
+from dsv41_compile.core.meta import GLOBAL_VAL, module_paths
+from dsv41_compile.core.symbols import T
+from dsv41_compile.devices import Device
+from dsv41_compile.report.accounting import node_flops, sizes_in_t, symbolic_size
+from dsv41_compile.report.comm import collective_bytes
+
+__all__ = ["OpCost", "Scenario", "StepCosts", "StepTime", "step_costs", "step_time"]
+
+aten = torch.ops.aten
+
+_VIEWS = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.expand.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.as_strided.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unbind.int,
+    aten.view_as_real.default,
+    aten.view_as_complex.default,
+    aten.unflatten.int,
+    aten.flatten.using_ints,
+}
+_GATHERS = {
+    aten.index.Tensor,
+    aten.index_select.default,
+    aten.gather.default,
+    aten.embedding.default,
+}
+_FREE = {torch.ops._c10d_functional.wait_tensor.default, aten.sym_size.int, aten.sym_numel.default}
+"""Nodes that are no kernel: a collective's wait (the collective is costed), size reads."""
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One kernel or collective of the per-rank graph. Byte and FLOP counts are formulas in T;
+    `expert_bytes` are the bytes of all the experts a routed-experts op holds, read at the
+    touched fraction (`StepCosts.touched`)."""
+
+    node: str
+    layer: int | None
+    kind: str
+    """"matmul", "experts", "gather", "pointwise", "other" or a collective's
+    "<kind>(<axis>)"."""
+    read: sympy.Expr
+    written: sympy.Expr
+    flops: sympy.Expr
+    operand: str = "bf16"
+    """The matmul rate this op's FLOPs run at (`devices.MATMUL_DTYPES`)."""
+    wire: sympy.Expr = sympy.Integer(0)
+    """A collective's bytes over the link: the larger of sent and received."""
+    expert_bytes: sympy.Expr = sympy.Integer(0)
+    weight_bytes: sympy.Expr = sympy.Integer(0)
+    """Of `read`, the bytes of weights (read once per step, here)."""
+    cache_bytes: sympy.Expr = sympy.Integer(0)
+    """Of `read`, the bytes of the model's cache inputs."""
+
+    @property
+    def collective(self) -> bool:
+        return "(" in self.kind
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What `step_time` needs of one planned rank: its ops and the sizes of the floors."""
+
+    ops: tuple[OpCost, ...]
+    world_size: int
+    tp: int
+    experts: int
+    """E: the routed experts of a MoE layer (0: none)."""
+    top_k: int
+    global_weight_bytes: int
+    """Every weight of the model once (the experts' at all E), the floor's numerator."""
+    global_expert_bytes: int
+    """Of `global_weight_bytes`, the routed experts'."""
+    layers: int
+    """The decoder layers the ops belong to."""
+
+    def touched(self, world_rows: int) -> float:
+        """The expected fraction of a layer's experts the world's rows touch (uniform routing,
+        each row K distinct experts of E)."""
+        if not self.experts:
+            return 0.0
+        return 1.0 - (1.0 - self.top_k / self.experts) ** world_rows
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A step: `rows` tokens in this rank's DP group (T), `world_rows` over every DP group
+    (the rows the routed experts see)."""
+
+    name: str
+    rows: int
+    world_rows: int
+
+
+@dataclass
+class StepTime:
+    """One scenario's prediction (seconds) on one device."""
+
+    scenario: Scenario
+    device: Device
+    seconds: float
+    hbm_seconds: float
+    compute_seconds: float
+    collective_seconds: float
+    collectives: int
+    layer_collectives: int
+    """Of `collectives`, those inside the decoder layers."""
+    hbm_bytes: float
+    layout_floor: float
+    physical_floor: float
+    ops: list[tuple[float, OpCost]] = field(default_factory=list)
+    """Each op's seconds, in graph order."""
+
+    def top(self, n: int, *, collectives: bool) -> list[tuple[float, OpCost]]:
+        chosen = [(s, op) for s, op in self.ops if op.collective == collectives]
+        return sorted(chosen, key=lambda x: -x[0])[:n]
+
+
+def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
+    """The costs of the rewritten per-rank graph `gm` (see the module docstring)."""
+    names = sizes_in_t(gm, ctx)
+    weights = set(ctx.param_fqns)
+    caches = {n for n, s in ctx.input_sources.items() if s.startswith("cache.")}
+    origin: dict[Node, Node] = {}  # a view -> the placeholder or node it aliases
+    paid: set[Node] = set()  # weights read already
+    ops: list[OpCost] = []
+    experts, top_k = 0, 0
+    zero = sympy.Integer(0)
+
+    def root(n: Node) -> Node:
+        return origin.get(n, n)
+
+    def nbytes(value: object) -> sympy.Expr:
+        if not isinstance(value, torch.Tensor):
+            return zero
+        numel = sympy.Mul(*(symbolic_size(s) for s in value.shape))
+        return sympy.sympify(numel * value.element_size()).xreplace(names)
+
+    def in_t(expr: sympy.Expr, node: Node) -> sympy.Expr:
+        out = sympy.sympify(expr).xreplace(names)
+        if not out.free_symbols <= {T}:
+            raise ValueError(f"step_time: size {expr} of {node.name} is not a function of T")
+        return out
+
+    def reads(node: Node, args: list[Node]) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
+        """(bytes, of which weights, of which cache) `node` reads of `args`."""
+        total = weight = cache = zero
+        for arg in args:
+            source = root(arg)
+            size = nbytes(arg.meta.get("val"))
+            if source.op == "placeholder" and source.name in weights:
+                if source not in paid:  # a weight is read once per step
+                    paid.add(source)
+                    weight += nbytes(source.meta.get("val"))
+                continue
+            if source.op == "placeholder" and source.name in caches:
+                cache += size
+            elif node in pointwise and source in pointwise:
+                continue  # fused: the producer's value never left the kernel
+            total += size
+        return total + weight, weight, cache
+
+    pointwise = {n for n in gm.graph.nodes if n.op == "call_function" and _is_pointwise(n)}
+    returned = _returned(gm)
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        val = node.meta.get("val")
+        inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        layer = ctx.adapter.innermost_site(module_paths(node)).layer
+        kind = collective_kind(node)
+        if kind is not None:
+            axis, _, sent, received = collective_bytes(node, ctx)
+            wire = sympy.Max(in_t(sent, node), in_t(received, node))
+            ops.append(OpCost(node.name, layer, f"{kind}({axis})", zero, zero, zero, wire=wire))
+            continue
+        if node.target in _VIEWS or node.target is operator.getitem or node.target in _FREE:
+            if node.all_input_nodes:
+                origin[node] = root(node.all_input_nodes[0])
+            continue
+        if not isinstance(val, torch.Tensor):  # a size, a scalar read on the host
+            continue
+        spec = ctx.adapter.routed_experts_op(node.target)
+        if spec is not None:
+            idx = node.args[1]
+            held = node.args[3].meta["val"].shape[0]
+            ep = max(ctx.mesh.ep, 1)
+            experts, top_k = held * ep, int(idx.meta["val"].shape[1])
+            stacked = [node.args[i] for i in spec.weight_args()]
+            expert_bytes = sum((nbytes(w.meta["val"]) for w in stacked), zero)
+            for w in stacked:
+                paid.add(root(w))
+            read, _, _ = reads(node, [a for a in inputs if a not in stacked])
+            ops.append(
+                OpCost(
+                    node.name,
+                    layer,
+                    "experts",
+                    read,
+                    nbytes(val),
+                    in_t(node_flops(node, ctx), node),
+                    operand=_operand(stacked, spec.inputs_per_element),
+                    expert_bytes=expert_bytes,
+                )
+            )
+            continue
+        if node.target in _GATHERS:
+            read, weight, cache = reads(node, inputs[1:])
+            source = root(inputs[0])
+            rows = nbytes(val)
+            if source.op == "placeholder" and source.name in caches:
+                cache += rows
+            elif source.op == "placeholder" and source.name in weights:
+                weight += rows
+            ops.append(
+                OpCost(
+                    node.name,
+                    layer,
+                    "gather",
+                    read + rows,
+                    rows,
+                    zero,
+                    weight_bytes=weight,
+                    cache_bytes=cache,
+                )
+            )
+            continue
+        read, weight, cache = reads(node, inputs)
+        written = nbytes(val)
+        if node in pointwise:
+            kind_name = "pointwise"
+            if node.users and set(node.users) <= pointwise and node not in returned:
+                written = zero
+        elif node.target in _MATMULS:
+            kind_name = "matmul"
+        else:
+            kind_name = "other"
+        flops = in_t(node_flops(node, ctx), node) if kind_name == "matmul" else zero
+        ops.append(
+            OpCost(
+                node.name,
+                layer,
+                kind_name,
+                read,
+                written,
+                flops,
+                operand=_operand(inputs, 1) if kind_name == "matmul" else "bf16",
+                weight_bytes=weight,
+                cache_bytes=cache,
+            )
+        )
+
+    global_bytes = global_experts = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node in paid:
+            value = node.meta.get(GLOBAL_VAL, node.meta.get("val"))
+            size = value.numel() * value.element_size()
+            global_bytes += size
+            if any(ctx.adapter.routed_experts_op(u.target) for u in _readers(node)):
+                global_experts += size
+    return StepCosts(
+        tuple(ops),
+        ctx.mesh.world_size,
+        ctx.mesh.tp,
+        experts,
+        top_k,
+        int(global_bytes),
+        int(global_experts),
+        len({op.layer for op in ops if op.layer is not None}),
+    )
+
+
+def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:
+    """The step's predicted time on `device`, and its floors (module docstring)."""
+    touched = costs.touched(scenario.world_rows)
+    rate = device.hbm_bytes_per_s
+    at: dict[sympy.Expr, float] = {}
+
+    def value(expr: sympy.Expr) -> float:
+        if expr not in at:
+            at[expr] = float(sympy.sympify(expr).subs(T, scenario.rows))
+        return at[expr]
+
+    seconds = hbm = compute = comm = 0.0
+    hbm_bytes = layout = 0.0
+    count = in_layers = 0
+    timed: list[tuple[float, OpCost]] = []
+    for op in costs.ops:
+        if op.collective:
+            t = device.collective_latency + value(op.wire) / device.link_bytes_per_s
+            comm += t
+            count += 1
+            in_layers += op.layer is not None
+        else:
+            moved = value(op.read) + value(op.written) + value(op.expert_bytes) * touched
+            work = value(op.flops) / device.matmul_flops(op.operand)
+            t = max(moved / rate, work)
+            hbm += moved / rate
+            compute += work
+            hbm_bytes += moved
+            layout += value(op.weight_bytes) + value(op.cache_bytes)
+            layout += value(op.expert_bytes) * touched
+        seconds += t
+        timed.append((t, op))
+    cache = sum(value(op.cache_bytes) for op in costs.ops)
+    dense = costs.global_weight_bytes - costs.global_expert_bytes
+    physical = (dense + costs.global_expert_bytes * touched) / costs.world_size
+    physical += cache / costs.tp
+    physical += sum(value(op.weight_bytes) for op in costs.ops if op.kind == "gather")
+    return StepTime(
+        scenario,
+        device,
+        seconds,
+        hbm,
+        compute,
+        comm,
+        count,
+        in_layers,
+        hbm_bytes,
+        layout / rate,
+        physical / rate,
+        timed,
+    )
+
+
+def _is_pointwise(node: Node) -> bool:
+    return torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _returned(gm: GraphModule) -> set[Node]:
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return set(output.all_input_nodes)
+
+
+def _readers(node: Node) -> list[Node]:
+    """The nodes that read `node`, through views."""
+    found, todo = [], list(node.users)
+    while todo:
+        user = todo.pop()
+        if user.target in _VIEWS or user.target is operator.getitem:
+            todo.extend(user.users)
+        else:
+            found.append(user)
+    return found
+
+
+def _operand(inputs: list[Node], per_element: int) -> str:
+    """The narrowest operand of a matmul: "fp4" for packed FP4 (two values per byte), "fp8"
+    for a float8 dtype, else "bf16"."""
+    dtypes = {a.meta["val"].dtype for a in inputs}
+    if per_element == 2:
+        return "fp4"
+    if any(d.is_floating_point and d.itemsize == 1 for d in dtypes):
+        return "fp8"
+    return "bf16"

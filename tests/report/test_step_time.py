@@ -1,0 +1,162 @@
+"""The step-time model (`report.step_time`) against hand-computed cases: a matmul, fused
+elementwise ops and a collective of the toy family's program (tp=2), then one layer of tiny-swa
+(tp=4, ep=8) and its floors against a calculation from the model alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import sympy
+import torch
+
+from dsv41_compile.core.symbols import T
+from dsv41_compile.core.torch_private import FloorDiv
+from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
+from dsv41_compile.devices import DEVICES, Device, device_named
+from dsv41_compile.planning import plan_rank
+from dsv41_compile.report.step_time import Scenario, step_costs, step_time
+from dsv41_compile.testing.toy import ToyConfig, toy_family
+
+# A device of round numbers: 1 GB/s of memory, 1 GFLOP/s, 1 GB/s of link, 10 us per collective.
+SLOW = Device(
+    name="slow",
+    hbm_bytes=1e9,
+    hbm_bytes_per_s=1e9,
+    flops={"bf16": 1e9},
+    link_bytes_per_s=1e9,
+    node_link_bytes_per_s=1e9,
+    collective_latency=10e-6,
+)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    with toy_family():
+        gm, ctx, _ = plan_rank(ToyConfig(n_layers=1), {"tp": 2}, world_size=2)
+    costs = step_costs(gm, ctx)
+    return {op.node: op for op in costs.ops}, costs
+
+
+def test_a_matmul_reads_its_rows_and_its_weight_once(toy):
+    ops, _ = toy
+    # the MLP's up projection, column-parallel: x [T, 16] fp32 (the gathered rows) @ its
+    # half of up [16 of 32, 16] fp32
+    up = ops["mm"]
+    assert up.kind == "matmul"
+    assert up.read == 16 * 4 * T + 16 * 16 * 4
+    assert up.weight_bytes == 16 * 16 * 4
+    assert up.written == 16 * 4 * T
+    assert up.flops == 2 * T * 16 * 16
+
+
+def test_pointwise_ops_fuse_into_one_kernel(toy):
+    ops, _ = toy
+    tl = FloorDiv(T + 1, 2)  # the rank's token shard
+    # rms norm: x^2 (read x, write for the mean) ; mean ; + eps, rsqrt, x * r, * weight: one
+    # kernel that reads x, the mean and the weight and writes the normed rows
+    assert ops["pow_1"].written == 16 * 4 * tl  # read by the mean, a reduction
+    assert ops["add_12"].read == 4 * tl and ops["add_12"].written == 0
+    assert ops["rsqrt"].read == 0 and ops["rsqrt"].written == 0
+    assert ops["mul_8"].read == 16 * 4 * tl and ops["mul_8"].written == 0
+    assert ops["mul_11"].read == 16 * 4  # the norm's weight; x * r came from mul_8
+    assert ops["mul_11"].written == 16 * 4 * tl  # read by the all-gather
+    # relu between two matmuls reads one's output and writes the other's input
+    assert ops["relu"].read == ops["relu"].written == 16 * 4 * T
+
+
+def test_a_collective_is_its_latency_plus_its_bytes_over_the_link(toy):
+    ops, costs = toy
+    gather = ops["all_gather_into_tensor_default"]
+    assert gather.kind == "all_gather(tp)"
+    tl = FloorDiv(T + 1, 2)
+    assert sympy.simplify(gather.wire - 16 * 4 * tl) == 0  # one peer's shard in, ours out
+    times = dict((op.node, s) for s, op in step_time(costs, SLOW, Scenario("t8", 8, 8)).ops)
+    assert times["all_gather_into_tensor_default"] == pytest.approx(10e-6 + 256 / 1e9)
+    # the matmul at T = 8: 2048 bytes (2.048 us) against 4096 FLOPs (4.096 us): compute-bound
+    assert times["mm"] == pytest.approx(4.096e-6)
+    assert times["relu"] == pytest.approx(1024 / 1e9)
+
+
+def test_the_step_is_the_sum_of_its_ops(toy):
+    _, costs = toy
+    predicted = step_time(costs, SLOW, Scenario("t8", 8, 8))
+    assert predicted.seconds == pytest.approx(sum(s for s, _ in predicted.ops))
+    assert predicted.collectives == 3  # the MLP's gather and reduce-scatter, the head's gather
+    assert predicted.collective_seconds == pytest.approx(
+        3 * 10e-6 + sum(float(op.wire.subs(T, 8)) for _, op in predicted.ops) / 1e9
+    )
+    # a slower collective adds its latency to each
+    slower = step_time(costs, SLOW.with_latency(30e-6), Scenario("t8", 8, 8))
+    assert slower.seconds - predicted.seconds == pytest.approx(3 * 20e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny(plan_once):
+    cfg = ModelConfig.from_name("tiny-swa", n_layers=1)
+    gm, ctx = plan_once(cfg, {"tp": 4, "ep": 8}, world_size=8)[:2]
+    return cfg, step_costs(gm, ctx)
+
+
+def test_one_layer_of_tiny_costs_what_its_weights_and_rows_say(tiny):
+    cfg, costs = tiny
+    assert costs.layers == 1
+    assert costs.experts == cfg.n_routed_experts and costs.top_k == cfg.n_activated_experts
+    kinds = [op.kind for op in costs.ops if op.layer == 0]
+    # the layout's collectives: the attention's entry and exit, the EP exchange
+    assert kinds.count("all_gather(tp)") >= 1 and "all_to_all(ep)" in kinds
+    predicted = step_time(costs, DEVICES["950dt"], Scenario("decode", 1, 1))
+    assert predicted.seconds >= predicted.layout_floor >= predicted.physical_floor > 0
+    # at one row, the routed experts touch K of E: the held experts' bytes at that fraction
+    (experts,) = [op for op in costs.ops if op.kind == "experts"]
+    assert costs.touched(1) == pytest.approx(cfg.n_activated_experts / cfg.n_routed_experts)
+    per_expert = 3 * cfg.moe_inter_dim * cfg.dim * cfg.torch_dtype.itemsize
+    assert experts.expert_bytes == per_expert * cfg.n_routed_experts // 8
+
+
+def test_the_physical_floor_is_the_models_weights_read_once_across_the_world(tiny):
+    """From the model alone: every weight and buffer the step reads, once over the 8 ranks (the
+    routed experts at the touched fraction; the embedding's rows, not its table), plus the cache
+    the rank reads, once per TP group."""
+    cfg, costs = tiny
+    with torch.device("meta"):
+        model = DeepseekV41(cfg)
+    touched = 1 - (1 - cfg.n_activated_experts / cfg.n_routed_experts) ** 96
+    dense = experts = 0
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+        size = p.numel() * p.element_size()
+        if name == "embed.weight" or name.startswith("mtp."):
+            continue
+        if ".ffn.experts." in name or name.endswith(("ffn.w1", "ffn.w2", "ffn.w3")):
+            experts += size
+        else:
+            dense += size
+    assert costs.global_expert_bytes == experts
+    predicted = step_time(costs, DEVICES["950dt"], Scenario("verify", 48, 96))
+    cache = sum(float(op.cache_bytes.subs(T, 48)) for op in costs.ops)
+    gathered = sum(float(op.weight_bytes.subs(T, 48)) for op in costs.ops if op.kind == "gather")
+    expected = (dense + experts * touched) / 8 + cache / 4 + gathered
+    assert predicted.physical_floor * 4e12 == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_device_of_ones_own_and_the_errors_that_name_the_fix():
+    assert device_named("950dt") is DEVICES["950dt"]
+    with pytest.raises(ValueError, match=r"device='b200' is not a known device; choose one of"):
+        device_named("b200")
+    with pytest.raises(ValueError, match="flops needs a 'bf16' rate"):
+        Device(name="x", hbm_bytes=1, hbm_bytes_per_s=1, flops={}, link_bytes_per_s=1,
+               node_link_bytes_per_s=1)  # fmt: skip
+    # a dtype the device lacks runs at the next wider rate it has
+    assert DEVICES["a3"].matmul_flops("fp4") == DEVICES["a3"].flops["bf16"]
+    assert DEVICES["h200"].matmul_flops("fp4") == DEVICES["h200"].flops["fp8"]
+    assert math.isclose(DEVICES["950dt"].matmul_flops("fp4"), 2e15)
+
+
+def test_the_tools_scenarios_spread_the_requests_over_the_dp_groups(load_tool):
+    tool = load_tool("step_time")
+    assert [(s.name, s.rows, s.world_rows) for s in tool.scenarios(2)] == [
+        ("decode-1", 1, 1),
+        ("verify-6", 6, 6),
+        ("verify-16x6", 48, 96),
+        ("prefill-2x2048", 2048, 4096),
+    ]

@@ -1,0 +1,180 @@
+"""Predicted step time of one rank's program on a device, beside the layout's and the physical
+floor, for four serving scenarios.
+
+Rank 0 of a fake world is planned on meta tensors (`planning.plan_rank`: nothing allocated,
+nothing run) and its rewritten graph costed by `report.step_time` on a named device
+(`devices.DEVICES`; docs/devices.md gives each figure's source) at the two assumed collective
+latencies (`devices.LATENCIES`). The scenarios (rows in the busiest DP group; rows over the world,
+which the routed experts see), with the cache planned at `--context` positions per request:
+
+- decode-1: one request decoding one token;
+- verify-6: one request verifying 6 DSpark rows;
+- verify-16x6: 16 requests verifying 6 rows each, spread over the DP groups;
+- prefill-2x2048: two requests of 2048 tokens, spread over the DP groups.
+
+Two configurations side by side, as `tools/comm_report.py` names them: `sp` (the cuts the
+options' "auto" picks, and any `--option`) and `seed` (the seed's layout exactly).
+
+    .venv/bin/python tools/step_time.py --preset flash --tp 4 --ep 8 --device 950dt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from dsv41_compile.deepseek_v41.model import ModelConfig
+from dsv41_compile.deepseek_v41.testing.batches import Request
+from dsv41_compile.devices import DEVICES, LATENCIES, device_named
+from dsv41_compile.planning import plan_rank
+from dsv41_compile.report.provenance import provenance
+from dsv41_compile.report.step_time import Scenario, StepCosts, StepTime, step_costs, step_time
+
+SEED = {"attn_entry": "input", "attn_exit": "reduce_scatter", "ep_rows": "per_assignment"}
+"""The seed's layout exactly (docs/benchmarks.md, "The three configurations")."""
+
+REQUESTS = (
+    ("decode-1", 1, 1),
+    ("verify-6", 1, 6),
+    ("verify-16x6", 16, 6),
+    ("prefill-2x2048", 2, 2048),
+)
+"""(name, requests, rows per request)."""
+
+
+def scenarios(dp: int) -> list[Scenario]:
+    """The scenarios for `dp` DP groups: the requests spread evenly, the busiest group's rows."""
+    return [
+        Scenario(name, math.ceil(requests / dp) * rows, requests * rows)
+        for name, requests, rows in REQUESTS
+    ]
+
+
+def plan_costs(
+    cfg: ModelConfig, options: dict[str, Any], *, world_size: int, context: int
+) -> tuple[StepCosts, float]:
+    """Rank 0's step costs and the seconds planning took."""
+    began = time.perf_counter()
+    gm, ctx, _ = plan_rank(
+        cfg, options, world_size=world_size, requests=[Request(0, [1], 0)], max_len=context
+    )
+    return step_costs(gm, ctx), time.perf_counter() - began
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:8.3f}"
+
+
+def report(costs: StepCosts, device_name: str, scenario: Scenario, top: int) -> dict[str, Any]:
+    """The scenario's prediction at both latencies, printed; returned as a JSON record."""
+    device = device_named(device_name)
+    times = [step_time(costs, device.with_latency(latency), scenario) for latency in LATENCIES]
+    first: StepTime = times[0]
+    per_layer = first.layer_collectives / max(costs.layers, 1)
+    print(
+        f"{scenario.name:<15} T={scenario.rows:<5} "
+        + " ".join(f"{_ms(t.seconds)} ms @{t.device.collective_latency * 1e6:.0f}us" for t in times)
+        + f"  layout floor {_ms(first.layout_floor)} ms  physical floor {_ms(first.physical_floor)} ms"
+        + f"  HBM {first.hbm_bytes / 1e9:7.2f} GB  collectives {first.collectives}"
+        + f" ({per_layer:.1f} per layer)"
+    )
+    for label, chosen in (
+        ("ops", first.top(top, collectives=False)),
+        ("collectives", first.top(top, collectives=True)),
+    ):
+        print(
+            f"    top {label}: "
+            + ", ".join(f"{op.node} ({op.kind}) {s * 1e6:.1f}us" for s, op in chosen)
+        )
+    return {
+        "scenario": scenario.name,
+        "rows": scenario.rows,
+        "world_rows": scenario.world_rows,
+        "seconds": {f"{t.device.collective_latency * 1e6:.0f}us": t.seconds for t in times},
+        "hbm_seconds": first.hbm_seconds,
+        "compute_seconds": first.compute_seconds,
+        "collective_seconds": {
+            f"{t.device.collective_latency * 1e6:.0f}us": t.collective_seconds for t in times
+        },
+        "collectives": first.collectives,
+        "collectives_per_layer": per_layer,
+        "hbm_bytes": first.hbm_bytes,
+        "layout_floor": first.layout_floor,
+        "physical_floor": first.physical_floor,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="flash")
+    parser.add_argument("--tp", type=int, default=4)
+    parser.add_argument("--ep", type=int, default=8)
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--device", default="950dt", choices=sorted(DEVICES))
+    parser.add_argument("--context", type=int, default=8192, help="cache positions per request")
+    parser.add_argument(
+        "--weights", default="released", choices=("released", "dequantized"),
+        help="as released (FP8 linears, FP4 experts, the official numerics) or dequantized "
+        "to the model's dtype",
+    )  # fmt: skip
+    parser.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE",
+        help="a backend option (attn_exit=reduce_scatter, ...); repeatable",
+    )  # fmt: skip
+    parser.add_argument("--top", type=int, default=3, help="ops and collectives listed")
+    parser.add_argument("--json", type=Path, help="write the predictions here")
+    args = parser.parse_args()
+    print(provenance(), flush=True)
+    overrides: dict[str, Any] = {"weight_format": args.weights}
+    if args.weights == "released":
+        overrides.update(numerics="official", dtype="bfloat16")
+    cfg = ModelConfig.from_name(args.preset, **overrides)
+    base: dict[str, Any] = {"tp": args.tp, "ep": args.ep, "lowering": "eager"}
+    configs = {
+        "sp": {**base, **dict(_option(item) for item in args.option)},
+        "seed": {**base, **SEED},
+    }
+    results: dict[str, list[dict[str, Any]]] = {}
+    for name, options in configs.items():
+        print(f"planning rank 0 of {args.preset} ({name}) on meta tensors ...", flush=True)
+        costs, seconds = plan_costs(cfg, options, world_size=args.world, context=args.context)
+        print(
+            f"{name}: {args.preset} ({args.weights}), {options}, world {args.world}, context "
+            f"{args.context}, on {args.device} (planned in {seconds:.0f} s)"
+        )
+        results[name] = [
+            report(costs, args.device, scenario, args.top)
+            for scenario in scenarios(args.world // args.tp)
+        ]
+    low, high = (f"{latency * 1e6:.0f}us" for latency in LATENCIES)
+    print(
+        f"\n| scenario | config | predicted, {low} | predicted, {high} | layout floor | "
+        "physical floor | HBM read+written | collectives per layer |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for i, scenario in enumerate(scenarios(args.world // args.tp)):
+        for name in configs:
+            r = results[name][i]
+            print(
+                f"| {scenario.name} | {name} | {r['seconds'][low] * 1e3:.2f} ms | "
+                f"{r['seconds'][high] * 1e3:.2f} ms | {r['layout_floor'] * 1e3:.2f} ms | "
+                f"{r['physical_floor'] * 1e3:.2f} ms | {r['hbm_bytes'] / 1e9:.1f} GB | "
+                f"{r['collectives_per_layer']:.1f} |"
+            )
+    if args.json:
+        args.json.write_text(json.dumps({"configs": configs, "scenarios": results}, indent=2))
+
+
+def _option(item: str) -> tuple[str, Any]:
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise SystemExit(f"--option {item!r}: write it as KEY=VALUE")
+    return key, int(value) if value.isdigit() else value
+
+
+if __name__ == "__main__":
+    main()
