@@ -29,10 +29,12 @@ from typing import Any
 import torch
 
 from dsv41_compile.deepseek_v41.model import ModelConfig
+from dsv41_compile.devices import DEVICES, LATENCIES
 from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.accounting import graph_costs, per_layer_formulas, summarize
 from dsv41_compile.report.provenance import provenance
+from dsv41_compile.report.step_time import Scenario, step_costs, step_time
 
 SCENARIOS = (("decode", 4, 1), ("dspark", 16, 5), ("prefill", 2, 2048))
 MAX_LEN = 4096  # cache positions per request: sizes the compressed attention over the cache
@@ -92,18 +94,30 @@ def report(
     the model (`args.preset` when None)."""
     cfg = cfg or model_config(args.preset, getattr(args, "numerics", "bf16"))
     world = args.ep if args.ep > 1 else args.tp * args.dp
-    costs, seconds = {}, {}
+    costs, seconds, times = {}, {}, {}
     choices = {}
+    device = DEVICES[getattr(args, "device", "950dt")]
     for config in CONFIGS:
         start = time.perf_counter()
         gm, ctx, _ = plan(cfg, config_options(config, args), world_size=world, max_len=MAX_LEN)
         costs[config] = graph_costs(gm, ctx)
+        times[config] = step_costs(gm, ctx)
         seconds[config] = time.perf_counter() - start
         choices[config] = sorted({*ctx.choices.values(), *(info.why for info in ep_layers(ctx))})
     scenarios = []
     for name, requests, length in SCENARIOS:
         tokens = requests * length
         layouts = {config: summarize(costs[config], tokens) for config in CONFIGS}
+        step = Scenario(name, tokens, tokens * (world // args.tp))  # every DP group as busy
+        for config in CONFIGS:
+            predicted = [
+                step_time(times[config], device.with_latency(latency), step)
+                for latency in LATENCIES
+            ]
+            layouts[config]["step_seconds"] = {
+                f"{latency * 1e6:.0f}us": t.seconds for latency, t in zip(LATENCIES, predicted)
+            }
+            layouts[config]["layout_floor_seconds"] = predicted[0].layout_floor
         scenarios.append(
             {
                 "name": name,
@@ -121,6 +135,7 @@ def report(
         "ep": args.ep,
         "world_size": world,
         "ep_dispatch": args.ep_dispatch,
+        "device": device.name,
         "options": {config: config_options(config, args) for config in CONFIGS},
         "choices": choices,
         "planning_seconds": seconds,
@@ -246,6 +261,14 @@ def print_tables(doc: dict) -> None:
         for part in ("entry", "exit"):
             _row(f"{part} (per call)", [c["parts"][part]["bytes_sent"] for c in by])
         _print_tables(sc, by, doc["tp"])
+        for latency in LATENCIES:
+            key = f"{latency * 1e6:.0f}us"
+            _row(
+                f"step on {doc['device']}, {key} (ms)",
+                [c["step_seconds"][key] * 1e3 for c in by],
+                unit="",
+            )
+        _row("layout floor (ms)", [c["layout_floor_seconds"] * 1e3 for c in by], unit="")
         print(f"  {'FLOPs':<28}")
         _row("attention half", [c["attention_flops_per_layer_per_rank"] for c in by])
         _row("MoE half", [c["moe_flops_per_layer_per_rank"] for c in by])
@@ -270,11 +293,12 @@ def _print_tables(sc: dict, by: list[dict], tp: int) -> None:
         )
 
 
-def _row(label: str, values: list[float]) -> None:
-    """seed, sp, replicated, then sp/replicated and sp/seed."""
+def _row(label: str, values: list[float], unit: str = "B") -> None:
+    """seed, sp, replicated, then sp/replicated and sp/seed; `unit` "": plain numbers."""
     seed, sp, rep = values
     ratios = "".join(f"{sp / b:>9.2f}" if b else f"{'-':>9}" for b in (rep, seed))
-    print(f"  {label:<28}" + "".join(f"{_fmt(v):>12}" for v in values) + ratios)
+    shown = [_fmt(v) if unit else f"{v:.3f}" for v in values]
+    print(f"  {label:<28}" + "".join(f"{v:>12}" for v in shown) + ratios)
 
 
 def plot(doc: dict, path: str) -> None:
@@ -315,6 +339,10 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=8, help="1 or the world size")
     parser.add_argument("--dp", type=int, default=2, help="DP groups when ep=1")
     parser.add_argument("--ep-dispatch", choices=("exact", "padded"), default="exact")
+    parser.add_argument(
+        "--device", default="950dt", choices=sorted(DEVICES),
+        help="the device the step times are predicted on (docs/devices.md)",
+    )  # fmt: skip
     parser.add_argument(
         "--ep-rows", choices=("auto", "per_rank", "per_assignment"), default="auto",
         help="sp's and the baseline's EP rows (the seed: per_assignment)",

@@ -117,6 +117,7 @@ def capture(gm: GraphModule, example_inputs: list[Any], options: BackendOptions)
     _check_recompiles(adapter)
     _check_whole_model(gm, adapter)
     token_index = _token_index(inputs, adapter)  # before AOTAutograd: a misnamed input fails
+    _check_token_lengths(example_inputs, inputs, adapter)
     _check_inference(example_inputs, inputs)
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     device_type = tensors[0].device.type if tensors else "cpu"
@@ -161,6 +162,26 @@ def read_inputs(gm: GraphModule) -> GraphInputs:
         else:
             inputs[i] = _input_name(source)
     return GraphInputs(params, inputs, frozenset(buffers))
+
+
+def _check_token_lengths(
+    example_inputs: list[Any], inputs: GraphInputs, adapter: ModelAdapter
+) -> None:
+    """A ValueError naming the lengths unless the token inputs Dynamo was called with have one
+    length T. A model checks its batch itself (DeepSeek V4.1's forward does), but with the
+    token count marked (`mark_token_dim`) its check cannot decide while Dynamo traces: the
+    inputs reach the backend, where they hold their sizes."""
+    lengths = []
+    for name in adapter.token_inputs:
+        index = inputs.index_of(name)
+        value = example_inputs[index] if index is not None else None
+        if isinstance(value, torch.Tensor) and value.dim() and isinstance(value.shape[0], int):
+            lengths.append((name, value.shape[0]))
+    if len({n for _, n in lengths}) > 1:
+        raise ValueError(
+            "the token inputs must have the same length T, got "
+            + ", ".join(f"{name}={n}" for name, n in lengths)
+        )
 
 
 def _token_index(inputs: GraphInputs, adapter: ModelAdapter) -> int:

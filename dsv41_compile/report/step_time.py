@@ -45,6 +45,7 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import GLOBAL_VAL, module_paths
 from dsv41_compile.core.symbols import T
 from dsv41_compile.devices import Device
+from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.report.accounting import node_flops, sizes_in_t, symbolic_size
 from dsv41_compile.report.comm import collective_bytes
 
@@ -243,10 +244,12 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
             continue
         spec = ctx.adapter.routed_experts_op(node.target)
         if spec is not None:
-            idx = node.args[1]
             held = node.args[3].meta["val"].shape[0]
-            ep = max(ctx.mesh.ep, 1)
-            experts, top_k = held * ep, int(idx.meta["val"].shape[1])
+            info = next((i for i in ep_layers(ctx) if i.region in module_paths(node)), None)
+            # the experts a token picks: the op's routes per row without EP; with EP a row
+            # may carry one assignment (`ep_rows="per_assignment"`), the layer's K is kept
+            top_k = info.top_k if info is not None else int(node.args[1].meta["val"].shape[1])
+            experts = held * (info.ep if info is not None else 1)
             stacked = [node.args[i] for i in spec.weight_args()]
             expert_bytes = sum((nbytes(w.meta["val"]) for w in stacked), zero)
             for w in stacked:

@@ -34,8 +34,12 @@ def test_report_json_and_plot(tmp_path, plan_once, load_tool):
         "ep_rows='auto': per_rank, 3,920 B per token (padded, dispatch + combine) "
         "against 7,280 B per_assignment",
     ]
+    assert doc["device"] == "950dt"  # the tool's default; args carry none here
     for scenario in doc["scenarios"]:
         seed, sp, rep = (scenario["layouts"][k] for k in ("seed", "sp", "replicated"))
+        for layout in (seed, sp, rep):  # the step-time model's prediction beside the bytes
+            low, high = layout["step_seconds"]["10us"], layout["step_seconds"]["30us"]
+            assert high > low >= layout["layout_floor_seconds"] > 0
         for layout in (seed, sp, rep):
             assert {"bytes_per_layer_per_rank", "flops_per_layer_per_rank", "collectives"} <= set(
                 layout

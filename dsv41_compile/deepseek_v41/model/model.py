@@ -33,6 +33,7 @@ from dsv41_compile.deepseek_v41.model.moe import MoE
 from dsv41_compile.deepseek_v41.model.numerics import fp4_rows_width, fp8_rows_width
 from dsv41_compile.deepseek_v41.model.quant import quantize_fp8
 from dsv41_compile.deepseek_v41.model.released import Fp8Linear
+from dsv41_compile.deepseek_v41.model.validate import check_batch_shapes
 from dsv41_compile.storage import has_no_weights
 
 
@@ -255,6 +256,7 @@ class DeepseekV41(nn.Module):
                 "compile DeepseekV41.without_weights(cfg) with the dsv41_sp backend's option "
                 "checkpoint=DIR, where each rank reads only its own shards"
             )
+        check_batch_shapes(input_ids, positions, slots)
         valid_T = slots >= 0
         cache_slot_T = torch.where(valid_T, slots, cache.scratch_slot)
 

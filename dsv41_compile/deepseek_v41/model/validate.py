@@ -1,7 +1,10 @@
-"""Host-side validation of a packed batch against a KV cache, run before the model's forward.
+"""Validation of a packed batch: its shapes and dtypes by the forward itself
+(`check_batch_shapes`), its values against a KV cache on the host, before the forward
+(`validate_batch`).
 
-The forward itself stays free of `.tolist()` and data-dependent checks so that it compiles to one
-graph; callers (the demo, benchmarks, serving loops) run `validate_batch` on each batch instead.
+The forward checks only what a tensor's metadata says (no host read). Its values (ids in the
+vocabulary, positions continuing the cache) are read on the host: callers (the demo, benchmarks,
+serving loops) run `validate_batch` on each batch.
 """
 
 from __future__ import annotations
@@ -11,7 +14,36 @@ from torch import Tensor
 
 from dsv41_compile.deepseek_v41.model.cache import KVCache
 
-__all__ = ["validate_batch"]
+__all__ = ["check_batch_shapes", "validate_batch"]
+
+
+def check_batch_shapes(input_ids: Tensor, positions: Tensor, slots: Tensor) -> None:
+    """Raise `ValueError` unless `input_ids`, `positions` and `slots` are 1-D integer tensors of
+    one length T, naming the tensor or the lengths. Metadata only: the forward runs it. Under
+    Dynamo it stands aside; with `mark_token_dim` the backend checks the lengths instead
+    (`frontend.capture`)."""
+    if torch.compiler.is_compiling():
+        # Dynamo traces: the backend checks the inputs it is called with (reading them here
+        # would change the order in which the graph takes its inputs, and which one it reads
+        # T from; a comparison of a marked token count cannot be decided)
+        return
+    named = {"input_ids": input_ids, "positions": positions, "slots": slots}
+    for name, tensor in named.items():
+        if tensor.dim() != 1:
+            raise ValueError(
+                f"{name} must be a 1-D tensor [T] of packed tokens, got shape {tuple(tensor.shape)}"
+            )
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+            raise ValueError(
+                f"{name} must be an integer tensor, got {tensor.dtype}; convert it with .long()"
+            )
+    lengths = {name: tensor.shape[0] for name, tensor in named.items()}
+    n = lengths["input_ids"]
+    if not (lengths["positions"] == n and lengths["slots"] == n):
+        raise ValueError(
+            "input_ids, positions and slots must have the same length T, got "
+            + ", ".join(f"{name}={n}" for name, n in lengths.items())
+        )
 
 
 def validate_batch(
@@ -38,20 +70,18 @@ def validate_batch(
 
     Every message names the offending token index and what to change.
     """
-    named = {"input_ids": input_ids, "positions": positions, "slots": slots}
-    for name, tensor in named.items():
-        if tensor.dim() != 1:
-            raise ValueError(
-                f"{name} must be a 1-D tensor [T] of packed tokens, got shape {tuple(tensor.shape)}"
-            )
-        if tensor.dtype != torch.int64:
-            raise ValueError(f"{name} must be int64, got {tensor.dtype}; convert it with .long()")
-    lengths = {name: tensor.shape[0] for name, tensor in named.items()}
-    if len(set(lengths.values())) != 1:
-        raise ValueError(
-            "input_ids, positions and slots must have the same length T, got "
-            + ", ".join(f"{name}={n}" for name, n in lengths.items())
+    check_batch_shapes(input_ids, positions, slots)
+    if (
+        input_ids.dtype != torch.int64
+        or positions.dtype != torch.int64
+        or slots.dtype != torch.int64
+    ):
+        wrong = next(
+            (name, t.dtype)
+            for name, t in (("input_ids", input_ids), ("positions", positions), ("slots", slots))
+            if t.dtype != torch.int64
         )
+        raise ValueError(f"{wrong[0]} must be int64, got {wrong[1]}; convert it with .long()")
 
     num_slots = cache.num_slots
     max_len = cache.max_len

@@ -137,3 +137,60 @@ def test_first_position_must_continue_the_cache() -> None:
         ),
     ):
         check([1, 2], [0, 9], [0, 2], make_cache([0, 0, 7]))
+
+
+def test_the_call_refuses_a_batch_of_unequal_lengths() -> None:
+    """The forward checks its batch's shapes and dtypes on one device: a batch whose positions
+    are one short is a ValueError naming the lengths (it ran silently)."""
+    from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
+
+    torch.manual_seed(0)
+    model = DeepseekV41(ModelConfig.from_name("tiny-swa", n_layers=1))
+    cache = model.new_cache(2, 16)
+    ids, slots = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 0, 1, 1])
+    with pytest.raises(
+        ValueError,
+        match=r"input_ids, positions and slots must have the same length T, got input_ids=4, "
+        r"positions=3, slots=4",
+    ):
+        model(ids, torch.tensor([0, 1, 0]), slots, cache)
+    with pytest.raises(ValueError, match="positions must be an integer tensor, got torch.float32"):
+        model(ids, torch.tensor([0.0, 1.0, 0.0, 1.0]), slots, cache)
+
+
+def test_a_marked_compile_refuses_a_batch_of_unequal_lengths() -> None:
+    """Compiled, the forward's check stands aside (Dynamo traces it); with `mark_token_dim` the
+    backend checks the token inputs' lengths it is called with
+    (tiny-swa, one layer, rank 1 of a fake world, tp=2): Dynamo traces the unequal batch again
+    and the backend refuses it."""
+    from dsv41_compile import mark_token_dim
+    from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
+    from dsv41_compile.testing.torch_shims import fake_process_group
+
+    torch.manual_seed(0)
+    model = DeepseekV41(ModelConfig.from_name("tiny-swa", n_layers=1))
+    cache = model.new_cache(2, 16)
+    ids, positions, slots = (
+        torch.tensor([1, 2, 3]),
+        torch.tensor([0, 1, 0]),
+        torch.tensor([0, 0, 1]),
+    )
+    torch.compiler.reset()
+    with fake_process_group(world_size=2, rank=1):
+        mark_token_dim(ids, positions, slots)
+        compiled = torch.compile(
+            model, backend="dsv41_sp", options={"tp": 2, "lowering": "eager"}, fullgraph=True
+        )
+        compiled(ids, positions, slots, cache)  # compiles
+        longer_ids, longer_slots = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 0, 1, 1])
+        mark_token_dim(longer_ids, positions, longer_slots)  # before each call, as documented
+        with pytest.raises(Exception) as info:  # the backend's error, in Dynamo's wrapper
+            compiled(longer_ids, positions, longer_slots, cache)
+    error = info.value
+    while getattr(error, "inner_exception", None) is not None:
+        error = error.inner_exception
+    assert type(error) is ValueError
+    assert str(error) == (
+        "the token inputs must have the same length T, got input_ids=4, positions=3, slots=4"
+    )
+    torch.compiler.reset()
