@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from dsv41_compile.devices import DEVICES, Device
+
 __all__ = ["BackendOptions", "FamilyOptions", "GivenOptions", "check_choice"]
 
 _LOWERINGS = ("auto", "eager", "inductor", "torchair")
@@ -84,6 +86,15 @@ class BackendOptions:
     outputs in fp32 and sends one row back, in the activation dtype).
     "auto": per MoE layer, the one with fewer expected bytes under uniform routing (the
     choice and both figures are in graph.py, comm.json and tools/explain.py)."""
+    device: str = "auto"
+    """The device the "auto" cuts are chosen for, by the time a step would take on it
+    (`devices.DEVICES`: "950dt", "950pr", "a3", "a2", "h200"; docs/devices.md) at the workload
+    `rows_per_step` states. "auto": the H200 for CUDA tensors, else the Ascend 950DT (on CPU,
+    where nothing is timed, the NPU the program is meant for)."""
+    rows_per_step: int = 8
+    """The rows (tokens) one DP group's step is expected to carry, for the "auto" cuts: a small
+    decode batch unless said otherwise (8 requests decoding, or one verifying 7 rows). A
+    deployment that serves long prefills in this program says so with more."""
     extra_weight_bytes: int | None = None
     """The most bytes of weights per rank the family's cuts may replicate beyond the layout's
     own shards (None: no limit; 0: none, so an "auto" cut never replicates a weight)."""
@@ -130,6 +141,9 @@ class BackendOptions:
         check_choice("ep_dispatch", self.ep_dispatch, _EP_DISPATCH)
         check_choice("ep_rows", self.ep_rows, _EP_ROWS)
         self._check_target(self.lowering)
+        check_choice("device", self.device, ("auto", *DEVICES))
+        if not isinstance(self.rows_per_step, int) or self.rows_per_step < 1:
+            raise ValueError(f"rows_per_step must be a positive int, got {self.rows_per_step!r}")
         budget = self.extra_weight_bytes
         if budget is not None and (not isinstance(budget, int) or budget < 0):
             raise ValueError(f"extra_weight_bytes must be None or an int >= 0, got {budget!r}")
@@ -184,6 +198,12 @@ class BackendOptions:
                 )
         self._check_target(lowering)
         return lowering
+
+    def device_model(self, device_type: str) -> Device:
+        """The device the "auto" cuts are timed on, for tensors on `device_type`."""
+        if self.device != "auto":
+            return DEVICES[self.device]
+        return DEVICES["h200" if device_type == "cuda" else "950dt"]
 
     def cache_key(self) -> tuple[tuple[str, Any], ...]:
         """The options that change the per-rank program (not where it is dumped, nor where

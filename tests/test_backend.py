@@ -86,10 +86,34 @@ def test_one_all_gather_of_the_2d_attention_input_and_one_fp32_reduce_scatter_pe
     assert not any(collective_kind(n) == "all_reduce" for n in gm.graph.nodes)
 
 
-def test_auto_exits_attention_with_an_all_to_all_of_wo_bs_input(rank1):
-    """tiny-swa, tp=4: of wo_a's output [T, 64] (fp32 here) each rank holds 16 columns; the all-to-all moves 3/4 x 16 x 4 = 48 B per token against the ReduceScatter's
-    3/4 x 64 x 4 = 192 B, and wo_b (64 x 64 fp32) is replicated: 3/4 of it, 12,288 B, more per layer and rank."""
-    gm, ctx, logits = rank1
+@pytest.fixture(scope="module")
+def prefill_rank1():
+    """The default options at a prefill-sized workload (4096 rows per step)."""
+    return compile_on_fake_rank(1, {"tp": 4, "rows_per_step": 4096})
+
+
+def test_auto_exits_attention_by_the_time_of_a_step(rank1):
+    """At the default workload (8 rows per step, 950DT) the all-to-all's 144 B per token saved
+    on the wire do not pay for reading the 12,288 B of wo_b beyond the rank's shard: the
+    ReduceScatter of wo_b's fp32 partial, wo_b row-parallel, as in the seed's layout."""
+    gm, ctx, _ = rank1
+    assert ctx.options.family.attn_exit == "reduce_scatter"
+    (why,) = [w for w in ctx.choices.values() if w.startswith("attn_exit")]
+    assert why == (
+        "attn_exit='auto': reduce_scatter, 10.002 us per layer against 10.003 us all_to_all on "
+        "950dt at 8 rows per step (10 us per collective; 192 B per token against 48 B; "
+        "all_to_all would read +12,288 B of wo_b per layer)"
+    )
+    kinds = Counter(collective_kind(n) for n in collectives(gm))
+    assert kinds == {"all_gather": 3, "reduce_scatter": 2}  # per layer: entry, exit; the head
+
+
+def test_auto_exits_attention_with_an_all_to_all_of_wo_bs_input_at_prefill_sizes(prefill_rank1):
+    """tiny-swa, tp=4, 4096 rows per step: of wo_a's output [T, 64] (fp32 here) each rank holds
+    16 columns; the all-to-all moves 3/4 x 16 x 4 = 48 B per token against the ReduceScatter's
+    3/4 x 64 x 4 = 192 B, which at 4096 rows outweighs reading wo_b (64 x 64 fp32) whole: 3/4
+    of it, 12,288 B, more per layer and rank."""
+    gm, ctx, logits = prefill_rank1
     assert logits.shape == (8, 512)
     kinds = Counter((n.meta[REGION], collective_kind(n)) for n in collectives(gm))
     assert kinds == {
@@ -103,8 +127,9 @@ def test_auto_exits_attention_with_an_all_to_all_of_wo_bs_input(rank1):
         if collective_kind(node) == "all_to_all":
             assert tuple(node.args[0].meta["val"].shape[1:]) == (16,)  # [Tpad, W/tp] in
             assert node.meta[REASON].endswith(
-                "; attn_exit='auto': all_to_all, 48 B per token against 192 B "
-                "reduce_scatter; wo_b replicated: +24,576 B of weights per rank"
+                "; attn_exit='auto': all_to_all, 10.200 us per layer against 10.786 us "
+                "reduce_scatter on 950dt at 4096 rows per step (10 us per collective; 48 B per "
+                "token against 192 B; wo_b replicated: +24,576 B of weights per rank)"
             )
     assert ctx.options.family.attn_exit == "all_to_all"
     wo_b = [s for s in ctx.signature.param_shards.values() if s.fqn.endswith("wo_b.weight")]
@@ -187,7 +212,8 @@ def test_vocab_sharded_embedding_enters_with_one_reduce_scatter():
     partials = first.args[0].meta["val"]
     assert partials.dim() == 2 and partials.shape[1] == 64  # [T, D], not the [T, 4, D] streams
     assert partials.dtype == torch.float32
-    assert [collective_kind(n) for n in rest] == ["all_gather", "all_to_all", "all_gather"]
+    # the entry's gather, the exit's ReduceScatter (attn_exit="auto" at 8 rows), the head's
+    assert [collective_kind(n) for n in rest] == ["all_gather", "reduce_scatter", "all_gather"]
 
 
 def test_dump_writes_graph_and_comm_records(rank6_dumped):
@@ -197,7 +223,7 @@ def test_dump_writes_graph_and_comm_records(rank6_dumped):
     comm = json.loads((dump / "rank6" / "comm.json").read_text())
     assert (comm["rank"], comm["tp_rank"], comm["dp_rank"]) == (6, 2, 1)
     kinds = [c["kind"] for c in comm["collectives"]]
-    assert kinds == ["all_gather", "all_to_all"] * 2 + ["all_gather"]
+    assert kinds == ["all_gather", "reduce_scatter"] * 2 + ["all_gather"]
     first = comm["collectives"][0]
     assert first["layer"] == 0 and first["axis"] == "tp" and first["group_size"] == 4
     assert first["input_shape"] == ["((T + 3)//4)", "64"]
@@ -303,7 +329,7 @@ class TestLayerSnapshot(expecttest.TestCase):
         norms, MoE -- is ~400 token-sharded pointwise nodes; the counts tests above pin its
         collectives.)"""
         cfg = compile_config("tiny-swa", ONE_LAYER, WIDE)
-        gm, ctx, _ = compile_on_fake_rank(1, {"tp": 4}, cfg=cfg)
+        gm, ctx, _ = compile_on_fake_rank(1, {"tp": 4, "rows_per_step": 4096}, cfg=cfg)
         text = layer_text(gm, ctx, "layers.0.attn")
         self.assertExpectedInline(
             collective_windows(text),
@@ -324,8 +350,8 @@ v57 = getitem(v56, 0)  # R f32[T, 32]
 ...
 v183 = t(layers.0.attn.wo_b.weight)  # R f32[64, 128]
 v184 = constant_pad_nd(v182, [0, 0, 0, in2], 0)  # f32[4*(((T+3)//4)), 16]
-v185 = _c10d_functional.all_to_all_single(v184, [in4, in4, in4, in4], [in4, in4, in4, in4], 'tp')  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v191 in layers.0.attn.wo_b needs v182 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 48 B per token against 384 B reduce_scatter; wo_b replicated: +24,576 B of weights per rank
-v186 = _c10d_functional.wait_tensor(v185)  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v191 in layers.0.attn.wo_b needs v182 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 48 B per token against 384 B reduce_scatter; wo_b replicated: +24,576 B of weights per rank
+v185 = _c10d_functional.all_to_all_single(v184, [in4, in4, in4, in4], [in4, in4, in4, in4], 'tp')  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v191 in layers.0.attn.wo_b needs v182 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 10.203 us per layer against 11.573 us reduce_scatter on 950dt at 4096 rows per step (10 us per collective; 48 B per token against 384 B; wo_b replicated: +24,576 B of weights per rank)
+v186 = _c10d_functional.wait_tensor(v185)  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v191 in layers.0.attn.wo_b needs v182 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 10.203 us per layer against 11.573 us reduce_scatter on 950dt at 4096 rows per step (10 us per collective; 48 B per token against 384 B; wo_b replicated: +24,576 B of weights per rank)
 v187 = unflatten(v186, 0, [4, in4])  # f32[4, ((T+3)//4), 16]
 v188 = permute(v187, [1, 0, 2])  # f32[((T+3)//4), 4, 16]""",
         )

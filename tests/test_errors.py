@@ -371,9 +371,9 @@ def test_options_checked_against_the_pipeline_and_the_model_family(options, mess
 
 
 GENERIC_OPTIONS = (
-    "['check_inputs', 'checkpoint', 'dump_after', 'dump_dir', 'ep', 'ep_dispatch', 'ep_rows', "
-    "'extra_weight_bytes', 'layout', 'lowering', 'share_compile', 'skip_unimplemented_parts', "
-    "'tp']"
+    "['check_inputs', 'checkpoint', 'device', 'dump_after', 'dump_dir', 'ep', 'ep_dispatch', "
+    "'ep_rows', 'extra_weight_bytes', 'layout', 'lowering', 'rows_per_step', 'share_compile', "
+    "'skip_unimplemented_parts', 'tp']"
 )
 
 

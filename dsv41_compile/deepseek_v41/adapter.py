@@ -274,42 +274,57 @@ class DeepseekV41Adapter(ModelAdapter):
     def _resolve_attn_exit(
         self, options: BackendOptions, params: Mapping[str, torch.Tensor]
     ) -> tuple[BackendOptions, dict[str, str]]:
-        """The attention exit: per token and rank, the ReduceScatter of the fp32 `[T, D]`
-        partial moves (tp-1)/tp * 4D bytes, the all-to-all of `wo_a`'s output groups (tp-1)/tp
-        * G*o_lora/tp activation bytes; the all-to-all replicates `wo_b` (D x G*o_lora per
-        layer) on every TP rank. The layers' `wo_b` have one shape: one choice for all."""
+        """The attention exit, by the time it adds to a layer's step on the device model
+        (`BackendOptions.device`) at `rows_per_step` rows: one collective's latency, its bytes
+        over the link -- per token and rank, the ReduceScatter of the fp32 `[T, D]` partial
+        moves (tp-1)/tp * 4D bytes, the all-to-all of `wo_a`'s output groups (tp-1)/tp *
+        G*o_lora/tp activation bytes -- and for the all-to-all, which holds `wo_b` (D x G*o_lora
+        per layer) whole on every TP rank, the (tp-1)/tp of it read beyond the rank's shard.
+        The layers' `wo_b` have one shape: one choice for all."""
         wo_b = [v for fqn, v in params.items() if fqn.endswith(".attn.wo_b.weight")]
         if options.layout != "sp" or options.tp == 1 or not wo_b:  # nothing to cut
             return _with(options, attn_exit="reduce_scatter", attn_entry="input"), {}
         # the activations are in the embedding's dtype (wo_b may be held as FP8 codes)
         tp, (dim, width), act = options.tp, wo_b[0].shape, params["embed.weight"].element_size()
-        cost = {  # ring collectives: (tp-1)/tp of each token's row leaves the rank
+        wire = {  # ring collectives: (tp-1)/tp of each token's row leaves the rank
             "reduce_scatter": (tp - 1) / tp * dim * 4,
             "all_to_all": (tp - 1) / tp * (width // tp) * act,
         }
-        extra = sum(v.numel() * v.element_size() for v in wo_b) * (tp - 1) // tp
+        layer_extra = wo_b[0].numel() * wo_b[0].element_size() * (tp - 1) // tp
+        device = options.device_model(wo_b[0].device.type)
+        rows = options.rows_per_step
+        seconds = {
+            cut: device.collective_latency + rows * wire[cut] / device.link_bytes_per_s
+            for cut in wire
+        }
+        seconds["all_to_all"] += layer_extra / device.hbm_bytes_per_s
+        extra = layer_extra * len(wo_b)
         budget = options.extra_weight_bytes
         fits = budget is None or extra <= budget
         given = family_options(options).attn_exit
         chosen = given
         if chosen == "auto":
-            cheaper = min(cost, key=cost.__getitem__)
-            chosen = cheaper if fits else "reduce_scatter"
+            faster = min(seconds, key=seconds.__getitem__)
+            chosen = faster if fits else "reduce_scatter"
         elif chosen == "all_to_all" and not fits:
             raise ValueError(
                 f"attn_exit='all_to_all' replicates wo_b on every TP rank: {extra:,} more bytes "
                 f"of weights per rank than extra_weight_bytes={budget:,} allows; raise the "
                 "budget or use attn_exit='reduce_scatter'"
             )
-        (other,) = set(cost) - {chosen}
+        (other,) = set(seconds) - {chosen}
         why = (
-            f"attn_exit={given!r}: {chosen}, {cost[chosen]:,.0f} B per token "
-            f"against {cost[other]:,.0f} B {other}"
+            f"attn_exit={given!r}: {chosen}, {seconds[chosen] * 1e6:.3f} us per layer against "
+            f"{seconds[other] * 1e6:.3f} us {other} on {device.name} at {rows} rows per step "
+            f"({device.collective_latency * 1e6:.0f} us per collective; "
+            f"{wire[chosen]:,.0f} B per token against {wire[other]:,.0f} B"
         )
         if chosen == "all_to_all":
-            why += f"; wo_b replicated: +{extra:,} B of weights per rank"
-        elif not fits:
-            why += f" (all_to_all would replicate {extra:,} B > extra_weight_bytes)"
+            why += f"; wo_b replicated: +{extra:,} B of weights per rank)"
+        else:
+            why += f"; all_to_all would read +{layer_extra:,} B of wo_b per layer)"
+            if not fits:
+                why += f" (all_to_all would replicate {extra:,} B > extra_weight_bytes)"
         # where the exit's collective runs: entering wo_b, or at the layer's residual add
         region = "layers.*.attn.wo_b" if chosen == "all_to_all" else "layers.*"
         return _with(options, attn_exit=chosen), {region: why}

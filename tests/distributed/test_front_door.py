@@ -61,7 +61,7 @@ COMPILES = {
 # the subject here is how Dynamo traces T, and each mode traces the model two or three times on
 # each of the 8 ranks. (Every attention mode is tests/distributed/test_numerics.py's.) The sp
 # run has one layer, twice as wide (D = 128), where the default cuts move all three boundaries:
-# the q / kv latents gathered, wo_b's input moved to its tokens, one EP row per rank. The
+# the q / kv latents gathered, wo_b's partial reduce-scattered, one EP row per rank. The
 # replicated run has three: layers 1 and 2 are one kind, which Dynamo traces once -- at a
 # static T, then at a symbolic one -- and calls twice (`regions`).
 MODEL = {"preset": "tiny-swa", "overrides": (("n_layers", 3), *SINKHORN_3)}
@@ -94,10 +94,11 @@ RUNS = {
     ),
 }
 LAYOUT = {
-    # the default cuts: the q and kv latents gathered (attn_entry), wo_b's input moved to its
-    # tokens (attn_exit), one EP row per rank
+    # the default cuts: the q and kv latents gathered (attn_entry), wo_b's fp32 partial
+    # reduce-scattered (attn_exit="auto" at the default 8 rows per step: the all-to-all's
+    # whole wo_b would cost more reads than its bytes save), one EP row per rank
     # (and the Engram exchange's two all-to-alls: row ids out, rows back)
-    "sp-ep8-padded": [*["all_gather(tp)"] * 2, *["all_to_all(ep)"] * 5, "all_to_all(tp)"],
+    "sp-ep8-padded": [*["all_gather(tp)"] * 2, *["all_to_all(ep)"] * 5, "reduce_scatter(tp)"],
     "replicated-ep1": ["all_reduce(tp)"],
 }
 

@@ -32,17 +32,18 @@ Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPo
   shared by the 8 ranks (the session's);
 - one window-only layer under the official numerics (bf16), the weights held as released
   (FP8 linears with their block scales, each rank its heads' and output groups' blocks; FP4
-  routed experts with theirs, each rank its own experts'), one EP row per assignment: ep=8
-  exact, eager; ep=8 padded as handed to torchair (the FP8 linears as MXFP8 quantised matmuls,
+  routed experts with theirs, each rank its own experts'), one EP row per assignment, the
+  exit all-to-all (no re-associating sum): ep=8 exact, eager; ep=8 padded as handed to torchair (the FP8 linears as MXFP8 quantised matmuls,
   the FP8 rows of the quantised transport made and read by torch_npu's MX ops:
   `deepseek_v41/graph_mode.py`);
 - on one rank: the five every-mode layers as released (the official numerics) as handed to
   torchair.
 These call the model with `mark_token_dim`; tests/distributed/test_front_door.py calls it the
 other ways. The EP runs also check the seed's assignment counts and the traffic each
-rank records in comm.json. The other runs take the default cuts (`attn_exit="auto"`: wo_b's
-input moved to its tokens' ranks by an all-to-all, wo_b whole on every rank, no cross-rank
-sum; `ep_rows="auto"`: one EP row per token and destination rank). The EP exchange adds
+rank records in comm.json. The every-mode run states 4096 rows per step, at which
+`attn_exit="auto"` times the all-to-all shorter (wo_b's input moved to its tokens' ranks, wo_b
+whole on every rank, no cross-rank sum); the official runs name that exit; the other runs take
+`ep_rows="auto"`: one EP row per token and destination rank. The EP exchange adds
 no tolerance: a token's expert outputs are the single-device kernel's values, added in fp32 --
 at the source one per assignment, or per rank on the expert rank and then over the ranks at
 the source (expert order, re-associated; in fp32 the combine's cast is the identity).
@@ -118,7 +119,10 @@ def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> Case
 
 
 RUNS = {
-    # tiny's Engram layer (before layer 1) with its tables split by columns over the world
+    # tiny's Engram layer (before layer 1) with its tables split by columns over the world;
+    # stated as a prefill-sized workload, where attn_exit="auto" times the all-to-all shorter
+    # (tests/distributed/test_front_door.py's sp run, at the default 8 rows, gets the
+    # ReduceScatter)
     "tiny-every-mode-ep-exact-eager": spec(
         "tiny",
         overrides=(*EVERY_MODE_6, *WIDE),
@@ -126,6 +130,7 @@ RUNS = {
         ep=EP,
         lowering="eager",
         engram="sharded",
+        rows_per_step=4096,
     ),
     # an Engram layer, its tables replicated (the replicated layout's)
     "tiny-swa-replicated-ep-padded-torchair": spec(
@@ -158,6 +163,7 @@ RUNS = {
             ep=EP,
             ep_dispatch=dispatch,
             ep_rows="per_assignment",
+            attn_exit="all_to_all",
             lowering=lowering,
         )
         for dispatch, lowering in (("exact", "eager"), ("padded", "torchair"))
@@ -414,8 +420,8 @@ def test_ep_traffic_adds_up_on_every_step(name):
 
 TP_SHARDED = {"attn.wq_b": 0, "attn.wo_a": 0, "attn.attn_sink": 0}
 """The plan's tp shards (`deepseek_v41/plan.py`): checkpoint name suffix -> dim. The
-checkpoint run exits attention with the all-to-all (`attn_exit="auto"` at tiny's sizes), so
-`wo_b` is whole on every rank."""
+checkpoint run exits attention with the all-to-all (`attn_exit="auto"` at tiny's sizes and
+4096 rows per step), so `wo_b` is whole on every rank."""
 
 
 SIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}

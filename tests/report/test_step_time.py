@@ -163,11 +163,12 @@ def test_the_tools_scenarios_spread_the_requests_over_the_dp_groups(load_tool):
 
 
 def test_the_physical_floor_does_not_depend_on_the_layout(tiny, plan_once):
-    """The seed's layout moves one row per assignment (each local routed-experts call sees one
-    route per row); the experts a token touches are still the layer's K."""
+    """Another layout: wo_b whole on every rank, one EP row per assignment (each local
+    routed-experts call sees one route per row); the experts a token touches are still the
+    layer's K."""
     cfg, costs = tiny
-    seed = {"attn_entry": "input", "attn_exit": "reduce_scatter", "ep_rows": "per_assignment"}
-    gm, ctx = plan_once(cfg, {"tp": 4, "ep": 8, **seed}, world_size=8)[:2]
+    other = {"attn_exit": "all_to_all", "ep_rows": "per_assignment"}  # wo_b whole, a row a route
+    gm, ctx = plan_once(cfg, {"tp": 4, "ep": 8, **other}, world_size=8)[:2]
     scenario = Scenario("verify", 48, 96)
     ours, theirs = (step_time(c, DEVICES["950dt"], scenario) for c in (costs, step_costs(gm, ctx)))
     assert theirs.physical_floor == pytest.approx(ours.physical_floor, rel=1e-12)

@@ -56,9 +56,10 @@ def test_torchair_graph_has_the_layout_collectives_and_no_host_read(handed):
     (aot,) = aot_graphs  # after torchair's AOT step: what its converters see
     for graph in (gm, aot):
         kinds = Counter(collective_kind(n) for n in graph.graph.nodes if collective_kind(n))
-        # per layer: the attention input gathered, wo_b's input moved to its tokens (the
-        # default attn_exit), the EP rows, routes and combine; + the exit gather
-        assert kinds == {"all_gather": 3, "all_to_all": 2 + 6}
+        # per layer: the attention input gathered, wo_b's partial reduce-scattered (the
+        # default attn_exit at 8 rows per step), the EP rows, routes and combine; + the exit
+        # gather
+        assert kinds == {"all_gather": 3, "reduce_scatter": 2, "all_to_all": 6}
         targets = {n.target for n in graph.graph.nodes}
         assert torch.ops.aten._local_scalar_dense.default not in targets
 
