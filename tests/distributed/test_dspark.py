@@ -63,12 +63,14 @@ def test_one_program_each_with_the_layout_of_the_backbone(run):
         (drafter,) = (p["by_part"] for p in programs if p["drafter"])
         (backbone,) = (p["by_part"] for p in programs if not p["drafter"])
         for stage in range(3):
-            # the stage's attention: its input gathered over tp, the exit moving rows back;
-            # its MoE expert-parallel over the world: dispatch and combine all-to-alls
+            # the stage's attention: its input gathered over tp, the exit moving rows back (the
+            # all-to-all of wo_b's input in attention, or wo_b's partial reduce-scattered at
+            # the layer's residual add: attn_exit="auto" at 8 rows per step); its MoE
+            # expert-parallel over the world: dispatch and combine all-to-alls
             assert drafter[(stage, "attention", "all_gather")] == 1
             assert (
                 drafter.get((stage, "attention", "all_to_all"), 0)
-                + drafter.get((stage, "attention", "reduce_scatter"), 0)
+                + drafter.get((stage, "layer", "reduce_scatter"), 0)
                 == 1
             )
             assert drafter[(stage, "moe", "all_to_all")] >= 2
