@@ -224,6 +224,7 @@ def test_dump_writes_graph_and_comm_records(rank6_dumped):
     assert (comm["rank"], comm["tp_rank"], comm["dp_rank"]) == (6, 2, 1)
     kinds = [c["kind"] for c in comm["collectives"]]
     assert kinds == ["all_gather", "reduce_scatter"] * 2 + ["all_gather"]
+    assert comm["collectives_per_layer"] == {"0": 2, "1": 2}  # the head's gather is no layer's
     first = comm["collectives"][0]
     assert first["layer"] == 0 and first["axis"] == "tp" and first["group_size"] == 4
     assert first["input_shape"] == ["((T + 3)//4)", "64"]

@@ -125,6 +125,10 @@ def write_dump(
         '(its weights, its cache) in the order layer K\'s header lists them.\n"""\n\n'
     )
     (out / "graph.py").write_text(header + text)
+    per_layer: dict[str, int] = {}  # each collective waits its latency: how many per layer
+    for record in comm:
+        if record["layer"] is not None:
+            per_layer[str(record["layer"])] = per_layer.get(str(record["layer"]), 0) + 1
     (out / "comm.json").write_text(
         json.dumps(
             {
@@ -135,6 +139,7 @@ def write_dump(
                 "world_size": mesh.world_size,
                 "ep": mesh.ep,
                 "collectives": comm,
+                "collectives_per_layer": per_layer,
                 "ep_layers": [dataclasses.asdict(layer) for layer in ep_layers],
                 "ep_steps": [],
             },
