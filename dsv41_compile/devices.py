@@ -14,11 +14,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-__all__ = ["DEVICES", "LATENCIES", "MATMUL_DTYPES", "Device", "device_named"]
+__all__ = ["DEVICES", "LATENCIES", "MATMUL_DTYPES", "Device", "device_named", "latency_label"]
 
 LATENCIES = (10e-6, 30e-6)
 """The two per-collective latencies (seconds) the model answers at: an assumption, the range of
 small-message collectives on HCCL and NCCL within a node (docs/devices.md)."""
+
+
+def latency_label(seconds: float) -> str:
+    """How the tools name a latency in their tables and JSON: `"10us"`."""
+    return f"{seconds * 1e6:.0f}us"
+
 
 MATMUL_DTYPES = ("fp4", "fp8", "bf16")
 """A matmul's rate is its narrower operand's: from the narrowest to the widest. fp32 and fp16

@@ -30,10 +30,6 @@ import torch
 
 WORLD, TP, EP = 8, 4, 8
 LAYOUTS = ("seed", "sp", "replicated")
-SEED = {
-    "layout": "sp", "attn_entry": "input", "attn_exit": "reduce_scatter",
-    "ep_rows": "per_assignment",
-}  # fmt: skip
 
 
 def configs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
@@ -75,6 +71,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     from dsv41_compile.deepseek_v41.model import DeepseekV41
     from dsv41_compile.deepseek_v41.model.validate import validate_batch
     from dsv41_compile.deepseek_v41.testing.batches import pack
+    from dsv41_compile.deepseek_v41.testing.presets import SEED_LAYOUT
     from dsv41_compile.testing.capture import capture_lowered
 
     models = {}
@@ -108,7 +105,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
             "layout": layout,
             "ep_dispatch": dispatch,
             "lowering": args.lowering,
-            **(SEED if layout == "seed" else {}),
+            **(SEED_LAYOUT if layout == "seed" else {}),
         }
         compiled[config] = torch.compile(model, backend="dsv41_sp", options=options, fullgraph=True)
         caches[config] = model.new_cache(16, max_len)

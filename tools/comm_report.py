@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from dsv41_compile.deepseek_v41.model import ModelConfig
-from dsv41_compile.devices import DEVICES, LATENCIES
+from dsv41_compile.deepseek_v41.testing.presets import SEED_LAYOUT
+from dsv41_compile.devices import DEVICES, LATENCIES, latency_label
 from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.accounting import graph_costs, per_layer_formulas, summarize
@@ -48,13 +49,7 @@ def config_options(config: str, args: argparse.Namespace) -> dict[str, Any]:
     if engram != "auto":  # the backend's choice unless asked
         options["engram"] = engram
     if config == "seed":
-        return {
-            **options,
-            "layout": "sp",
-            "ep_rows": "per_assignment",
-            "attn_exit": "reduce_scatter",
-            "attn_entry": "input",
-        }
+        return {**options, **SEED_LAYOUT}
     # the baseline all-reduces and gathers nothing: its attention cuts are "auto" (none)
     exit, entry = (args.attn_exit, args.attn_entry) if config == "sp" else ("auto", "auto")
     if config == "replicated" and engram != "auto":  # the baseline replicates the tables
@@ -115,7 +110,7 @@ def report(
                 for latency in LATENCIES
             ]
             layouts[config]["step_seconds"] = {
-                f"{latency * 1e6:.0f}us": t.seconds for latency, t in zip(LATENCIES, predicted)
+                latency_label(latency): t.seconds for latency, t in zip(LATENCIES, predicted)
             }
             layouts[config]["layout_floor_seconds"] = predicted[0].layout_floor
         scenarios.append(
@@ -262,7 +257,7 @@ def print_tables(doc: dict) -> None:
             _row(f"{part} (per call)", [c["parts"][part]["bytes_sent"] for c in by])
         _print_tables(sc, by, doc["tp"])
         for latency in LATENCIES:
-            key = f"{latency * 1e6:.0f}us"
+            key = latency_label(latency)
             _row(
                 f"step on {doc['device']}, {key} (ms)",
                 [c["step_seconds"][key] * 1e3 for c in by],

@@ -29,13 +29,11 @@ from typing import Any
 
 from dsv41_compile.deepseek_v41.model import ModelConfig
 from dsv41_compile.deepseek_v41.testing.batches import Request
-from dsv41_compile.devices import DEVICES, LATENCIES, device_named
+from dsv41_compile.deepseek_v41.testing.presets import SEED_LAYOUT
+from dsv41_compile.devices import DEVICES, LATENCIES, device_named, latency_label
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.provenance import provenance
 from dsv41_compile.report.step_time import Scenario, StepCosts, StepTime, step_costs, step_time
-
-SEED = {"attn_entry": "input", "attn_exit": "reduce_scatter", "ep_rows": "per_assignment"}
-"""The seed's layout exactly (docs/benchmarks.md, "The three configurations")."""
 
 REQUESTS = (
     ("decode-1", 1, 1),
@@ -77,7 +75,9 @@ def report(costs: StepCosts, device_name: str, scenario: Scenario, top: int) -> 
     per_layer = first.layer_collectives / max(costs.layers, 1)
     print(
         f"{scenario.name:<15} T={scenario.rows:<5} "
-        + " ".join(f"{_ms(t.seconds)} ms @{t.device.collective_latency * 1e6:.0f}us" for t in times)
+        + " ".join(
+            f"{_ms(t.seconds)} ms @{latency_label(t.device.collective_latency)}" for t in times
+        )
         + f"  layout floor {_ms(first.layout_floor)} ms  physical floor {_ms(first.physical_floor)} ms"
         + f"  HBM {first.hbm_bytes / 1e9:7.2f} GB  collectives {first.collectives}"
         + f" ({per_layer:.1f} per layer)"
@@ -94,11 +94,11 @@ def report(costs: StepCosts, device_name: str, scenario: Scenario, top: int) -> 
         "scenario": scenario.name,
         "rows": scenario.rows,
         "world_rows": scenario.world_rows,
-        "seconds": {f"{t.device.collective_latency * 1e6:.0f}us": t.seconds for t in times},
+        "seconds": {latency_label(t.device.collective_latency): t.seconds for t in times},
         "hbm_seconds": first.hbm_seconds,
         "compute_seconds": first.compute_seconds,
         "collective_seconds": {
-            f"{t.device.collective_latency * 1e6:.0f}us": t.collective_seconds for t in times
+            latency_label(t.device.collective_latency): t.collective_seconds for t in times
         },
         "collectives": first.collectives,
         "collectives_per_layer": per_layer,
@@ -136,7 +136,7 @@ def main() -> None:
     base: dict[str, Any] = {"tp": args.tp, "ep": args.ep, "lowering": "eager"}
     configs = {
         "sp": {**base, **dict(_option(item) for item in args.option)},
-        "seed": {**base, **SEED},
+        "seed": {**base, **SEED_LAYOUT},
     }
     results: dict[str, list[dict[str, Any]]] = {}
     for name, options in configs.items():
@@ -150,7 +150,7 @@ def main() -> None:
             report(costs, args.device, scenario, args.top)
             for scenario in scenarios(args.world // args.tp)
         ]
-    low, high = (f"{latency * 1e6:.0f}us" for latency in LATENCIES)
+    low, high = (latency_label(latency) for latency in LATENCIES)
     print(
         f"\n| scenario | config | predicted, {low} | predicted, {high} | layout floor | "
         "physical floor | HBM read+written | collectives per layer |"

@@ -47,7 +47,9 @@ from dsv41_compile.report.comm import collective_bytes
 __all__ = [
     "PARTS",
     "Cost",
+    "ep_layer_of",
     "graph_costs",
+    "in_t",
     "node_flops",
     "per_layer_formulas",
     "sizes_in_t",
@@ -101,11 +103,11 @@ def graph_costs(gm: GraphModule, ctx: CompileContext) -> list[Cost]:
         kind = collective_kind(node)
         if kind is not None:
             axis, _, sent, received = collective_bytes(node, ctx)
-            sent, received = (_in_t(e, names, node) for e in (sent, received))
+            sent, received = (in_t(e, names, node) for e in (sent, received))
             flops = zero
         elif node.target in _MATMULS or ctx.adapter.routed_experts_op(node.target) is not None:
             axis, sent, received, kind = None, zero, zero, "matmul"
-            flops = _in_t(node_flops(node, ctx), names, node)
+            flops = in_t(node_flops(node, ctx), names, node)
         else:
             continue
         table = kind != "matmul" and node.meta.get(TABLE, False)
@@ -200,7 +202,7 @@ def node_flops(node: Node, ctx: CompileContext) -> sympy.Expr:
         x, topk_idx = node.args[:2]
         rows = symbolic_size(x.meta["val"].shape[0])
         routes = symbolic_size(topk_idx.meta["val"].shape[1])
-        info = _ep_layer(node, ctx)
+        info = ep_layer_of(node, ctx)
         if info is not None and info.rows == "per_rank" and info.dispatch == "exact":
             # a received row carries K routes, the valid ones are those of this rank: in
             # expectation K/ep assignments per token and peer over its expected rows
@@ -229,7 +231,7 @@ def sizes_in_t(gm: GraphModule, ctx: CompileContext) -> dict[object, sympy.Expr]
     names = {k: (tl if v == TL_MAX else v) for k, v in graph_symbols(gm).items()}
     for node in gm.graph.nodes:
         if node.target is aten._local_scalar_dense.default:
-            info = _ep_layer(node, ctx)
+            info = ep_layer_of(node, ctx)
             if info is None:
                 raise InternalError("a host read outside an expert-parallel MoE", node)
             names[sym_expr(node.meta["val"])] = _rows_per_peer(info) * tl
@@ -243,13 +245,14 @@ def _rows_per_peer(info: EpLayer) -> sympy.Rational:
     return sympy.Rational(expected.numerator, expected.denominator)
 
 
-def _ep_layer(node: Node, ctx: CompileContext) -> EpLayer | None:
+def ep_layer_of(node: Node, ctx: CompileContext) -> EpLayer | None:
     """The expert-parallel MoE layer `node` belongs to, if any."""
     paths = module_paths(node)
     return next((info for info in ep_layers(ctx) if info.region in paths), None)
 
 
-def _in_t(expr: sympy.Expr, names: dict[object, sympy.Expr], node: Node) -> sympy.Expr:
+def in_t(expr: sympy.Expr, names: dict[object, sympy.Expr], node: Node) -> sympy.Expr:
+    """`expr`, a size of `node`, as a formula in T (`names`: `sizes_in_t`)."""
     out = sympy.sympify(expr).xreplace(names)
     if not out.free_symbols <= {T}:
         raise InternalError(f"size {expr} is not a function of T", node)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -125,10 +126,8 @@ def write_dump(
         '(its weights, its cache) in the order layer K\'s header lists them.\n"""\n\n'
     )
     (out / "graph.py").write_text(header + text)
-    per_layer: dict[str, int] = {}  # each collective waits its latency: how many per layer
-    for record in comm:
-        if record["layer"] is not None:
-            per_layer[str(record["layer"])] = per_layer.get(str(record["layer"]), 0) + 1
+    # each collective waits its latency: how many per layer
+    per_layer = Counter(str(r["layer"]) for r in comm if r["layer"] is not None)
     (out / "comm.json").write_text(
         json.dumps(
             {
@@ -139,7 +138,7 @@ def write_dump(
                 "world_size": mesh.world_size,
                 "ep": mesh.ep,
                 "collectives": comm,
-                "collectives_per_layer": per_layer,
+                "collectives_per_layer": dict(per_layer),
                 "ep_layers": [dataclasses.asdict(layer) for layer in ep_layers],
                 "ep_steps": [],
             },

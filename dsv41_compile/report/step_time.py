@@ -45,8 +45,13 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import GLOBAL_VAL, module_paths
 from dsv41_compile.core.symbols import T
 from dsv41_compile.devices import Device
-from dsv41_compile.moe.stats import ep_layers
-from dsv41_compile.report.accounting import node_flops, sizes_in_t, symbolic_size
+from dsv41_compile.report.accounting import (
+    ep_layer_of,
+    in_t,
+    node_flops,
+    sizes_in_t,
+    symbolic_size,
+)
 from dsv41_compile.report.comm import collective_bytes
 
 __all__ = ["OpCost", "Scenario", "StepCosts", "StepTime", "step_costs", "step_time"]
@@ -197,12 +202,6 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
         numel = sympy.Mul(*(symbolic_size(s) for s in value.shape))
         return sympy.sympify(numel * value.element_size()).xreplace(names)
 
-    def in_t(expr: sympy.Expr, node: Node) -> sympy.Expr:
-        out = sympy.sympify(expr).xreplace(names)
-        if not out.free_symbols <= {T}:
-            raise ValueError(f"step_time: size {expr} of {node.name} is not a function of T")
-        return out
-
     def reads(node: Node, args: list[Node]) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr]:
         """(bytes, of which weights, of which cache) `node` reads of `args`."""
         total = weight = cache = zero
@@ -233,7 +232,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
         kind = collective_kind(node)
         if kind is not None:
             axis, _, sent, received = collective_bytes(node, ctx)
-            wire = sympy.Max(in_t(sent, node), in_t(received, node))
+            wire = sympy.Max(in_t(sent, names, node), in_t(received, names, node))
             ops.append(OpCost(node.name, layer, f"{kind}({axis})", zero, zero, zero, wire=wire))
             continue
         if node.target in _VIEWS or node.target is operator.getitem or node.target in _FREE:
@@ -245,7 +244,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
         spec = ctx.adapter.routed_experts_op(node.target)
         if spec is not None:
             held = node.args[3].meta["val"].shape[0]
-            info = next((i for i in ep_layers(ctx) if i.region in module_paths(node)), None)
+            info = ep_layer_of(node, ctx)
             # the experts a token picks: the op's routes per row without EP; with EP a row
             # may carry one assignment (`ep_rows="per_assignment"`), the layer's K is kept
             top_k = info.top_k if info is not None else int(node.args[1].meta["val"].shape[1])
@@ -262,7 +261,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
                     "experts",
                     read,
                     nbytes(val),
-                    in_t(node_flops(node, ctx), node),
+                    in_t(node_flops(node, ctx), names, node),
                     operand=_operand(stacked, spec.inputs_per_element),
                     expert_bytes=expert_bytes,
                 )
@@ -299,7 +298,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
             kind_name = "matmul"
         else:
             kind_name = "other"
-        flops = in_t(node_flops(node, ctx), node) if kind_name == "matmul" else zero
+        flops = in_t(node_flops(node, ctx), names, node) if kind_name == "matmul" else zero
         ops.append(
             OpCost(
                 node.name,
@@ -346,7 +345,7 @@ def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:
         return at[expr]
 
     seconds = hbm = compute = comm = 0.0
-    hbm_bytes = layout = 0.0
+    hbm_bytes = layout = cache = gathered = 0.0
     count = in_layers = 0
     timed: list[tuple[float, OpCost]] = []
     for op in costs.ops:
@@ -364,13 +363,14 @@ def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:
             hbm_bytes += moved
             layout += value(op.weight_bytes) + value(op.cache_bytes)
             layout += value(op.expert_bytes) * touched
+            cache += value(op.cache_bytes)
+            if op.kind == "gather":
+                gathered += value(op.weight_bytes)
         seconds += t
         timed.append((t, op))
-    cache = sum(value(op.cache_bytes) for op in costs.ops)
     dense = costs.global_weight_bytes - costs.global_expert_bytes
     physical = (dense + costs.global_expert_bytes * touched) / costs.world_size
-    physical += cache / costs.tp
-    physical += sum(value(op.weight_bytes) for op in costs.ops if op.kind == "gather")
+    physical += cache / costs.tp + gathered
     return StepTime(
         scenario,
         device,

@@ -71,17 +71,9 @@ def validate_batch(
     Every message names the offending token index and what to change.
     """
     check_batch_shapes(input_ids, positions, slots)
-    if (
-        input_ids.dtype != torch.int64
-        or positions.dtype != torch.int64
-        or slots.dtype != torch.int64
-    ):
-        wrong = next(
-            (name, t.dtype)
-            for name, t in (("input_ids", input_ids), ("positions", positions), ("slots", slots))
-            if t.dtype != torch.int64
-        )
-        raise ValueError(f"{wrong[0]} must be int64, got {wrong[1]}; convert it with .long()")
+    for name, tensor in (("input_ids", input_ids), ("positions", positions), ("slots", slots)):
+        if tensor.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64, got {tensor.dtype}; convert it with .long()")
 
     num_slots = cache.num_slots
     max_len = cache.max_len

@@ -24,10 +24,21 @@ __all__ = [
     "EVERY_MODE_5",
     "EVERY_MODE_6",
     "ONE_LAYER",
+    "SEED_LAYOUT",
     "SINKHORN_3",
     "WIDE",
     "compile_config",
 ]
+
+SEED_LAYOUT: dict[str, Any] = {
+    "layout": "sp",
+    "attn_entry": "input",
+    "attn_exit": "reduce_scatter",
+    "ep_rows": "per_assignment",
+}
+"""The backend options of the seed's layout exactly (docs/benchmarks.md, "The three
+configurations"): the normed input gathered, wo_b's fp32 partial reduce-scattered, one EP row
+per (token, expert) assignment. The tools compare the other layouts against it."""
 
 SINKHORN_3: tuple[tuple[str, Any], ...] = (("hc_sinkhorn_iters", 3),)
 """3 Sinkhorn iterations instead of 20: the same code, about a third shorter to trace."""
