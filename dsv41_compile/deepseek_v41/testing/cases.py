@@ -163,8 +163,8 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     out["R"] = [t if r is None else len(r) for t, r in zip(out["T"], rows)]
     out["reference_read"] = reference_read
     with capture_reference(reference, spec.capture) as ref_store:
-        logits = (reference(*batch, ref_cache) for batch in batches)
-        out["ref"] = [ref if r is None else ref[r] for ref, r in zip(logits, rows)]
+        out["ref"] = [reference(*batch, ref_cache) for batch in batches]
+    out["ref"] = [ref if r is None else ref[r] for ref, r in zip(out["ref"], rows)]
     standin = None
     stack = contextlib.ExitStack()
     if spec.torchair_standin:
