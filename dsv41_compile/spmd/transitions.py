@@ -225,35 +225,6 @@ def _all_gather(graph: Graph, value: Node, src, dst, sizes: TokenSizes, fill: in
     return [gathered, waited, parts, graph.call_function(operator.getitem, (parts, 0))]
 
 
-@transition(lambda src, dst: isinstance(src, Shard) and src.dim > 0 and isinstance(dst, Replicate))
-def _all_gather_columns(
-    graph: Graph, value: Node, src: Shard, dst, sizes: TokenSizes, fill: int
-) -> list[Node]:
-    """An even split of a static dim d > 0 (a vocab-sharded head's `[R, V/tp]` logits) made
-    whole: one AllGather (which stacks the ranks' blocks on dim 0), the blocks moved to dim d
-    in rank order, the result made dense."""
-    val, d = _global(value), src.dim
-    if _tokens_on(value, d):
-        raise NotImplementedError(
-            f"{describe(value)}: its token dim {d} is sharded; only a static dim is gathered here"
-        )
-    if not all(isinstance(n, int) for n in val.shape[1:]):
-        raise NotImplementedError(
-            f"{describe(value)}: gathering dim {d} needs the dims after the first static"
-        )
-    gathered = graph.call_function(
-        c10d.all_gather_into_tensor.default, (value, sizes.tp, sizes.group_name)
-    )
-    waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
-    blocks = graph.call_function(aten.unflatten.int, (waited, 0, [sizes.tp, -1]))
-    moved = graph.call_function(aten.movedim.int, (blocks, 0, d))
-    dense = graph.call_function(
-        aten.clone.default, (moved,), {"memory_format": torch.contiguous_format}
-    )
-    out = graph.call_function(aten.view.default, (dense, [-1, *val.shape[1:]]))
-    return [gathered, waited, blocks, moved, dense, out]
-
-
 @transition(lambda src, dst: _is_sum(src) and _is_token_shard(dst))
 def _reduce_scatter(
     graph: Graph, value: Node, src, dst, sizes: TokenSizes, fill: int

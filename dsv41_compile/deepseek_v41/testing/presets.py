@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 from dsv41_compile.deepseek_v41.model import ModelConfig
-from dsv41_compile.devices import Device
 
 __all__ = [
     "AS_RELEASED",
@@ -99,16 +98,3 @@ def compile_config(
     return ModelConfig.from_name(
         preset, **dict(SINKHORN_3), **dict(p for o in overrides for p in o)
     )
-
-
-SLOW_HBM = Device(
-    name="slow-hbm",
-    hbm_bytes=64e9,
-    hbm_bytes_per_s=1e8,
-    flops={"bf16": 1e12},
-    link_bytes_per_s=50e9,
-    node_link_bytes_per_s=25e9,
-)
-"""A device of a user's own (the `device` option) whose memory is so slow that reading
-tiny-swa's 131 kB fp32 head (1.3 ms) costs more than gathering its logits (a 10 us latency):
-the head is vocab-sharded where the 950DT keeps it whole."""
