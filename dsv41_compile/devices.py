@@ -65,6 +65,9 @@ class Device:
         if self.collective_latency < 0:
             raise ValueError(f"Device {self.name!r}: collective_latency must be >= 0")
 
+    def __hash__(self) -> int:  # a frozen value with a dict field: options hold it in keys
+        return hash((self.name, self.hbm_bytes_per_s, tuple(sorted(self.flops.items()))))
+
     def matmul_flops(self, operand: str) -> float:
         """The peak rate of a matmul whose narrower operand is `operand` (one of
         `MATMUL_DTYPES`): the device's rate for it, else the next wider one it has."""

@@ -86,11 +86,12 @@ class BackendOptions:
     outputs in fp32 and sends one row back, in the activation dtype).
     "auto": per MoE layer, the one with fewer expected bytes under uniform routing (the
     choice and both figures are in graph.py, comm.json and tools/explain.py)."""
-    device: str = "auto"
+    device: str | Device = "auto"
     """The device the "auto" cuts are chosen for, by the time a step would take on it
-    (`devices.DEVICES`: "950dt", "950pr", "a3", "a2", "h200"; docs/devices.md) at the workload
-    `rows_per_step` states. "auto": the H200 for CUDA tensors, else the Ascend 950DT (on CPU,
-    where nothing is timed, the NPU the program is meant for)."""
+    (`devices.DEVICES`: "950dt", "950pr", "a3", "a2", "h200"; docs/devices.md, or a
+    `devices.Device` of your own) at the workload `rows_per_step` states. "auto": the H200 for
+    CUDA tensors, else the Ascend 950DT (on CPU, where nothing is timed, the NPU the program is
+    meant for)."""
     rows_per_step: int = 8
     """The rows (tokens) one DP group's step is expected to carry, for the "auto" cuts: a small
     decode batch unless said otherwise (8 requests decoding, or one verifying 7 rows). A
@@ -141,7 +142,8 @@ class BackendOptions:
         check_choice("ep_dispatch", self.ep_dispatch, _EP_DISPATCH)
         check_choice("ep_rows", self.ep_rows, _EP_ROWS)
         self._check_target(self.lowering)
-        check_choice("device", self.device, ("auto", *DEVICES))
+        if not isinstance(self.device, Device):
+            check_choice("device", self.device, ("auto", *DEVICES))
         if not isinstance(self.rows_per_step, int) or self.rows_per_step < 1:
             raise ValueError(f"rows_per_step must be a positive int, got {self.rows_per_step!r}")
         budget = self.extra_weight_bytes
@@ -201,6 +203,8 @@ class BackendOptions:
 
     def device_model(self, device_type: str) -> Device:
         """The device the "auto" cuts are timed on, for tensors on `device_type`."""
+        if isinstance(self.device, Device):
+            return self.device
         if self.device != "auto":
             return DEVICES[self.device]
         return DEVICES["h200" if device_type == "cuda" else "950dt"]

@@ -19,7 +19,7 @@ from dsv41_compile.core.meta import GLOBAL_VAL, OUT, REASON, REGION, module_path
 from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
 from dsv41_compile.deepseek_v41.testing.batches import Request, pack
 from dsv41_compile.deepseek_v41.testing.fake_rank import compile_on_fake_rank
-from dsv41_compile.deepseek_v41.testing.presets import ONE_LAYER, WIDE, compile_config
+from dsv41_compile.deepseek_v41.testing.presets import ONE_LAYER, SLOW_HBM, WIDE, compile_config
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 from dsv41_compile.spmd.entry_cut import entry_cuts
@@ -84,6 +84,30 @@ def test_one_all_gather_of_the_2d_attention_input_and_one_fp32_reduce_scatter_pe
         ("head", "all_gather"): 1,  # the exit gather of the normed [Tl, D] hidden
     }
     assert not any(collective_kind(n) == "all_reduce" for n in gm.graph.nodes)
+
+
+def test_the_head_is_sharded_where_the_device_model_says_it_pays(rank1):
+    """tiny-swa's head at tp=4: on the 950DT, reading it whole (0.03 us) beats a gather of the
+    logits (10 us of latency); on a device with slow memory, each rank's quarter of it wins.
+    Each rank then computes its V/tp logits and one AllGather assembles them: 32,768 B at
+    1e8 B/s (327.7 us), 10 us of latency, 3/4 of 8 x 512 x 4 B at 50 GB/s (0.2 us)."""
+    _, ctx, _ = rank1
+    assert ctx.options.family.head == "replicated"
+    assert ctx.choices["head"].startswith("head='auto': replicated, 0.0 us per step against ")
+    cfg = compile_config("tiny-swa", ONE_LAYER)
+    gm, ctx, logits = compile_on_fake_rank(1, {"tp": 4, "device": SLOW_HBM}, cfg=cfg)
+    assert ctx.options.family.head == "vocab_sharded"
+    assert ctx.choices["head"] == (
+        "head='auto': vocab_sharded, 337.9 us per step against 1310.7 us replicated on slow-hbm "
+        "at 8 rows per step (the head 131,072 B; sharded: 32,768 B per rank and an AllGather "
+        "of 4,096 B per rank)"
+    )
+    assert logits.shape == (8, 512)
+    # the head is one of the rank's shards, and the logits leave in one gather of [T, V/tp]
+    assert [s.fqn for s in ctx.signature.param_shards.values()].count("head.weight") == 1
+    last = list(collectives(gm))[-1]
+    assert collective_kind(last) == "all_gather"
+    assert last.args[0].meta["val"].shape[1] == 128  # [T, V/tp]
 
 
 @pytest.fixture(scope="module")

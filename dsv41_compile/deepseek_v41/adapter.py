@@ -146,6 +146,75 @@ _REQUESTS = (Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0))
 """`plan_rank`'s example batch: two requests of 3 and 2 tokens."""
 
 
+def _resolve_head(
+    options: BackendOptions, params: Mapping[str, torch.Tensor]
+) -> tuple[BackendOptions, dict[str, str]]:
+    """Replicated or vocab-sharded over tp, by the time the head adds to a step on the device
+    model at `rows_per_step` rows (the rows asked for, `logit_rows`): each the roofline of its
+    matmul (the head's bytes read, 2*R*V*D FLOPs at the device's bf16 rate, its fp32 operands'
+    at best), and the sharded head one AllGather of the `[R, V/tp]` fp32 logits: a latency and
+    (tp-1)/tp of R*V*4 bytes leaving the rank."""
+    given = family_options(options).head
+    head = params.get("head.weight")
+    if head is None or options.tp == 1:
+        if given == "vocab_sharded" and head is not None:
+            raise ValueError("head='vocab_sharded' splits the head over tp; with tp=1 use 'auto'")
+        return _with(options, head="replicated"), {}
+    tp, (vocab, dim) = options.tp, head.shape
+    if vocab % tp:
+        if given == "vocab_sharded":
+            raise ValueError(
+                f"head='vocab_sharded': tp={tp} does not divide the vocabulary ({vocab} rows); "
+                "use head='replicated' or a tp that divides it"
+            )
+        return _with(options, head="replicated"), {
+            "head": f"head={given!r}: replicated (tp={tp} does not divide V={vocab})"
+        }
+    device = options.device_model(head.device.type)
+    rows = options.rows_per_step
+    weight = head.numel() * head.element_size()
+
+    def matmul(share: int) -> float:
+        return max(
+            weight / share / device.hbm_bytes_per_s,
+            2 * rows * vocab * dim / share / device.matmul_flops("bf16"),
+        )
+
+    gather = rows * vocab * 4
+    seconds = {
+        "replicated": matmul(1),
+        "vocab_sharded": matmul(tp)
+        + device.collective_latency
+        + (tp - 1) / tp * gather / device.link_bytes_per_s,
+    }
+    chosen = min(seconds, key=seconds.__getitem__) if given == "auto" else given
+    why = _timed_choice("head", given, chosen, seconds, "step", 1, device.name, rows) + (
+        f" (the head {weight:,} B; sharded: {weight // tp:,} B per rank and an AllGather of "
+        f"{gather // tp:,} B per rank)"
+    )
+    return _with(options, head=chosen), {"head": why}
+
+
+def _timed_choice(
+    option: str,
+    given: str,
+    chosen: str,
+    seconds: Mapping[str, float],
+    per: str,
+    digits: int,
+    device: str,
+    rows: int,
+) -> str:
+    """How a choice between two cuts by time reads in `graph.py`: the chosen one's time, the
+    other's, the device and the workload they were timed at."""
+    (other,) = set(seconds) - {chosen}
+    return (
+        f"{option}={given!r}: {chosen}, {seconds[chosen] * 1e6:.{digits}f} us per {per} "
+        f"against {seconds[other] * 1e6:.{digits}f} us {other} on {device} at {rows} rows "
+        "per step"
+    )
+
+
 ENGRAM_REPLICATED_LIMIT = 1 << 30
 """`engram="auto"` replicates the Engram tables when they take at most this many bytes per
 rank (and fit `extra_weight_bytes`): below it the memory is cheaper than an exchange per
@@ -259,17 +328,20 @@ class DeepseekV41Adapter(ModelAdapter):
             attn_exit=family.attn_exit,
             attn_entry=family.attn_entry,
             engram=family.engram,
+            head=family.head,
         )
 
     def resolve(
         self, options: BackendOptions, params: Mapping[str, torch.Tensor]
     ) -> tuple[BackendOptions, dict[str, str]]:
-        """The attention exit (`_resolve_attn_exit`) and where the Engram tables live
-        (`_resolve_engram`), decided for a model with these parameters."""
+        """The attention exit (`_resolve_attn_exit`), how the head is held (`_resolve_head`)
+        and where the Engram tables live (`_resolve_engram`), decided for a model with these
+        parameters."""
         options, exit_why = self._resolve_attn_exit(options, params)
+        options, head_why = _resolve_head(options, params)
         options, engram_why = _resolve_engram(options, params)
         _check_fp8_shards(self.plan(options), options.tp, params)
-        return options, {**exit_why, **engram_why}
+        return options, {**exit_why, **head_why, **engram_why}
 
     def _resolve_attn_exit(
         self, options: BackendOptions, params: Mapping[str, torch.Tensor]
@@ -313,10 +385,9 @@ class DeepseekV41Adapter(ModelAdapter):
                 "budget or use attn_exit='reduce_scatter'"
             )
         (other,) = set(seconds) - {chosen}
-        why = (
-            f"attn_exit={given!r}: {chosen}, {seconds[chosen] * 1e6:.3f} us per layer against "
-            f"{seconds[other] * 1e6:.3f} us {other} on {device.name} at {rows} rows per step "
-            f"({device.collective_latency * 1e6:.0f} us per collective; "
+        why = _timed_choice("attn_exit", given, chosen, seconds, "layer", 3, device.name, rows)
+        why += (
+            f" ({device.collective_latency * 1e6:.0f} us per collective; "
             f"{wire[chosen]:,.0f} B per token against {wire[other]:,.0f} B"
         )
         if chosen == "all_to_all":

@@ -1,6 +1,6 @@
 """DeepSeek V4.1's own options (`FamilyOptions`), given to `torch.compile(..., options={...})`
 beside the generic ones: where its attention's entry gather and exit cut run, how its
-embedding is held, and where its Engram tables live. Each `"auto"` is decided for the model's
+embedding and its head are held, and where its Engram tables live. Each `"auto"` is decided for the model's
 sizes when it compiles (`DeepseekV41Adapter.resolve`), and the choice with its figures is in
 `graph.py`, `comm.json` and `tools/explain.py`."""
 
@@ -15,6 +15,7 @@ __all__ = ["DeepseekV41Options"]
 _ATTN_ENTRIES = ("auto", "input")
 _ATTN_EXITS = ("auto", "reduce_scatter", "all_to_all")
 _EMBEDDINGS = ("replicated", "vocab_sharded")
+_HEADS = ("auto", "replicated", "vocab_sharded")
 _ENGRAM = ("auto", "replicated", "sharded", "host")
 
 
@@ -36,6 +37,13 @@ class DeepseekV41Options(FamilyOptions):
     embedding: str = "replicated"
     """"replicated" (each rank looks up its token shard) or "vocab_sharded" (rows sharded over
     tp; the partial lookups are reduce-scattered to the token shards)."""
+    head: str = "auto"
+    """How the fp32 output head `[V, D]` is held: "replicated" (whole on every rank; each
+    multiplies the gathered hidden rows by all V rows), "vocab_sharded" (its V rows split over
+    tp: each rank reads 1/tp of the head and computes its V/tp logits, which one AllGather over
+    tp assembles at the graph's output) or "auto": the one with the shorter time on the device
+    model (`device`) at `rows_per_step` rows -- reading the head and its matmul against the
+    sharded read plus the gather's latency and bytes -- unless tp does not divide V."""
     engram: str = "auto"
     """Where the Engram tables live: "replicated" (whole on every rank), "sharded" (split by
     their hash columns over the world, ep = world: each rank holds about 1/world of the rows,
@@ -50,3 +58,4 @@ class DeepseekV41Options(FamilyOptions):
         check_choice("attn_exit", self.attn_exit, _ATTN_EXITS)
         check_choice("embedding", self.embedding, _EMBEDDINGS)
         check_choice("engram", self.engram, _ENGRAM)
+        check_choice("head", self.head, _HEADS)

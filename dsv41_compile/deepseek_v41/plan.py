@@ -19,6 +19,7 @@ def deepseek_v41_plan(
     attn_exit: str = "reduce_scatter",
     attn_entry: str = "input",
     engram: str = "replicated",
+    head: str = "replicated",
 ) -> ShardingPlan:
     """`layout="sp"` (docs/backend.md, "The layout"): heads and output groups sharded over tp, latents /
     compressor / indexer replicated, row-parallel `wo_b` (a partial sum, reduce-scattered),
@@ -39,6 +40,9 @@ def deepseek_v41_plan(
     `attn_entry="auto"` (sp only): attention's entry AllGather moves to the cheapest cut of the
     per-token ops that read the normed input (`spmd.entry_cut`).
 
+    `head="vocab_sharded"`: the fp32 head's V rows sharded over tp (its logits, `[R, V/tp]`
+    per rank, gathered at the graph's output); the hidden it reads stays replicated.
+
     `engram="sharded"` / `"host"` (sp, ep = world): the Engram tables split by their hash
     columns over the world (`placements.ColumnShard`), in device or host memory; each rank
     looks up its token shard's rows through an exchange (`tables.exchange`)."""
@@ -53,6 +57,8 @@ def deepseek_v41_plan(
         params += rowwise("layers.*.attn.wo_b", scales=True)  # [D, G*o_lora]: row-parallel
     if embedding == "vocab_sharded":
         params.append(Entry("embed.weight", Shard(0)))
+    if head == "vocab_sharded":
+        params.append(Entry("head.weight", Shard(0)))  # [V, D]: vocab rows
     if ep > 1:
         # the stacked expert weights; held as released, FP4 codes with their scales (`w1_scale`)
         for w in ("w1", "w2", "w3"):

@@ -5,7 +5,8 @@ A speculative step, for every unfinished request at once (one packed call each):
 
 1. **verify**: the backbone takes the request's pending tokens (the next token, and a token
    the cache was cut before, if any) and the drafter's proposals after them, and returns
-   logits for every row and what the drafter reads (`hidden=True`);
+   the logits of the rows the step reads (`logit_rows`: the one before each proposal and the
+   one after the last) and what the drafter reads (`hidden=True`);
 2. **accept**: greedy (temperature 0) keeps the proposals while each equals the argmax of
    the logits before it, then takes that argmax: the tokens are exactly those of plain greedy
    decoding. Sampling (temperature > 0) keeps proposal d with probability `min(1, p(d) /
@@ -36,6 +37,7 @@ import torch
 from torch import Tensor
 
 from dsv41_compile.backend import mark_token_dim
+from dsv41_compile.core.torch_private import mark_unbacked
 from dsv41_compile.deepseek_v41.model import DeepseekV41
 from dsv41_compile.deepseek_v41.model.batches import Request, pack
 
@@ -197,7 +199,7 @@ def generate(
         # prefill: the prompts, then the first token and the first proposals
         verified = _call_backbone(backbone, requests, cache, speculative, out)
         for r in requests:
-            last = verified.rows[r.slot][1] - 1
+            last = verified.logit_rows[r.slot][1] - 1
             r.tokens.append(sample(verified.logits[last], temperature, generator))
             r.held = r.prompt
         if speculative:
@@ -216,9 +218,9 @@ def generate(
             verified = _call_backbone(backbone, active, cache, speculative, out)
             kept_total = proposed = 0
             for r in active:
-                start, stop = verified.rows[r.slot]
+                first, stop = verified.logit_rows[r.slot]
                 # the logits before each draft, and after the last
-                before = verified.logits[start + r.pending - 1 : stop]
+                before = verified.logits[first:stop]
                 kept, nxt = _accept(r.drafts, r.q, before, temperature, generator)
                 keep = r.held + r.pending + kept  # positions fed and right
                 r.tokens += r.drafts[:kept] + [nxt]
@@ -243,11 +245,13 @@ def generate(
 
 @dataclass
 class _Verified:
-    """One backbone call: its logits, each slot's rows, and (speculative) the captures the
-    drafter reads with their positions and slots."""
+    """One backbone call: the logits of the rows it asked for, each slot's rows of the batch
+    and of those logits, and (speculative) the captures the drafter reads with their
+    positions and slots."""
 
     logits: Tensor
     rows: dict[int, tuple[int, int]]
+    logit_rows: dict[int, tuple[int, int]]
     positions: Tensor
     slots: Tensor
     hidden: Tensor | None
@@ -260,22 +264,32 @@ def _call_backbone(
     speculative: bool,
     out: Decoded,
 ) -> _Verified:
-    """One packed call: each request's tokens from its cache's length on, then its drafts."""
-    batch, rows, start = [], {}, 0
+    """One packed call: each request's tokens from its cache's length on, then its drafts. It
+    asks for the logits the step reads (`logit_rows`): the one before each draft and the one
+    after the last (the last row alone without drafts)."""
+    batch, rows, at, start = [], {}, {}, 0
+    asked: list[int] = []
     for r in requests:
         fed = r.tokens[r.held :] + r.drafts
         batch.append(Request(r.slot, fed, r.held))
-        rows[r.slot] = (start, start + len(fed))
-        start += len(fed)
+        stop = start + len(fed)
+        rows[r.slot] = (start, stop)
+        first = start + r.pending - 1
+        at[r.slot] = (len(asked), len(asked) + stop - first)
+        asked += range(first, stop)
+        start = stop
     ids, positions, slots = pack(batch)
-    mark_token_dim(ids, positions, slots)  # one compiled program for every step's token count
+    logit_rows = torch.tensor(asked, dtype=torch.int64)
+    # one compiled program for every step's token count and count of rows asked for
+    mark_token_dim(ids, positions, slots)
+    mark_unbacked(logit_rows, 0)
     hidden, began = None, time.perf_counter()
     if speculative:
-        logits, hidden = backbone(ids, positions, slots, cache, hidden=True)
+        logits, hidden = backbone(ids, positions, slots, cache, hidden=True, logit_rows=logit_rows)
     else:
-        logits = backbone(ids, positions, slots, cache)
+        logits = backbone(ids, positions, slots, cache, logit_rows=logit_rows)
     out.backbone_seconds.append(time.perf_counter() - began)
-    return _Verified(logits, rows, positions, slots, hidden)
+    return _Verified(logits, rows, at, positions, slots, hidden)
 
 
 def _draft(

@@ -45,6 +45,14 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> None:
             if src == dst:
                 return arg
             fill = pad_value(consumer, position, ctx.adapter)
+            first = _partial_first_to(arg, src, dst, ctx)
+            if first is not None:  # the partial reaches the plan's placement first
+                arg = placed(arg, consumer, first, fill)
+            return placed(arg, consumer, dst, fill)
+
+        def placed(arg: Node, consumer: Node, dst: Placement, fill: int) -> Node:
+            """`arg` redistributed to `dst` before `consumer` (once per value and placement)."""
+            src = arg.meta[OUT]
             key = (arg, dst, fill)
             if key not in done:
                 why = _why(arg, consumer, dst)
@@ -63,6 +71,23 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> None:
         node.kwargs = torch.fx.node.map_arg(node.kwargs, fix)
     gm.graph.lint()
     gm.recompile()
+
+
+def _partial_first_to(
+    value: Node, src: Placement, dst: Placement, ctx: CompileContext
+) -> Placement | None:
+    """The plan's `partial_to` where a partial sum with the token dim must pass through it on
+    its way to `dst` (a row-parallel head's logits in `sp`: reduce-scattered to token shards,
+    then gathered, where an all-reduce would break the layout), else None."""
+    to = ctx.plan.partial_to
+    if (
+        not (isinstance(src, Partial) and src.reduce_op == "sum")
+        or dst == to
+        or isinstance(to, Replicate)
+    ):
+        return None
+    shape = _global_shape(value)
+    return to if shape and is_token_count(shape[0]) else None
 
 
 def _choice(value: Node, consumer: Node, dst: Placement, ctx: CompileContext) -> str | None:

@@ -3,6 +3,8 @@ and the exchanges an op on token shards makes. No collective is chosen anywhere 
 
     src   -> dst    what                                                    communication
     S(0)  -> R      all_gather_into_tensor + wait, split off the tail padding AllGather(tp)
+    S(d)  -> R      d > 0, a static dim split evenly (a vocab-sharded head's  AllGather(tp)
+                    logits): gather, move the ranks' blocks to dim d
     P     -> S(0)   pad the token dim to tp*Tl, reduce_scatter_tensor(sum)  ReduceScatter(tp)
     R     -> S(d)   pad, view as [tp, n/tp] on dim d, take row tp_rank      none
     P     -> R      all_reduce(sum, max or min) + wait: the replicated       AllReduce(tp)
@@ -11,7 +13,7 @@ and the exchanges an op on token shards makes. No collective is chosen anywhere 
                     a partial sum (a bias of a row-parallel projection)
     S(1)  -> S(0)   pad the token dim, all_to_all_single, regroup columns   AllToAll(tp)
                     (a 2-D value: [T, W/tp] -> [Tl, W]; sp's exit all-to-all)
-    S(a)  -> S(b)   any other                                               (error)
+    S(a)  -> S(b)   any other: an error that says how to add the row         (error)
 
     exchange        what an op on token shards needs                        communication
     edge rows       the k rows before (or after) each shard: a shift or a   AllGather(tp) of
@@ -22,7 +24,9 @@ and the exchanges an op on token shards makes. No collective is chosen anywhere 
                     the tokens brings around from the other end              k rows per rank
 
 Which of P -> S(0) and P -> R runs for a value with a token dim is the plan's choice
-(`ShardingPlan.partial_to`); a partial without one (a sum over the tokens) is all-reduced.
+(`ShardingPlan.partial_to`): a partial sum goes there first, whatever its consumer needs (in `sp`
+a consumer needing it replicated gets it reduce-scattered, then gathered); a partial without a
+token dim (a sum over the tokens) is all-reduced.
 
 Token shards are contiguous chunks of Tl = ceil(T/tp) rows of the token dim (dim 0), with
 padding only at the global tail (torch.chunk / DTensor `Shard` order). Padding rows are zeros
@@ -223,6 +227,35 @@ def _all_gather(graph: Graph, value: Node, src, dst, sizes: TokenSizes, fill: in
     # compilers can see even when T is an unbacked symbol.
     parts = graph.call_function(aten.split_with_sizes.default, (waited, [sizes.T, sizes.pad]))
     return [gathered, waited, parts, graph.call_function(operator.getitem, (parts, 0))]
+
+
+@transition(lambda src, dst: isinstance(src, Shard) and src.dim > 0 and isinstance(dst, Replicate))
+def _all_gather_columns(
+    graph: Graph, value: Node, src: Shard, dst, sizes: TokenSizes, fill: int
+) -> list[Node]:
+    """An even split of a static dim d > 0 (a vocab-sharded head's `[R, V/tp]` logits) made
+    whole: one AllGather (which stacks the ranks' blocks on dim 0), the blocks moved to dim d
+    in rank order, the result made dense."""
+    val, d = _global(value), src.dim
+    if _tokens_on(value, d):
+        raise NotImplementedError(
+            f"{describe(value)}: its token dim {d} is sharded; only a static dim is gathered here"
+        )
+    if not all(isinstance(n, int) for n in val.shape[1:]):
+        raise NotImplementedError(
+            f"{describe(value)}: gathering dim {d} needs the dims after the first static"
+        )
+    gathered = graph.call_function(
+        c10d.all_gather_into_tensor.default, (value, sizes.tp, sizes.group_name)
+    )
+    waited = graph.call_function(c10d.wait_tensor.default, (gathered,))
+    blocks = graph.call_function(aten.unflatten.int, (waited, 0, [sizes.tp, -1]))
+    moved = graph.call_function(aten.movedim.int, (blocks, 0, d))
+    dense = graph.call_function(
+        aten.clone.default, (moved,), {"memory_format": torch.contiguous_format}
+    )
+    out = graph.call_function(aten.view.default, (dense, [-1, *val.shape[1:]]))
+    return [gathered, waited, blocks, moved, dense, out]
 
 
 @transition(lambda src, dst: _is_sum(src) and _is_token_shard(dst))
@@ -461,17 +494,10 @@ def totals_before(graph: Graph, total: Node, ndim: int, sizes: TokenSizes) -> li
 
 
 def _no_transition(value: Node, src: Placement, dst: Placement, why: str) -> str:
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return (
-            f"{describe(value)} is {format_placement(src)} and a consumer needs it replicated; "
-            f"only token shards (S(0)) are gathered in the sp layout ({why}). Gather it with a "
-            'transition of your own (docs/architecture.md, "Adding a transition"), or give '
-            'the consumer a rule that takes the shards ("Adding an op rule")'
-        )
     if isinstance(src, Partial) and src.reduce_op not in _ALL_REDUCE_OPS:
         return f"{describe(value)}: only sum, max and min partials are reduced"
     return (
         f"{describe(value)}: no {format_placement(src)} -> {format_placement(dst)} transition "
-        f"({why}); a tp all-to-all here means the plan or a rule put a value on the wrong "
-        f"side of a layer boundary"
+        f'({why}). Add one (docs/architecture.md, "Adding a transition"), or change the plan '
+        "or the consumer's rule so the value arrives as it is"
     )

@@ -172,3 +172,28 @@ def test_speculative_greedy_is_greedy_under_the_official_numerics():
     assert model.mtp.new_cache(1).window[0].dtype == torch.uint8
     plain = generate(model, prompts(), 24, speculative=False)
     assert generate(model, prompts(), 24).tokens == plain.tokens
+
+
+def test_generate_asks_for_the_rows_it_reads_and_decodes_as_with_every_row(model):
+    """Plain decoding asks for each request's last row (`logit_rows`), and its tokens are
+    those of greedy decoding by hand from the logits of every row."""
+    asked = []
+
+    def backbone(*args, **kwargs):
+        asked.append(len(kwargs["logit_rows"]))
+        return model(*args, **kwargs)
+
+    out = generate(model, prompts(), 5, speculative=False, backbone=backbone)
+    assert asked == [len(PROMPT_LENGTHS)] * 5
+    tokens, held = prompts(), [0] * len(PROMPT_LENGTHS)
+    cache = model.new_cache(len(tokens), 32)
+    with torch.no_grad():
+        for _ in range(5):
+            batch = [Request(s, t[held[s] :], held[s]) for s, t in enumerate(tokens)]
+            logits = model(*pack(batch), cache)  # [T, V]: every row
+            end = 0
+            for s, r in enumerate(batch):
+                end += len(r.ids)
+                held[s] = len(tokens[s])
+                tokens[s].append(int(logits[end - 1].argmax()))
+    assert out.tokens == [t[n:] for t, n in zip(tokens, PROMPT_LENGTHS)]

@@ -76,8 +76,9 @@ def test_one_program_each_with_the_layout_of_the_backbone(run):
             assert drafter[(stage, "moe", "all_to_all")] >= 2
         assert not any(layer is not None and layer > 2 for layer, _, _ in drafter)
         assert drafter[(None, "exit", "all_gather")] == 1  # the head's logits
-        # the backbone's call: its 4 layers, and one more gather, of the captures the drafter
-        # reads (token-sharded where they are made, every rank's drafter reads them all)
+        # the backbone's call: its 4 layers, and two more gathers: of the captures the drafter
+        # reads (token-sharded where they are made, every rank's drafter reads them all), and of
+        # the normed hidden, indexed by the rows whose logits the step asks for (`logit_rows`)
         layers = {layer for layer, _, _ in backbone if layer is not None}
         assert layers == set(range(4))
-        assert backbone[(None, "", "all_gather")] == 1
+        assert backbone[(None, "", "all_gather")] == 2

@@ -18,8 +18,8 @@ residual streams leaving its layer (captured on both sides) and the logits match
 bound of tests/distributed/test_numerics.py, so does the cache, and its layer's collectives are
 the layout's plus the exchanges its ops need, each the cheapest exact one (`spmd.token_ops`).
 The run with edits that mix tokens is compiled with `mark_token_dim` and without it (Dynamo's
-static trace of the first T, then its dynamic one). Two edits are refused: their errors, on
-one fake rank, are asserted verbatim. Each op kind's placements and collectives, on a small graph:
+static trace of the first T, then its dynamic one). One edit is refused: its errors, on one
+fake rank, are asserted verbatim. Each op kind's placements and collectives, on a small graph:
 tests/spmd/test_token_ops.py.
 """
 
@@ -106,7 +106,7 @@ RUNS = {
             + ("token_shift_cat", "ffn_batch_centering"),
             ("q_head_scale", "ffn_layernorm", "expert_load_bias")
             + ("causal_conv", "ffn_batch_scale"),
-            ("shared_expert_gate",) + ("request_running_mean", "token_shift_roll"),
+            ("shared_expert_gate", "q_head_softmax") + ("request_running_mean", "token_shift_roll"),
             ("hc_post_scale",) + ("conv1d_over_batch",),
         ),
         around=("capped_head",),
@@ -136,6 +136,9 @@ EXTRA = {
     # a scan adds the totals of the shards before it (1 row per rank); an index by a
     # replicated index of a token shard gathers the value
     "request_running_mean": ["all_gather(tp)"] * 2,
+    # a softmax across the heads, which tp shards: the per-head weights [T, H/tp] gathered
+    # whole on the head dim
+    "q_head_softmax": ["all_gather(tp)"],
     # no rule of the rules: the conv's input is gathered (a transpose moves the tokens off
     # dim 0)
     "conv1d_over_batch": ["all_gather(tp)"],
@@ -158,19 +161,8 @@ REFUSED = {
         "(1 > T + Min(1, T)): no graph can serve every T with it. Write it as x[1:] - x[:-1], "
         "with a cat or a pad for a row it lacks (torch.diff checks T >= 1)",
     ),
-    # a softmax across the heads, which tp shards: the sp layout gathers token shards only
-    "q_head_softmax": (
-        NotImplementedError,
-        NotImplementedError,
-        "node sum_7 (aten.sum.dim_IntList) in module layers.0.attn.wq_b at {line}: "
-        "weight_TH = torch.softmax((q_THd * self.head_probe).sum(-1), dim=-1) * q_THd.shape[1] "
-        "is S(1) and a consumer needs it replicated; only token shards (S(0)) are gathered in "
-        "the sp layout (_softmax_1 in layers.0.attn needs sum_7 as R (dtensor (R) -> R)). "
-        'Gather it with a transition of your own (docs/architecture.md, "Adding a '
-        'transition"), or give the consumer a rule that takes the shards ("Adding an op rule")',
-    ),
 }
-REFUSED_AT = {"token_diff": "torch.diff(x_TD", "q_head_softmax": "weight_TH = torch.softmax("}
+REFUSED_AT = {"token_diff": "torch.diff(x_TD"}
 COMPILED = sorted(name for run in RUNS.values() for name in run.edits)
 
 

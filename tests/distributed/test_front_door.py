@@ -12,7 +12,11 @@ dynamic one from the start.
 
 The sp run compiles `DeepseekV41.without_weights` with the `checkpoint` option: each rank reads
 its own slices of a synthetic checkpoint once, for all its programs, and its single-device
-reference is loaded from the whole checkpoint.
+reference is loaded from the whole checkpoint. Its head is vocab-sharded (`head="auto"` on a
+device of the user's own with slow memory; the 950DT's choice, replicated, is the other runs')
+and each call asks for
+the rows a serving loop reads (`logit_rows`: each request's last row at prefill, every row of a
+decode or a verify); those rows' logits match the single-device model's.
 
 Each DP group compiles in one of the two modes, and the two runs swap them: each layout is
 served in both modes, and each mode serves both groups' sequences of T (8, 3, 0 and 8, 1, 6).
@@ -38,7 +42,13 @@ from dsv41_compile.deepseek_v41.model.checkpoint import INDEX, read_weights
 from dsv41_compile.deepseek_v41.testing.batches import Request
 from dsv41_compile.deepseek_v41.testing.cases import CaseSpec, compare_on_rank, model_config
 from dsv41_compile.deepseek_v41.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint
-from dsv41_compile.deepseek_v41.testing.presets import ENGRAM_0, ONE_LAYER, SINKHORN_3, WIDE
+from dsv41_compile.deepseek_v41.testing.presets import (
+    ENGRAM_0,
+    ONE_LAYER,
+    SINKHORN_3,
+    SLOW_HBM,
+    WIDE,
+)
 from dsv41_compile.testing.multirank import RankPool
 
 pytestmark = pytest.mark.slow
@@ -80,8 +90,10 @@ RUNS = {
             ("ep_dispatch", "padded"),
             ("lowering", "eager"),
             ("engram", "host"),
+            ("device", SLOW_HBM),  # where head="auto" shards the head (tests/test_backend.py)
         ),  # fmt: skip
         group_modes=("unmarked", "dynamic"),
+        logit_rows=True,
         checkpoint=_CHECKPOINT.name,
         **WIDE_MODEL,
     ),
@@ -124,7 +136,7 @@ def test_logits_and_caches_match_single_device_in_every_mode(run):
     for rank, result in enumerate(results):
         for mode, out in result["modes"].items():
             for i, (logits, ref) in enumerate(zip(out["logits"], result["ref"])):
-                assert logits.shape == ref.shape == (result["T"][i], 512)
+                assert logits.shape == ref.shape == (result["R"][i], 512)
                 torch.testing.assert_close(
                     logits, ref, atol=1e-5, rtol=1e-5,
                     msg=lambda m, at=f"{name} {mode} rank {rank} step {i}": f"{at}: {m}",
@@ -153,13 +165,26 @@ def test_recompiles_are_dynamos_and_counted(run):
 def test_every_program_of_a_rank_ran_on_one_read_of_its_slices():
     """The sp run compiled `DeepseekV41.without_weights` with the `checkpoint` option in both
     modes: each rank's three programs share one read of its slices, the bytes a direct read of
-    that rank's slices takes (its quarter of the tp-sharded weights, its two experts, the table
-    rows of its Engram column)."""
+    that rank's slices takes (its quarter of the tp-sharded weights and of the vocab-sharded
+    head, its two experts, the table rows of its Engram column)."""
     case = RUNS["sp-ep8-padded"]
     _, results = run_of("sp-ep8-padded")
     cfg = model_config(case)
     options = {k: v for k, v in case.options if k in ("tp", "ep", "engram")}
+    options["head"] = "vocab_sharded"  # as head="auto" chose on the run's device
     for rank, result in enumerate(results):
         _, direct = read_weights(case.checkpoint, rank_weight_inputs(cfg, options, rank))
         # (a case records the tensors it read bytes of: ranks 6 and 7 hold no Engram column)
         assert result["checkpoint_read"] == {n: b for n, b in direct.items() if b}, rank
+
+
+def test_the_vocab_sharded_head_gathers_only_the_rows_asked_for():
+    """The sp run holds V/tp of the head per rank and asks for the rows a serving loop reads
+    (`logit_rows`): outside its layers each program gathers the hidden and then its rows'
+    `[R, V/tp]` logits, two AllGathers over tp (the logits' above compared at the fp32 bound)."""
+    _, results = run_of("sp-ep8-padded")
+    for rank, result in enumerate(results):
+        assert result["R"] != result["T"], rank  # rows were left out
+        for mode, out in result["modes"].items():
+            for outside in out["outside_layers"]:
+                assert outside.count("all_gather(tp)") == 2, (mode, rank, outside)

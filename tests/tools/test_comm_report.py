@@ -34,6 +34,10 @@ def test_report_json_and_plot(tmp_path, plan_once, load_tool):
         "all_to_all would read +12,288 B of wo_b per layer)",
         "ep_rows='auto': per_rank, 3,920 B per token (padded, dispatch + combine) "
         "against 7,280 B per_assignment",
+        # the 131 kB fp32 head is read faster than its logits would gather
+        "head='auto': replicated, 0.0 us per step against 10.0 us vocab_sharded on 950dt at 8 "
+        "rows per step (the head 131,072 B; sharded: 32,768 B per rank and an AllGather of "
+        "4,096 B per rank)",
     ]
     assert doc["device"] == "950dt"  # the tool's default; args carry none here
     for scenario in doc["scenarios"]:

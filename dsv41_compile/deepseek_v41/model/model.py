@@ -237,10 +237,16 @@ class DeepseekV41(nn.Module):
         slots: Tensor,
         cache: KVCache,
         hidden: bool = False,
+        logit_rows: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """The logits; with `hidden=True` (a model with DSpark stages) also what the drafter
-        reads, `[T, len(dspark_target_layer_ids) * D]`: per target layer the mean over the mHC
-        streams of the residual entering it, concatenated (zero in padding rows)."""
+        """The logits, `[T, V]`; with `hidden=True` (a model with DSpark stages) also what the
+        drafter reads, `[T, len(dspark_target_layer_ids) * D]`: per target layer the mean over
+        the mHC streams of the residual entering it, concatenated (zero in padding rows).
+
+        `logit_rows`: the rows whose logits to return, `[R]` integer indices into the batch
+        (the last row of each request at prefill, a speculative step's verify rows): the
+        logits are then `[R, V]`, row i that of batch row `logit_rows[i]`, and the head
+        multiplies only those rows. All T rows when None."""
         if hidden and not self.cfg.num_nextn_predict_layers:
             raise ValueError(
                 "hidden=True returns what the DSpark drafter reads; this model's config has no "
@@ -256,7 +262,7 @@ class DeepseekV41(nn.Module):
                 "compile DeepseekV41.without_weights(cfg) with the dsv41_sp backend's option "
                 "checkpoint=DIR, where each rank reads only its own shards"
             )
-        check_batch_shapes(input_ids, positions, slots)
+        check_batch_shapes(input_ids, positions, slots, logit_rows)
         valid_T = slots >= 0
         cache_slot_T = torch.where(valid_T, slots, cache.scratch_slot)
 
@@ -298,7 +304,10 @@ class DeepseekV41(nn.Module):
 
         # The last FFN site's pre collapses the streams (V4.1 has no learned hc_head).
         y_TD = self.norm(hc_collapse(x_TND, pre_TN))
-        logits_TV = self.head(y_TD).masked_fill(~valid_T[:, None], 0.0)
+        if logit_rows is None:
+            logits_TV = self.head(y_TD).masked_fill(~valid_T[:, None], 0.0)
+        else:  # [R, V]
+            logits_TV = self.head(y_TD[logit_rows]).masked_fill(~valid_T[logit_rows, None], 0.0)
 
         held = torch.where(valid_T, positions + 1, 0)
         cache.lengths.scatter_reduce_(0, cache_slot_T.clamp(max=cache.num_slots - 1), held, "amax")

@@ -17,9 +17,13 @@ from dsv41_compile.deepseek_v41.model.cache import KVCache
 __all__ = ["check_batch_shapes", "validate_batch"]
 
 
-def check_batch_shapes(input_ids: Tensor, positions: Tensor, slots: Tensor) -> None:
+def check_batch_shapes(
+    input_ids: Tensor, positions: Tensor, slots: Tensor, logit_rows: Tensor | None = None
+) -> None:
     """Raise `ValueError` unless `input_ids`, `positions` and `slots` are 1-D integer tensors of
-    one length T, naming the tensor or the lengths. Metadata only: the forward runs it. Under
+    one length T, and `logit_rows` (if given) a 1-D integer tensor of at most T rows, naming the
+    tensor or the lengths. Metadata only: the forward runs it (`validate_batch` reads the rows'
+    values). Under
     Dynamo it stands aside; with `mark_token_dim` the backend checks the lengths instead
     (`frontend.capture`)."""
     if torch.compiler.is_compiling():
@@ -28,10 +32,13 @@ def check_batch_shapes(input_ids: Tensor, positions: Tensor, slots: Tensor) -> N
         # T from; a comparison of a marked token count cannot be decided)
         return
     named = {"input_ids": input_ids, "positions": positions, "slots": slots}
-    for name, tensor in named.items():
+    rows = {} if logit_rows is None else {"logit_rows": logit_rows}
+    for name, tensor in {**named, **rows}.items():
         if tensor.dim() != 1:
             raise ValueError(
-                f"{name} must be a 1-D tensor [T] of packed tokens, got shape {tuple(tensor.shape)}"
+                f"{name} must be a 1-D tensor "
+                + ("[R] of row indices" if name == "logit_rows" else "[T] of packed tokens")
+                + f", got shape {tuple(tensor.shape)}"
             )
         if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
             raise ValueError(
@@ -44,6 +51,11 @@ def check_batch_shapes(input_ids: Tensor, positions: Tensor, slots: Tensor) -> N
             "input_ids, positions and slots must have the same length T, got "
             + ", ".join(f"{name}={n}" for name, n in lengths.items())
         )
+    if logit_rows is not None and logit_rows.shape[0] > n:
+        raise ValueError(
+            f"logit_rows asks for {logit_rows.shape[0]} rows of a batch of T={n}: it holds row "
+            "indices into the batch, at most T of them"
+        )
 
 
 def validate_batch(
@@ -53,8 +65,10 @@ def validate_batch(
     cache: KVCache,
     *,
     vocab_size: int,
+    logit_rows: Tensor | None = None,
 ) -> None:
-    """Raise `ValueError` unless `(input_ids, positions, slots)` is a valid batch for `cache`.
+    """Raise `ValueError` unless `(input_ids, positions, slots)` is a valid batch for `cache`
+    (and `logit_rows`, the rows whose logits the call returns, indices in `[0, T)`).
 
     A batch is T packed tokens: `input_ids`, `positions` and `slots` are 1-D int64 tensors of
     length T. `slots[t]` is the cache slot (request) of token t, in `0..cache.num_slots - 1`, or
@@ -70,10 +84,18 @@ def validate_batch(
 
     Every message names the offending token index and what to change.
     """
-    check_batch_shapes(input_ids, positions, slots)
+    check_batch_shapes(input_ids, positions, slots, logit_rows)
     for name, tensor in (("input_ids", input_ids), ("positions", positions), ("slots", slots)):
         if tensor.dtype != torch.int64:
             raise ValueError(f"{name} must be int64, got {tensor.dtype}; convert it with .long()")
+    if logit_rows is not None:
+        outside = [i for i, row in enumerate(logit_rows.tolist()) if not 0 <= row < len(slots)]
+        if outside:
+            i = outside[0]
+            raise ValueError(
+                f"logit_rows[{i}] = {int(logit_rows[i])} is not a row of the batch: rows are "
+                f"0..{len(slots) - 1}"
+            )
 
     num_slots = cache.num_slots
     max_len = cache.max_len

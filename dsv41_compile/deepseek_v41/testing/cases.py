@@ -112,6 +112,10 @@ class CaseSpec:
     """A checkpoint directory in the released format (tools/make_checkpoint.py). The compiled
     side is `DeepseekV41.without_weights` compiled with the `checkpoint` option (each rank
     reads its own slices); the single-device side is loaded from it whole (`load_checkpoint`)."""
+    logit_rows: bool = False
+    """Ask the compiled model for the rows a serving loop reads (`logit_rows`): each request's
+    last row, and every row of a request continuing its cache (a decode, a verify); the
+    reference's logits are then the whole batch's, those rows taken."""
     edits: tuple[tuple[str, tuple[int, ...] | None], ...] = ()
     """Edits of the model's source (`deepseek_v41.testing.edits.EDITS`), each with the decoder layers it is
     made in (None: every layer, or the modules around them), made on both sides: the compiled
@@ -125,7 +129,8 @@ def model_config(spec: CaseSpec) -> ModelConfig:
 def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any]:
     """Run every step of `spec` on this rank, compiled (in each mode) and single-device.
 
-    Returns `{"T": tokens per step, "ref": reference logits per step, "cache": reference cache
+    Returns `{"T": tokens per step, "R": logit rows per step (T unless `spec.logit_rows`),
+    "ref": reference logits per step (of those rows), "cache": reference cache
     tensors, "modes": {mode: {"logits": per step, "programs": [collectives per layer of each
     program compiled], "outside_layers": [the sorted collectives of each program outside its
     layers], "compiles": programs compiled, "cache_diff": max |cache - ref cache|}},
@@ -152,11 +157,14 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
         reference = DeepseekV41.without_weights(cfg)
         reference_read = load_checkpoint(reference, spec.checkpoint)
     batches = [pack(step[dp_rank]) for step in spec.steps]
+    rows = [_served_rows(step[dp_rank]) if spec.logit_rows else None for step in spec.steps]
     ref_cache = reference.new_cache(spec.num_slots, spec.max_len)
     out: dict[str, Any] = {"T": [int(b[0].numel()) for b in batches], "modes": {}}
+    out["R"] = [t if r is None else len(r) for t, r in zip(out["T"], rows)]
     out["reference_read"] = reference_read
     with capture_reference(reference, spec.capture) as ref_store:
-        out["ref"] = [reference(*batch, ref_cache) for batch in batches]
+        logits = (reference(*batch, ref_cache) for batch in batches)
+        out["ref"] = [ref if r is None else ref[r] for ref, r in zip(logits, rows)]
     standin = None
     stack = contextlib.ExitStack()
     if spec.torchair_standin:
@@ -173,7 +181,7 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
             if first and dump_dir is not None:
                 mode_options["dump_dir"] = dump_dir
             with capture_compiled(spec.capture if first else ()) as store:
-                out["modes"][mode] = _run_mode(model, mode, mode_options, batches, spec)
+                out["modes"][mode] = _run_mode(model, mode, mode_options, batches, rows, spec)
             if first:
                 out["captures"] = {m: (store[m], ref_store[m]) for m in spec.capture}
         for result in out["modes"].values():
@@ -200,8 +208,25 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     return out
 
 
+def _served_rows(requests: tuple[Request, ...]) -> torch.Tensor:
+    """The rows a serving loop reads of a packed batch of `requests`: each request's last row,
+    and all of a request's rows when it continues its cache."""
+    rows: list[int] = []
+    start = 0
+    for r in requests:
+        stop = start + len(r.ids)
+        rows += range(start if r.start > 0 else stop - 1, stop)
+        start = stop
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 def _run_mode(
-    model: DeepseekV41, mode: str, options: dict[str, Any], batches: list, spec: CaseSpec
+    model: DeepseekV41,
+    mode: str,
+    options: dict[str, Any],
+    batches: list,
+    rows: list[torch.Tensor | None],
+    spec: CaseSpec,
 ) -> dict[str, Any]:
     if mode not in MODES:
         raise ValueError(f"unknown compile mode {mode!r}; the modes are {MODES}")
@@ -213,12 +238,17 @@ def _run_mode(
     programs: list[Any] = []
     logits = []
     with installed(Hooks(on_program=programs.append)):
-        for ids, positions, slots in batches:
+        for (ids, positions, slots), asked in zip(batches, rows):
             ids, positions, slots = ids.clone(), positions.clone(), slots.clone()
-            validate_batch(ids, positions, slots, cache, vocab_size=model.cfg.vocab_size)
+            validate_batch(
+                ids, positions, slots, cache, vocab_size=model.cfg.vocab_size, logit_rows=asked
+            )
             if mode == "marked":
                 mark_token_dim(ids, positions, slots)
-            logits.append(compiled(ids, positions, slots, cache))
+            if asked is None:
+                logits.append(compiled(ids, positions, slots, cache))
+            else:
+                logits.append(compiled(ids, positions, slots, cache, logit_rows=asked.clone()))
     return {
         "logits": logits,
         "seconds": time.perf_counter() - start,

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsv41_compile.deepseek_v41.model import ModelConfig
+from dsv41_compile.devices import Device
 
 __all__ = [
     "AS_RELEASED",
@@ -35,10 +36,12 @@ SEED_LAYOUT: dict[str, Any] = {
     "attn_entry": "input",
     "attn_exit": "reduce_scatter",
     "ep_rows": "per_assignment",
+    "head": "replicated",
 }
 """The backend options of the seed's layout exactly (docs/benchmarks.md, "The three
 configurations"): the normed input gathered, wo_b's fp32 partial reduce-scattered, one EP row
-per (token, expert) assignment. The tools compare the other layouts against it."""
+per (token, expert) assignment, the head whole on every rank. The tools compare the other
+layouts against it."""
 
 SINKHORN_3: tuple[tuple[str, Any], ...] = (("hc_sinkhorn_iters", 3),)
 """3 Sinkhorn iterations instead of 20: the same code, about a third shorter to trace."""
@@ -98,3 +101,16 @@ def compile_config(
     return ModelConfig.from_name(
         preset, **dict(SINKHORN_3), **dict(p for o in overrides for p in o)
     )
+
+
+SLOW_HBM = Device(
+    name="slow-hbm",
+    hbm_bytes=64e9,
+    hbm_bytes_per_s=1e8,
+    flops={"bf16": 1e12},
+    link_bytes_per_s=50e9,
+    node_link_bytes_per_s=25e9,
+)
+"""A device of a user's own (the `device` option) whose memory is so slow that reading
+tiny-swa's 131 kB fp32 head (1.3 ms) costs more than gathering its logits (a 10 us latency):
+the head is vocab-sharded where the 950DT keeps it whole."""

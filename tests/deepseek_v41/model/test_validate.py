@@ -194,3 +194,35 @@ def test_a_marked_compile_refuses_a_batch_of_unequal_lengths() -> None:
         "the token inputs must have the same length T, got input_ids=4, positions=3, slots=4"
     )
     torch.compiler.reset()
+
+
+def _rows_batch():
+    ids = torch.tensor([1, 2, 3], dtype=torch.int64)
+    return ids, torch.tensor([0, 1, 2], dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (torch.tensor([0, 3]), r"logit_rows\[1\] = 3 is not a row of the batch: rows are 0..2"),
+        (torch.tensor([-1]), r"logit_rows\[0\] = -1 is not a row of the batch"),
+        (torch.tensor([0, 1, 2, 2]), "logit_rows asks for 4 rows of a batch of T=3"),
+        (torch.tensor([[0]]), r"logit_rows must be a 1-D tensor \[R\] of row indices"),
+        (torch.tensor([0.0]), "logit_rows must be an integer tensor, got torch.float32"),
+    ],
+)
+def test_logit_rows_outside_the_batch(rows, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        validate_batch(*_rows_batch(), make_cache([0]), vocab_size=VOCAB, logit_rows=rows)
+
+
+def test_the_call_refuses_logit_rows_it_cannot_take() -> None:
+    """The forward checks what metadata says (more rows than the batch, not 1-D, not integer)."""
+    from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
+
+    model = DeepseekV41(ModelConfig.from_name("tiny-swa", n_layers=1))
+    cache = model.new_cache(1, 8)
+    with pytest.raises(ValueError, match="logit_rows asks for 4 rows of a batch of T=3"):
+        model(*_rows_batch(), cache, logit_rows=torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="logit_rows must be an integer tensor"):
+        model(*_rows_batch(), cache, logit_rows=torch.zeros(1))
