@@ -41,7 +41,7 @@ from dsv41_compile.core.symbols import is_token_count
 from dsv41_compile.spmd import token_ops  # noqa: F401  (registers the token-dim rules)
 from dsv41_compile.spmd.rules import reads_an_unsplit_dim, rule_answers, strategy_for
 
-__all__ = ["annotate", "exit_placement"]
+__all__ = ["annotate", "exit_placement", "partial_goes_to"]
 
 
 def _output_placement(node: Node) -> Placement:
@@ -134,7 +134,7 @@ def _annotate_call(
             if anchored is not None and anchored[0] not in module_paths(producer):
                 placement = anchored[1]
         if isinstance(placement, Partial):
-            placement = ctx.plan.partial_to if _has_tokens(producer) else Replicate()
+            placement = partial_goes_to(producer, ctx)
         given.append(placement)
 
     _check_no_size_of_shard(node, inputs)
@@ -175,6 +175,12 @@ def exit_placement(producer: Node, consumer: Node, ctx: CompileContext) -> Place
     if leaving is None or leaving[0] in module_paths(consumer):
         return None
     return leaving[1]
+
+
+def partial_goes_to(node: Node, ctx: CompileContext) -> Placement:
+    """Where a partial sum of `node` goes before its first use: the plan's `partial_to` when
+    its value has the token dim first, else replicated (a sum over the tokens)."""
+    return ctx.plan.partial_to if _has_tokens(node) else Replicate()
 
 
 def _has_tokens(node: Node) -> bool:

@@ -19,7 +19,7 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REGION, RULE
 from dsv41_compile.core.placements import format_placement
 from dsv41_compile.core.symbols import is_token_count
-from dsv41_compile.spmd.annotate import exit_placement
+from dsv41_compile.spmd.annotate import exit_placement, partial_goes_to
 from dsv41_compile.spmd.transitions import TokenSizes, pad_value, redistribute
 
 __all__ = ["insert_collectives"]
@@ -76,18 +76,13 @@ def insert_collectives(gm: GraphModule, *, ctx: CompileContext) -> None:
 def _partial_first_to(
     value: Node, src: Placement, dst: Placement, ctx: CompileContext
 ) -> Placement | None:
-    """The plan's `partial_to` where a partial sum with the token dim must pass through it on
-    its way to `dst` (a row-parallel head's logits in `sp`: reduce-scattered to token shards,
-    then gathered, where an all-reduce would break the layout), else None."""
-    to = ctx.plan.partial_to
-    if (
-        not (isinstance(src, Partial) and src.reduce_op == "sum")
-        or dst == to
-        or isinstance(to, Replicate)
-    ):
+    """Where a partial sum must pass on its way to `dst` (`annotate.partial_goes_to`: a
+    row-parallel head's logits in `sp` are reduce-scattered to token shards, then gathered,
+    where an all-reduce would break the layout), else None."""
+    if not (isinstance(src, Partial) and src.reduce_op == "sum"):
         return None
-    shape = _global_shape(value)
-    return to if shape and is_token_count(shape[0]) else None
+    to = partial_goes_to(value, ctx)
+    return None if dst == to or isinstance(to, Replicate) else to
 
 
 def _choice(value: Node, consumer: Node, dst: Placement, ctx: CompileContext) -> str | None:
