@@ -12,6 +12,7 @@ from dsv41_compile.core.passes import Pass
 from dsv41_compile.moe.expert_parallel import expert_parallel
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.spmd.annotate import annotate
+from dsv41_compile.spmd.coalesce import coalesce_gathers
 from dsv41_compile.spmd.entry_cut import entry_cut
 from dsv41_compile.spmd.insert import insert_collectives
 from dsv41_compile.spmd.localize import localize
@@ -35,6 +36,7 @@ REWRITES: tuple[Pass, ...] = (
     Pass("tables", table_exchange, enabled=lambda ctx: ctx.mesh.ep > 1),  # column-split tables
     # a TP collective of what the activation quantisation makes or only feeds: quantised rows
     Pass("quantised_transport", quantised_transport),
+    Pass("coalesce", coalesce_gathers),  # a layer's entry gathers as one AllGather
 )
 VERIFY = Pass("verify", verify)  # fake re-propagation, local shapes, the layout's invariants
 

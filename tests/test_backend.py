@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard
 
 import dsv41_compile
 from dsv41_compile.core.collectives import collective_kind
-from dsv41_compile.core.meta import GLOBAL_VAL, OUT, REASON, REGION, module_paths
+from dsv41_compile.core.meta import COALESCED, GLOBAL_VAL, OUT, REASON, REGION, module_paths
 from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
 from dsv41_compile.deepseek_v41.testing.batches import Request, pack
 from dsv41_compile.deepseek_v41.testing.fake_rank import compile_on_fake_rank
@@ -169,16 +169,21 @@ def wide_rank1():
 
 def test_auto_entry_gathers_the_q_and_kv_latents_where_they_are_narrower(wide_rank1):
     """D = 128: wq_a -> q_norm and wkv -> kv_norm run on the token shard and their [Tl, 32]
-    fp32 outputs are gathered, 2 x 128 B per token row against the input's 512 B; the input
-    itself is not gathered. The ops after them (head-sharded wq_b, rope, the window, the cache
-    write) see all T rows, as before."""
+    fp32 outputs are gathered, 2 x 128 B per token row against the input's 512 B, side by side
+    in one AllGather (`spmd.coalesce`); the input itself is not gathered. The ops after them
+    (head-sharded wq_b, rope, the window, the cache write) see all T rows, as before."""
     gm, ctx, logits = wide_rank1
     assert logits.shape == (8, 512)
     gathers = [n for n in collectives(gm) if n.meta[REGION] == "layers.0.attn"]
-    assert [collective_kind(n) for n in gathers] == ["all_gather", "all_gather"]
-    sources = [n.args[0] for n in gathers]
+    assert [collective_kind(n) for n in gathers] == ["all_gather"]
+    (rows,) = [n.args[0] for n in gathers]
+    assert rows.target is torch.ops.aten.cat.default and rows.args[1] == 1
+    sources = rows.args[0]
     assert [module_paths(s)[-1] for s in sources] == [
         "layers.0.attn.q_norm", "layers.0.attn.kv_norm",
+    ]  # fmt: skip
+    assert [(dtype, columns) for _, dtype, columns in gathers[0].meta[COALESCED]] == [
+        ("float32", 32), ("float32", 32),
     ]  # fmt: skip
     for source in sources:
         assert (source.meta[OUT], source.meta["val"].dtype) == (Shard(0), torch.float32)
@@ -191,7 +196,7 @@ def test_auto_entry_gathers_the_q_and_kv_latents_where_they_are_narrower(wide_ra
         "128 = 256 B per token row against 512 B for the input"
     )
     for node in gathers:
-        assert node.meta[REASON].endswith(f"; {why}"), node.meta[REASON]
+        assert f"; {why}" in node.meta[REASON], node.meta[REASON]
     moved = Counter(module_paths(n)[-1].removeprefix("layers.0.attn.") for n in cut.sharded)
     assert moved == {"wq_a": 1, "q_norm": 6, "wkv": 1, "kv_norm": 6}  # two mm, two RMSNorms
     # the projections of the latents read the token shard: [Tl, 128] @ [128, 32]
@@ -359,30 +364,23 @@ class TestLayerSnapshot(expecttest.TestCase):
         self.assertExpectedInline(
             collective_windows(text),
             """\
-v7 = mul(layers.0.attn.q_norm.weight, v6)  # S(0) f32[((T+3)//4), 32]
-v8 = t(layers.0.attn.wq_b.weight)  # S(1) f32[32, 64]
-v9 = _c10d_functional.all_gather_into_tensor(v7, 4, 'tp')  # f32[4*(((T+3)//4)), 32]  <- S(0) -> R: v13 in layers.0.attn needs v7 as R (dtensor (R, S(1)) -> S(1)); attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input
-v10 = _c10d_functional.wait_tensor(v9)  # f32[4*(((T+3)//4)), 32]  <- S(0) -> R: v13 in layers.0.attn needs v7 as R (dtensor (R, S(1)) -> S(1)); attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input
-v11 = split_with_sizes(v10, [in1, in2])  # (f32[T, 32], f32[-T+4*(((T+3)//4)), 32])
-v12 = getitem(v11, 0)  # R f32[T, 32]
+v24 = mul(layers.0.attn.kv_norm.weight, v23)  # S(0) f32[((T+3)//4), 32]
+v25 = cat([v7, v24], 1)  # f32[((T+3)//4), 64]
+v26 = _c10d_functional.all_gather_into_tensor(v25, 4, 'tp')  # f32[4*(((T+3)//4)), 64]  <- 2 entry gathers of layer values as one AllGather (a latency each saved): S(0) -> R: v35 in layers.0.attn needs v7 as R (dtensor (R, S(1)) -> S(1)); attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input; S(0) -> R: v62 in layers.0.attn needs v24 as R
+v27 = _c10d_functional.wait_tensor(v26)  # f32[4*(((T+3)//4)), 64]  <- 2 entry gathers of layer values as one AllGather (a latency each saved): S(0) -> R: v35 in layers.0.attn needs v7 as R (dtensor (R, S(1)) -> S(1)); attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input; S(0) -> R: v62 in layers.0.attn needs v24 as R
+v28 = split_with_sizes(v27, [32, 32], 1)  # (f32[4*(((T+3)//4)), 32], f32[4*(((T+3)//4)), 32])
+v29 = getitem(v28, 1)  # f32[4*(((T+3)//4)), 32]
 ...
-v52 = cos(v51)  # R f32[T, 4]
-v53 = sin(v51)  # R f32[T, 4]
-v54 = _c10d_functional.all_gather_into_tensor(v45, 4, 'tp')  # f32[4*(((T+3)//4)), 32]  <- S(0) -> R: v58 in layers.0.attn needs v45 as R; attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input
-v55 = _c10d_functional.wait_tensor(v54)  # f32[4*(((T+3)//4)), 32]  <- S(0) -> R: v58 in layers.0.attn needs v45 as R; attn_entry='auto': 14 per-token ops on the token shard, gathered q_norm 128 + kv_norm 128 = 256 B per token row against 512 B for the input
-v56 = split_with_sizes(v55, [in1, in2])  # (f32[T, 32], f32[-T+4*(((T+3)//4)), 32])
-v57 = getitem(v56, 0)  # R f32[T, 32]
-...
-v183 = t(layers.0.attn.wo_b.weight)  # R f32[64, 128]
-v184 = constant_pad_nd(v182, [0, 0, 0, in2], 0)  # f32[4*(((T+3)//4)), 16]
-v185 = _c10d_functional.all_to_all_single(v184, [in4, in4, in4, in4], [in4, in4, in4, in4], 'tp')  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v191 in layers.0.attn.wo_b needs v182 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 10.203 us per layer against 11.573 us reduce_scatter on 950dt at 4096 rows per step (10 us per collective; 48 B per token against 384 B; wo_b replicated: +24,576 B of weights per rank)
-v186 = _c10d_functional.wait_tensor(v185)  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v191 in layers.0.attn.wo_b needs v182 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 10.203 us per layer against 11.573 us reduce_scatter on 950dt at 4096 rows per step (10 us per collective; 48 B per token against 384 B; wo_b replicated: +24,576 B of weights per rank)
-v187 = unflatten(v186, 0, [4, in4])  # f32[4, ((T+3)//4), 16]
-v188 = permute(v187, [1, 0, 2])  # f32[((T+3)//4), 4, 16]""",
+v187 = t(layers.0.attn.wo_b.weight)  # R f32[64, 128]
+v188 = constant_pad_nd(v186, [0, 0, 0, in2], 0)  # f32[4*(((T+3)//4)), 16]
+v189 = _c10d_functional.all_to_all_single(v188, [in4, in4, in4, in4], [in4, in4, in4, in4], 'tp')  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v195 in layers.0.attn.wo_b needs v186 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 10.203 us per layer against 11.573 us reduce_scatter on 950dt at 4096 rows per step (10 us per collective; 48 B per token against 384 B; wo_b replicated: +24,576 B of weights per rank)
+v190 = _c10d_functional.wait_tensor(v189)  # f32[4*(((T+3)//4)), 16]  <- S(1) -> S(0): v195 in layers.0.attn.wo_b needs v186 as S(0) (dtensor (S(0), R) -> S(0)); attn_exit='auto': all_to_all, 10.203 us per layer against 11.573 us reduce_scatter on 950dt at 4096 rows per step (10 us per collective; 48 B per token against 384 B; wo_b replicated: +24,576 B of weights per rank)
+v191 = unflatten(v190, 0, [4, in4])  # f32[4, ((T+3)//4), 16]
+v192 = permute(v191, [1, 0, 2])  # f32[((T+3)//4), 4, 16]""",
         )
         self.assertExpectedInline(
             str(placement_counts(gm, "layers.0.attn")),
-            """{'(R, R)': 1, '(S(1), S(1))': 2, '-': 12, 'R': 90, 'S(0)': 24, 'S(1)': 63}""",
+            """{'(R, R)': 1, '(S(1), S(1))': 2, '-': 16, 'R': 90, 'S(0)': 24, 'S(1)': 63}""",
         )
 
 

@@ -9,11 +9,18 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from dsv41_compile.core.errors import InternalError
+from dsv41_compile.core.errors import InternalError, as_node
 from dsv41_compile.core.mesh import Mesh
-from dsv41_compile.core.meta import EP_SOURCE
+from dsv41_compile.core.meta import EP_SOURCE, REASON, REGION, RULE
 
-__all__ = ["COLLECTIVES", "collective_axis", "collective_kind", "dispatched_values"]
+__all__ = [
+    "COLLECTIVES",
+    "collective_axis",
+    "collective_ends",
+    "collective_kind",
+    "dispatched_values",
+    "made_by_layout",
+]
 
 c10d = torch.ops._c10d_functional
 COLLECTIVES: dict[Callable[..., Any] | str, str] = {  # keyed like `Node.target`
@@ -44,3 +51,34 @@ def dispatched_values(gm: GraphModule) -> list[Node]:
     """The values the EP dispatches of `gm` send: token rows and routing tables (the first
     argument of every node marked `EP_SOURCE`)."""
     return [n.args[0] for n in gm.graph.nodes if n.meta.get(EP_SOURCE)]
+
+
+def collective_ends(node: Node) -> tuple[Node, list[Node]]:
+    """The value a collective redistributes and the model nodes that read the result: past the
+    nodes inserted around it (pads, waits, splits: they carry a reason)."""
+    producer = as_node(node.args[0], "the value a collective moves")
+    while REASON in producer.meta and producer.op == "call_function":
+        inputs = producer.all_input_nodes  # in argument order: a cat's first part first
+        if not inputs:  # made here (an exchange's index): no model value before it
+            break
+        producer = inputs[0]
+    consumers, todo = [], list(node.users)
+    while todo:
+        user = todo.pop()
+        if REASON in user.meta and user.op == "call_function":
+            todo += list(user.users)
+        else:
+            consumers.append(user)
+    return producer, consumers
+
+
+def made_by_layout(node: Node) -> bool:
+    """Whether a collective is one the layout makes: a value moving into or out of an anchored
+    module (the plan's anchors and exits: attention's entry gather, its exit), or a value the
+    entry cut put on the token shard. An op's own exchange (a shift's rows, a statistic's sum)
+    and a gather its rule asks for stay inside one module."""
+    producer, consumers = collective_ends(node)
+    if str(producer.meta.get(RULE, "")).startswith("entry cut"):
+        return True
+    regions = {producer.meta.get(REGION, "")} | {c.meta.get(REGION, "") for c in consumers}
+    return len(regions) > 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node, map_arg
 from torch.fx.experimental.proxy_tensor import snapshot_fake
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -21,13 +21,42 @@ from dsv41_compile.core.torch_private import (
     tree_map_only,
 )
 
-__all__ = ["propagate_local_values"]
+__all__ = ["local_value", "propagate_local_values", "propagate_nodes"]
 
 
 def propagate_local_values(gm: GraphModule, ctx: CompileContext) -> None:
     """Set every node's `meta["val"]` to its local fake value."""
     with enable_python_dispatcher():  # the decompositions that take symbolic sizes
         _OnceProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*ctx.local_inputs(gm))
+
+
+def propagate_nodes(nodes: list[Node], ctx: CompileContext) -> None:
+    """Set `meta["val"]` of `nodes` (in an order that puts inputs first) from their inputs'
+    values: a pass's few new nodes, without propagating the whole graph again."""
+    with ctx.fake_mode, enable_python_dispatcher():
+        for node in nodes:
+            args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+            node.meta["val"] = node.target(*args, **kwargs)  # type: ignore[operator]
+
+
+def local_value(node: Node, ctx: CompileContext) -> Any:
+    """`node`'s local value, computed (and kept) from its inputs' where an earlier rewrite
+    added it without one; None where an input without a value is not an op's result (a
+    placeholder: only the whole graph's propagation has the program's local inputs)."""
+    missing: list[Node] = []
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if "val" in n.meta or n in seen:
+            continue
+        if n.op != "call_function":
+            return None
+        seen.add(n)
+        missing.append(n)
+        todo += n.all_input_nodes
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    propagate_nodes(sorted(missing, key=order.__getitem__), ctx)
+    return node.meta["val"]
 
 
 class _OnceProp(FakeTensorProp):

@@ -13,6 +13,7 @@ from torch.fx import Node
 from dsv41_compile.core.torch_private import sym_expr
 
 __all__ = [
+    "COALESCED",
     "EP_SOURCE",
     "EP_TOKENS",
     "GLOBAL_VAL",
@@ -45,6 +46,8 @@ SYMBOL = "dsv41_symbol"  # str: the name a size node prints as ("T", "Tl_max"); 
 NAMED = "dsv41_named"  # bool: a pass chose the node's name (`Emitter.named`); printers keep it
 TABLE = "dsv41_table"  # bool: a collective of a column-split table's exchange (`tables`)
 REAL_ROWS = "dsv41_real_rows"  # bool: a token shard whose padding rows hold a reduction's identity
+# tuple[(name, dtype, columns), ...]: the gathers an AllGather stands for (`spmd.coalesce`)
+COALESCED = "dsv41_coalesced"
 EP_SOURCE = (
     "dsv41_ep_source"  # bool: the node reads what the EP dispatch sends (its first argument)
 )

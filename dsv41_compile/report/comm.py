@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dsv41_compile.core.collectives import collective_axis, collective_kind
 from dsv41_compile.core.context import CompileContext
-from dsv41_compile.core.meta import REASON, REGION
+from dsv41_compile.core.meta import COALESCED, REASON, REGION
 from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols, in_named_symbols, size_expr
 from dsv41_compile.core.torch_private import sym_expr
 
@@ -120,7 +120,8 @@ def format_size(size: object, names: dict[sympy.Expr, sympy.Symbol]) -> str:
 
 def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
     """One record per collective: kind, axis, group size, dtype, local shapes, bytes this rank
-    sends and receives as a formula in T and at a few token counts, layer, region, reason. A
+    sends and receives as a formula in T and at a few token counts, layer, region, reason, and
+    for a coalesced AllGather the gathers it stands for ("members": name, dtype, columns). A
     padded EP all-to-all's formula is in Tl_max (its values at T assume every DP group serves T
     tokens); an exact one's sizes are data-dependent ("data-dependent": `comm.json`'s
     `ep_steps` has each call's bytes)."""
@@ -153,6 +154,11 @@ def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
                 "reason": node.meta.get(REASON, ""),
             }
         )
+        if COALESCED in node.meta:  # one AllGather standing for several (`spmd.coalesce`)
+            records[-1]["members"] = [
+                {"gather": name, "dtype": dtype, "columns": columns}
+                for name, dtype, columns in node.meta[COALESCED]
+            ]
     return records
 
 

@@ -141,15 +141,16 @@ def test_attention_exit_all_to_all_by_hand(plan):
 
 def test_attention_entry_cut_by_hand(plan):
     """At twice tiny's width (D = 128) the q latent (after q_norm) and the kv latent (after
-    kv_norm), 32 fp32 each, are narrower than the input: each is gathered (3 chunks of Tl rows
-    out, 3 in) in place of the [Tl, 128] input, and wq_a / wkv (128 -> 32) run on Tl rows."""
+    kv_norm), 32 fp32 each, are narrower than the input: they are gathered side by side in one
+    AllGather (3 chunks of Tl rows out, 3 in; `spmd.coalesce`) in place of the [Tl, 128] input,
+    and wq_a / wkv (128 -> 32) run on Tl rows."""
     wide = compile_config("tiny-swa", ONE_LAYER, WIDE)
     seed_gm, seed_ctx = plan("sp", "padded", cfg=wide)
     gm, ctx = plan("sp", "padded", entry="auto", cfg=wide)
     seed, summary = (summarize(graph_costs(g, c), T) for g, c in ((seed_gm, seed_ctx), (gm, ctx)))
     latents = (TP - 1) * TL * 32 * F32
     assert summary["collectives"]["all_gather(tp)"] == {
-        "count": 2, "bytes_sent": 2 * latents, "bytes_received": 2 * latents,
+        "count": 1, "bytes_sent": 2 * latents, "bytes_received": 2 * latents,
     }  # fmt: skip
     assert seed["collectives"]["all_gather(tp)"]["bytes_sent"] == (TP - 1) * TL * 128 * F32
     for kind in ("reduce_scatter(tp)", "all_to_all(ep)"):

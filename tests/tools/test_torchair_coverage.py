@@ -46,10 +46,15 @@ def test_tool_plans_rewrites_and_checks_a_graph(torchair_registry):
 
 
 def test_tool_checks_the_model_as_released(torchair_registry):
-    """The released formats through torch_npu's MX ops: registered converters, and lowerable."""
+    """The released formats through torch_npu's MX ops: registered converters, and lowerable.
+    At twice tiny-swa's width the entry gathers the q latent's FP8 rows and the bf16 kv latent
+    side by side as bytes in one AllGather (`spmd.coalesce`: `view.dtype`, which torchair
+    converts to GE's Bitcast)."""
     tool, registry = torchair_registry
     for op in ("npu_dynamic_mx_quant", "npu_anti_mx_quant", "npu_quant_matmul"):
         assert registry.status(f"torch.ops.npu.{op}.default") is None
-    cfg = tool.model_config("tiny-swa", released=True).replace(n_layers=1, hc_sinkhorn_iters=3)
+    cfg = tool.model_config("tiny-swa", released=True).replace(
+        n_layers=1, hc_sinkhorn_iters=3, dim=128
+    )
     assert (cfg.weight_format, cfg.numerics) == ("released", "official")
     assert tool.check({"tiny-swa": cfg}, registry, ["sp ep=1"]) == {"tiny-swa sp ep=1": {}}
