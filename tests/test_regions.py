@@ -278,7 +278,7 @@ def test_regions_change_nothing_in_the_plan():
         without = _plan(cfg, options)
     assert sum(with_regions[0].values()) > 1000
     assert with_regions[0] == without[0] and without[3] == 0
-    assert with_regions[1] == without[1] and len(with_regions[1]) == 1 + 3 * 5
+    assert with_regions[1] == without[1] and len(with_regions[1]) == 1 + 3 * 4
     # Two distinct planned layers for three: layers 1 and 2 (one kind) are planned into the
     # same per-rank ops, collectives and shapes (only their weights and numbering differ).
     planned = with_regions[2]

@@ -99,7 +99,7 @@ def test_valid_graph_passes_and_its_collectives_are_recorded(rewritten):
         del node.meta["val"]
     verify(copy, ctx=fresh)
     assert len(valued) > 900 and all("val" in n.meta for n in valued)
-    ep = ["all_to_all(ep)"] * 3  # padded dispatch: rows, routes, combine (sorted by kind)
+    ep = ["all_to_all(ep)"] * 2  # padded dispatch: rows with routes, combine (sorted by kind)
     assert layer_collectives(fresh.comm) == {
         layer: ["all_gather(tp)", *ep, "reduce_scatter(tp)"] for layer in (0, 1)
     }

@@ -11,7 +11,7 @@ from torch.fx import GraphModule, Node
 
 from dsv41_compile.core.errors import InternalError, as_node
 from dsv41_compile.core.mesh import Mesh
-from dsv41_compile.core.meta import EP_SOURCE, REASON, REGION, RULE
+from dsv41_compile.core.meta import COALESCED, EP_SOURCE, REASON, REGION, RULE
 
 __all__ = [
     "COLLECTIVES",
@@ -58,7 +58,7 @@ def collective_ends(node: Node) -> tuple[Node, list[Node]]:
     nodes inserted around it (pads, waits, splits: they carry a reason)."""
     producer = as_node(node.args[0], "the value a collective moves")
     while REASON in producer.meta and producer.op == "call_function":
-        inputs = producer.all_input_nodes  # in argument order: a cat's first part first
+        inputs = [a for a in producer.args if isinstance(a, Node)]
         if not inputs:  # made here (an exchange's index): no model value before it
             break
         producer = inputs[0]
@@ -76,7 +76,10 @@ def made_by_layout(node: Node) -> bool:
     """Whether a collective is one the layout makes: a value moving into or out of an anchored
     module (the plan's anchors and exits: attention's entry gather, its exit), or a value the
     entry cut put on the token shard. An op's own exchange (a shift's rows, a statistic's sum)
-    and a gather its rule asks for stay inside one module."""
+    and a gather its rule asks for stay inside one module. A coalesced AllGather stands for
+    entry gathers (`spmd.coalesce`), which the layout makes."""
+    if COALESCED in node.meta:
+        return True
     producer, consumers = collective_ends(node)
     if str(producer.meta.get(RULE, "")).startswith("entry cut"):
         return True

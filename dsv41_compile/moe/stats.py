@@ -22,8 +22,9 @@ __all__ = [
     "ep_layers",
 ]
 
-ALL_TO_ALLS = {"exact": 4, "padded": 3}
-"""All-to-alls per MoE layer: (counts,) token rows, routes, combined outputs."""
+ALL_TO_ALLS = {"exact": 3, "padded": 2}
+"""All-to-alls per MoE layer: (counts,) token rows with their routes side by side (one
+all-to-all: `core.packing`), combined outputs."""
 ROUTE_ROW_BYTES = 8
 """Each dispatched row carries, per route, its local expert index and routing weight as two
 fp32 values: one route per row ("per_assignment"), top-k of them ("per_rank")."""

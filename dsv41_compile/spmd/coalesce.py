@@ -1,9 +1,9 @@
 """coalesce: a decoder layer's entry gathers made one AllGather.
 
-Requires: localize (per-rank shapes), and the passes that rewrite collectives' payloads
-(`quantised_transport`). Ensures: in each decoder layer, the TP AllGathers the layout makes
-(`core.collectives.made_by_layout`: the entry's gathers of the values the entry cut leaves on
-the token shards) that move `[Tl, ...]` rows (of static trailing sizes) and do not depend on one
+Requires: entry_cut, localize (per-rank shapes), and the passes that rewrite collectives'
+payloads (`quantised_transport`). Ensures: in each decoder layer, the TP AllGathers of the
+values its entry cut leaves on the token shards (`spmd.entry_cut.entry_cuts`; not an op's own
+exchange, such as a shift's neighbour rows) that move `[Tl, ...]` rows (of static trailing sizes) and do not depend on one
 another are one AllGather: their rows flattened and concatenated along dim 1 (as bytes where
 their dtypes differ: `core.packing`), gathered, and split back into each value after the wait. Each value after the wait is the one its own
 gather gave, bit for bit; the graph stays in a topological order that keeps every other node
@@ -27,12 +27,13 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import Argument
 
-from dsv41_compile.core.collectives import collective_axis, collective_kind, made_by_layout
+from dsv41_compile.core.collectives import collective_axis, collective_ends, collective_kind
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import as_node
 from dsv41_compile.core.fake_prop import local_value, propagate_nodes
 from dsv41_compile.core.meta import COALESCED, OUT, REASON, REGION
 from dsv41_compile.core.packing import Column, pack, unpack
+from dsv41_compile.spmd.entry_cut import entry_cuts
 
 __all__ = ["coalesce_gathers"]
 
@@ -42,9 +43,10 @@ c10d = torch.ops._c10d_functional
 
 def coalesce_gathers(gm: GraphModule, *, ctx: CompileContext) -> None:
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    entry = _entry_values(ctx)
     groups: dict[tuple[int | None, object], list[Node]] = defaultdict(list)
     for node in gm.graph.nodes:
-        if _candidate(node, ctx):
+        if _candidate(node, entry, ctx):
             layer = ctx.adapter.site(node.meta.get(REGION, "")).layer
             rows = str(_moved(node).meta["val"].shape[0])  # the same rows: Tl (a symbol)
             groups[(layer, rows)].append(node)
@@ -60,9 +62,23 @@ def coalesce_gathers(gm: GraphModule, *, ctx: CompileContext) -> None:
         gm.recompile()
 
 
-def _candidate(node: Node, ctx: CompileContext) -> bool:
-    """A TP AllGather of a decoder layer that the layout makes, of `[rows, d]` values, whose
-    only use is its wait."""
+def _entry_values(ctx: CompileContext) -> set[Node]:
+    """The values the entry cuts gather (`spmd.entry_cut`), and the input of each that is the
+    model's activation quantisation (`quantised_transport` moves its encoded rows instead)."""
+    quantize = ctx.adapter.activation_rows and ctx.adapter.activation_rows.quantize
+    values: set[Node] = set()
+    for cut in entry_cuts(ctx).values():
+        for value in cut.gathered if cut.sharded else ():
+            values.add(value)
+            if value.target == quantize and isinstance(value.args[0], Node):
+                values.add(value.args[0])
+    return values
+
+
+def _candidate(node: Node, entry: set[Node], ctx: CompileContext) -> bool:
+    """A TP AllGather of a decoder layer of a value its entry cut gathers (not an op's own
+    exchange: a shift's rows), of `[rows, ...]` rows of static trailing sizes, whose only use
+    is its wait."""
     if collective_kind(node) != "all_gather" or collective_axis(node, ctx.mesh) != "tp":
         return False
     if ctx.adapter.site(node.meta.get(REGION, "")).layer is None:
@@ -75,7 +91,9 @@ def _candidate(node: Node, ctx: CompileContext) -> bool:
     if not all(isinstance(size, int) for size in val.shape[1:]):
         return False
     users = list(node.users)
-    return len(users) == 1 and users[0].target is c10d.wait_tensor.default and made_by_layout(node)
+    if len(users) != 1 or users[0].target is not c10d.wait_tensor.default:
+        return False
+    return collective_ends(node)[0] in entry
 
 
 def _independent(members: list[Node], order: dict[Node, int]) -> list[Node]:

@@ -109,9 +109,9 @@ LAYOUT = {
     # the default cuts: the q and kv latents gathered in one AllGather (attn_entry, then
     # coalesce: their rows side by side), wo_b's fp32 partial
     # reduce-scattered (attn_exit="auto" at the default 8 rows per step: the all-to-all's
-    # whole wo_b would cost more reads than its bytes save), one EP row per rank
-    # (and the Engram exchange's two all-to-alls: row ids out, rows back)
-    "sp-ep8-padded": ["all_gather(tp)", *["all_to_all(ep)"] * 5, "reduce_scatter(tp)"],
+    # whole wo_b would cost more reads than its bytes save), one EP row per rank with its routes
+    # (one all-to-all out, one back) and the Engram exchange's two: row ids out, rows back
+    "sp-ep8-padded": ["all_gather(tp)", *["all_to_all(ep)"] * 4, "reduce_scatter(tp)"],
     "replicated-ep1": ["all_reduce(tp)"],
 }
 

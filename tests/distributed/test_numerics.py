@@ -504,9 +504,10 @@ def test_each_rank_read_only_its_slices_of_the_checkpoint():
 def test_the_official_runs_move_fp8_rows_where_the_receiver_quantises(name):
     """Under the official numerics every layer's attention entry gather (of what wq_a / wkv
     quantise), its exit all-to-all (of what wo_b quantises) and its EP dispatch (of the experts'
-    quantised input) move FP8 rows, D codes and D / 32 scales as bytes; the head's gather and
-    the EP combine, which no quantisation reads, move bf16, the routes fp32 and (exact) the
-    counts int64 (`spmd.quantised_transport`). The logits above are equal all the same."""
+    quantised input) move FP8 rows, D codes and D / 32 scales as bytes (the dispatch's with
+    each row's fp32 route beside them, `core.packing`); the head's gather and the EP combine,
+    which no quantisation reads, move bf16 and (exact) the counts int64
+    (`spmd.quantised_transport`). The logits above are equal all the same."""
     cfg = model_config(RUNS[name])
     for result in results_of(name):
         layers = [c for c in result["comm"]["collectives"] if c["layer"] is not None]
@@ -515,7 +516,7 @@ def test_the_official_runs_move_fp8_rows_where_the_receiver_quantises(name):
             moved
             == sorted(
                 [("tp", "all_gather", "uint8"), ("tp", "all_to_all", "uint8")]
-                + [("ep", "all_to_all", t) for t in ("uint8", "float32", "bfloat16")]
+                + [("ep", "all_to_all", t) for t in ("uint8", "bfloat16")]
                 + [("ep", "all_to_all", "int64")]
                 * (dict(RUNS[name].options)["ep_dispatch"] == "exact")
             )
@@ -523,5 +524,8 @@ def test_the_official_runs_move_fp8_rows_where_the_receiver_quantises(name):
         ), moved
         gathered = next(c for c in layers if c["kind"] == "all_gather")
         assert gathered["input_shape"][1] == str(cfg.dim + cfg.dim // 32)
+        dispatch = next(c for c in layers if c["axis"] == "ep" and c["dtype"] == "uint8")
+        route = 2 * 4  # one route per row (ep_rows="per_assignment"): index and weight, fp32
+        assert dispatch["input_shape"][1] == str(cfg.dim + cfg.dim // 32 + route)
         (head,) = [c for c in result["comm"]["collectives"] if c["layer"] is None]
         assert head["dtype"] == "bfloat16"

@@ -52,7 +52,7 @@ def collectives_by_region(gm, ctx) -> Counter:
     return counts
 
 
-@pytest.mark.parametrize(("fixture", "a2a"), [("exact_rank5", 4), ("padded_rank2", 3)])
+@pytest.mark.parametrize(("fixture", "a2a"), [("exact_rank5", 3), ("padded_rank2", 2)])
 def test_moe_halves_talk_only_over_ep_and_attention_only_over_tp(fixture, a2a, request):
     gm, ctx, logits = request.getfixturevalue(fixture)
     assert logits.shape == (8, 512)
@@ -65,7 +65,8 @@ def test_moe_halves_talk_only_over_ep_and_attention_only_over_tp(fixture, a2a, r
         )  # fmt: skip
         expected[(f"layers.{i}.attn", "all_gather", "tp")] = 1
         expected[(*exit, "tp")] = 1
-        expected[(f"layers.{i}.ffn", "all_to_all", "ep")] = a2a  # (counts,) rows, routes, combine
+        # (counts,) the rows with their routes, combine
+        expected[(f"layers.{i}.ffn", "all_to_all", "ep")] = a2a
     assert collectives_by_region(gm, ctx) == expected
     assert not [n for n in gm.graph.nodes if n.target is torch.ops.dsv41.routed_experts.default
                 and n.args[3].op == "placeholder" and "ep_local" not in n.name]  # fmt: skip
@@ -85,8 +86,7 @@ def test_comm_records_name_the_sizes_read_from_data(exact_rank5):
             r for r in ctx.comm if r["layer"] == layer and r["bytes_sent"] == "data-dependent"
         ]
         assert [(r["input_shape"], r["output_shape"]) for r in records] == [
-            ([send, "64"], [recv, "64"]),  # dispatch: the token rows
-            ([send, "12"], [recv, "12"]),  # dispatch: their routes
+            ([send, "76"], [recv, "76"]),  # dispatch: the token rows, their 12 route values
             ([recv, "64"], [send, "64"]),  # combine: the rows back
         ]
         dispatch = nodes[records[0]["node"]]  # all_to_all_single(x, output splits, input splits)
@@ -150,11 +150,12 @@ def test_padded_buffer_rows_per_peer(dispatch, rows, per_token):
     (tl_max,) = [n.meta["val"] for n in gm.graph.nodes if n.name == "ep_tokens"]
     a2a = [n for n in gm.graph.nodes if collective_kind(n) == "all_to_all"
            and n.args[-1] == ctx.mesh.ep_group_name]  # fmt: skip
-    assert len(a2a) == 3  # rows, routes, combine
+    assert len(a2a) == 2  # the rows with their routes (fp32 side by side), combine
     for node in a2a:
         assert [s.meta["val"] for s in node.args[1]] == [per_token * tl_max] * 8
     widths = [n.meta["val"].shape[1] for n in a2a]
-    assert widths == [64, 2 * (6 if rows == "per_rank" else 1), 64]  # routes: K ids, K weights
+    # the rows' 64 columns, then their routes': per route an expert index and a weight
+    assert widths == [64 + 2 * (6 if rows == "per_rank" else 1), 64]
 
 
 def test_auto_picks_the_form_with_fewer_expected_bytes_and_says_why(exact_rank5):
@@ -265,25 +266,23 @@ ep_received = _c10d_functional.wait_tensor(v32)  # i64[8]  <- EP count exchange:
 v33 = cat([ep_sent, ep_received])  # i64[16]
 v34 = unbind(v33)  # (i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[], i64[])
 ...
-v79 = stack([v78, v77], 1)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 2]
 v80 = index_select(in0, 0, ep_token)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]
-v81 = _c10d_functional.all_to_all_single(v80, [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], 'ep')  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
-ep_rows = _c10d_functional.wait_tensor(v81)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]  <- EP dispatch: each assignment's token row to the rank of its expert (ep_rows='per_assignment': per_assignment, 2,730 B per token (expected, dispatch + combine) against 2,450 B per_rank)
-v82 = _c10d_functional.all_to_all_single(v79, [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], 'ep')  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 2]
-ep_routes = _c10d_functional.wait_tensor(v82)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 2]  <- EP dispatch: each assignment's local expert index and routing weight
-v83 = slice(ep_routes, 1, 0, 1)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 1]
-v84 = _to_copy(v83, dtype=i64)  # i64[u11+u12+u13+u14+u15+u16+u17+u18, 1]
+v81 = cat([v80, v79], 1)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 66]
+v82 = _c10d_functional.all_to_all_single(v81, [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], 'ep')  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 66]
+ep_rows = _c10d_functional.wait_tensor(v82)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 66]  <- EP dispatch: each assignment's token row to the rank of its expert; with its local expert index and routing weight (ep_rows='per_assignment': per_assignment, 2,730 B per token (expected, dispatch + combine) against 2,450 B per_rank)
+v83 = split_with_sizes(ep_rows, [64, 2], 1)  # (f32[u11+u12+u13+u14+u15+u16+u17+u18, 64], f32[u11+u12+u13+u14+u15+u16+u17+u18, 2])
+v84 = getitem(v83, 0)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
 ...
-v86 = clone(v85, memory_format=torch.contiguous_format)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 1]
-ep_local_experts = dsv41.routed_experts(ep_rows, v84, v86, layers.0.ffn.experts.w1, layers.0.ffn.experts.w2, layers.0.ffn.experts.w3, 10.0)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
-v87 = _c10d_functional.all_to_all_single(ep_local_experts, [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], 'ep')  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]
-ep_combined = _c10d_functional.wait_tensor(v87)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]  <- EP combine: weighted expert outputs back to their source rank
-v88 = zeros_like(in0, dtype=f32)  # f32[((T+3)//4), 64]
-ep_routed_out = index_add(v88, 0, ep_token, ep_combined)  # S(0) f32[((T+3)//4), 64]""",
+v90 = clone(v89, memory_format=torch.contiguous_format)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 1]
+ep_local_experts = dsv41.routed_experts(v85, v88, v90, layers.0.ffn.experts.w1, layers.0.ffn.experts.w2, layers.0.ffn.experts.w3, 10.0)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
+v91 = _c10d_functional.all_to_all_single(ep_local_experts, [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], 'ep')  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]
+ep_combined = _c10d_functional.wait_tensor(v91)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]  <- EP combine: weighted expert outputs back to their source rank
+v92 = zeros_like(in0, dtype=f32)  # f32[((T+3)//4), 64]
+ep_routed_out = index_add(v92, 0, ep_token, ep_combined)  # S(0) f32[((T+3)//4), 64]""",
         )
         self.assertExpectedInline(
             str(placement_counts(gm, "layers.0.ffn")),
-            """{'(S(0), S(0))': 1, '-': 94, 'R': 6, 'S(0)': 26}""",
+            """{'(S(0), S(0))': 1, '-': 98, 'R': 6, 'S(0)': 26}""",
         )
 
     def test_dispatch_of_layer_0_one_row_per_token_and_rank(self):
@@ -307,23 +306,21 @@ ep_received = _c10d_functional.wait_tensor(v34)  # i64[8, 2]  <- EP count exchan
 v35 = select(ep_received, 1, 0)  # i64[8]
 v36 = cat([ep_sent, v35])  # i64[16]
 ...
-v91 = index_select(v90, 0, ep_pair)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 12]
 v92 = index_select(in0, 0, ep_token)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]
-v93 = _c10d_functional.all_to_all_single(v92, [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], 'ep')  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
-ep_rows = _c10d_functional.wait_tensor(v93)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]  <- EP dispatch: each token's row once to each rank holding one of its experts (ep_rows='auto': per_rank, 2,450 B per token (expected, dispatch + combine) against 2,730 B per_assignment)
-v94 = _c10d_functional.all_to_all_single(v91, [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], 'ep')  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 12]
-ep_routes = _c10d_functional.wait_tensor(v94)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 12]  <- EP dispatch: the token's K routes on that rank (local expert index or -1, weight)
-v95 = slice(ep_routes, 1, 0, 6)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 6]
-v96 = _to_copy(v95, dtype=i64)  # i64[u11+u12+u13+u14+u15+u16+u17+u18, 6]
+v93 = cat([v92, v91], 1)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 76]
+v94 = _c10d_functional.all_to_all_single(v93, [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], 'ep')  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 76]
+ep_rows = _c10d_functional.wait_tensor(v94)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 76]  <- EP dispatch: each token's row once to each rank holding one of its experts; with the token's K routes on that rank (local expert index or -1, weight) (ep_rows='auto': per_rank, 2,450 B per token (expected, dispatch + combine) against 2,730 B per_assignment)
+v95 = split_with_sizes(ep_rows, [64, 12], 1)  # (f32[u11+u12+u13+u14+u15+u16+u17+u18, 64], f32[u11+u12+u13+u14+u15+u16+u17+u18, 12])
+v96 = getitem(v95, 0)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
 ...
-v98 = clone(v97, memory_format=torch.contiguous_format)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 6]
-ep_local_experts = dsv41.routed_experts(ep_rows, v96, v98, layers.0.ffn.experts.w1, layers.0.ffn.experts.w2, layers.0.ffn.experts.w3, 10.0)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
-v99 = _c10d_functional.all_to_all_single(ep_local_experts, [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], 'ep')  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]
-ep_combined = _c10d_functional.wait_tensor(v99)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]  <- EP combine: each row's weighted sum over the rank's experts back to its source rank
-v100 = zeros_like(in0, dtype=f32)  # f32[((T+3)//4), 64]
-ep_routed_out = index_add(v100, 0, ep_token, ep_combined)  # S(0) f32[((T+3)//4), 64]""",
+v102 = clone(v101, memory_format=torch.contiguous_format)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 6]
+ep_local_experts = dsv41.routed_experts(v97, v100, v102, layers.0.ffn.experts.w1, layers.0.ffn.experts.w2, layers.0.ffn.experts.w3, 10.0)  # f32[u11+u12+u13+u14+u15+u16+u17+u18, 64]
+v103 = _c10d_functional.all_to_all_single(ep_local_experts, [ep_send_0, ep_send_1, ep_send_2, ep_send_3, ep_send_4, ep_send_5, ep_send_6, ep_send_7], [ep_recv_0, ep_recv_1, ep_recv_2, ep_recv_3, ep_recv_4, ep_recv_5, ep_recv_6, ep_recv_7], 'ep')  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]
+ep_combined = _c10d_functional.wait_tensor(v103)  # f32[u10+u3+u4+u5+u6+u7+u8+u9, 64]  <- EP combine: each row's weighted sum over the rank's experts back to its source rank
+v104 = zeros_like(in0, dtype=f32)  # f32[((T+3)//4), 64]
+ep_routed_out = index_add(v104, 0, ep_token, ep_combined)  # S(0) f32[((T+3)//4), 64]""",
         )
         self.assertExpectedInline(
             str(placement_counts(gm, "layers.0.ffn")),
-            """{'(S(0), S(0))': 1, '-': 108, 'R': 6, 'S(0)': 26}""",
+            """{'(S(0), S(0))': 1, '-': 112, 'R': 6, 'S(0)': 26}""",
         )
