@@ -20,7 +20,7 @@ from dsv41_compile.devices import DEVICES, Device
 __all__ = ["BackendOptions", "FamilyOptions", "GivenOptions", "check_choice"]
 
 _LOWERINGS = ("auto", "eager", "inductor", "torchair")
-_EP_DISPATCH = ("exact", "padded")
+_EP_DISPATCH = ("auto", "exact", "padded")
 _EP_ROWS = ("auto", "per_rank", "per_assignment")
 
 F = TypeVar("F", bound="FamilyOptions")
@@ -74,11 +74,14 @@ class BackendOptions:
     """Expert-parallel group size: the world size (rank r holds routed experts
     [r*E/ep, (r+1)*E/ep) and the routed-experts op becomes an all-to-all dispatch / combine
     over the world), or 1 (every rank holds every routed expert)."""
-    ep_dispatch: str = "exact"
+    ep_dispatch: str = "auto"
     """How the EP all-to-all is sized: "exact" (exchange per-destination counts, then send
     exactly the valid assignments; data-dependent sizes) or "padded" (every rank sends a
     worst-case buffer of ceil(T/tp) * min(top-k, E/ep) rows to every rank; no host sync, the
-    form graph-mode compilers run)."""
+    form graph-mode compilers run). "auto": padded for torchair; otherwise the shorter MoE
+    layer on `device` at `rows_per_step` (exact pays the count exchange and the host's read of
+    the counts, padded the worst-case rows' bytes: the choice and both times are in graph.py,
+    comm.json and tools/explain.py)."""
     ep_rows: str = "auto"
     """What one dispatched row is: "per_assignment" (one row per (token, expert) pair; a token
     goes to a rank once per expert of it the rank holds) or "per_rank" (one row per (token,

@@ -284,12 +284,12 @@ def _check_collectives(gm: GraphModule, ctx: CompileContext) -> None:
             if kind != "all_to_all" or (site.part != "moe" and not lookup):
                 raise InternalError(f"an EP {kind} outside a MoE half or a table lookup", node)
             ep_by_region[node.meta[REGION]] += not lookup
-    expected_a2a = ALL_TO_ALLS[ctx.options.ep_dispatch]
     for info in ep_layers(ctx):
+        expected_a2a = ALL_TO_ALLS[info.dispatch]
         if ep_by_region[info.region] != expected_a2a:
             raise InternalError(
                 f"{info.region} has {ep_by_region[info.region]} EP all-to-alls, expected "
-                f"{expected_a2a} ({ctx.options.ep_dispatch} dispatch)"
+                f"{expected_a2a} ({info.dispatch} dispatch)"
             )
 
 

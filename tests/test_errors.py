@@ -328,7 +328,7 @@ def test_a_size_that_makes_t_a_number_names_the_op():
         ({"tp": 4, "ep": 0}, "ep must be a positive int, got 0"),
         (
             {"tp": 4, "ep": 8, "ep_dispatch": "capped"},
-            "ep_dispatch='capped' is not supported; choose one of ('exact', 'padded')",
+            "ep_dispatch='capped' is not supported; choose one of ('auto', 'exact', 'padded')",
         ),
         (
             {"tp": 4, "lowering": "xla"},
@@ -336,7 +336,7 @@ def test_a_size_that_makes_t_a_number_names_the_op():
             "'torchair')",
         ),
         (
-            {"tp": 4, "ep": 8, "lowering": "torchair"},
+            {"tp": 4, "ep": 8, "ep_dispatch": "exact", "lowering": "torchair"},
             "lowering='torchair' needs ep_dispatch='padded' with ep > 1: the exact EP lowering "
             "reads the assignment counts on the host (data-dependent sizes), which torchair's "
             "GE graphs cannot run",
@@ -434,13 +434,15 @@ def test_auto_lowering_on_npu_tensors_refuses_the_exact_dispatch():
     """lowering="auto" resolves to torchair on NPU tensors, which cannot run the exact EP
     lowering: the same refusal as lowering="torchair", naming the choice "auto" made."""
     with pytest.raises(ValueError) as info:
-        BackendOptions(tp=4, ep=8).target("npu")
+        BackendOptions(tp=4, ep=8, ep_dispatch="exact").target("npu")
     assert str(info.value) == (
         "lowering='auto' chose torchair (NPU tensors) needs ep_dispatch='padded' with ep > 1: "
         "the exact EP lowering reads the assignment counts on the host (data-dependent sizes), "
         "which torchair's GE graphs cannot run"
     )
     assert BackendOptions(tp=4, ep=8, ep_dispatch="padded").target("npu") == "torchair"
+    # the default, "auto", takes the padded dispatch for torchair (expert_parallel)
+    assert BackendOptions(tp=4, ep=8).target("npu") == "torchair"
 
 
 def test_compiling_past_the_recompile_limit_is_refused():

@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--ep", type=int, default=None, help="1 or the world size (default)")
-    parser.add_argument("--ep-dispatch", choices=("exact", "padded"), default="exact")
+    parser.add_argument("--ep-dispatch", choices=("auto", "exact", "padded"), default="auto")
     parser.add_argument("--ep-rows", choices=("auto", "per_rank", "per_assignment"), default="auto")
     parser.add_argument("--attn-entry", choices=("auto", "input"), default="auto")
     parser.add_argument(

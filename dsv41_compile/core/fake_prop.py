@@ -43,19 +43,22 @@ def local_value(node: Node, ctx: CompileContext) -> Any:
     """`node`'s local value, computed (and kept) from its inputs' where an earlier rewrite
     added it without one; None where an input without a value is not an op's result (a
     placeholder: only the whole graph's propagation has the program's local inputs)."""
-    missing: list[Node] = []
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if "val" in n.meta or n in seen:
-            continue
+    missing: list[Node] = []  # inputs before the nodes that read them
+
+    def visit(n: Node) -> bool:
+        if "val" in n.meta or n in missing:
+            return True
         if n.op != "call_function":
-            return None
-        seen.add(n)
+            return False
+        if not all(visit(i) for i in n.all_input_nodes):
+            return False
         missing.append(n)
-        todo += n.all_input_nodes
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    propagate_nodes(sorted(missing, key=order.__getitem__), ctx)
+        return True
+
+    if not visit(node):
+        return None
+    if missing:
+        propagate_nodes(missing, ctx)
     return node.meta["val"]
 
 

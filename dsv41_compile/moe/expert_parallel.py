@@ -64,7 +64,7 @@ from dsv41_compile.core.meta import (
 from dsv41_compile.core.packing import Column, pack, unpack
 from dsv41_compile.core.placements import ExpertShard
 from dsv41_compile.core.torch_private import OpOverload
-from dsv41_compile.moe.stats import EP_ROWS, EpLayer, EpLayers
+from dsv41_compile.moe.stats import ALL_TO_ALLS, EP_ROWS, EpLayer, EpLayers
 
 __all__ = ["expert_parallel", "sharded_routed_experts"]
 
@@ -93,12 +93,16 @@ def _dispatched(value: Proxy) -> Proxy:
 def expert_parallel(gm: GraphModule, *, ctx: CompileContext) -> None:
     graph = gm.graph
     targets = sharded_routed_experts(gm, ctx)
-    padded = targets and ctx.options.ep_dispatch == "padded"
+    dispatch, why = _choose_dispatch(targets, ctx)
+    padded = targets and dispatch == "padded"
     ep_tokens = ctx.ep_tokens_input(gm) if padded else None
-    rewritten = [_rewrite(graph, node, spec, ctx, ep_tokens) for node, spec in targets]
+    rewritten = [
+        _rewrite(graph, node, spec, ctx, ep_tokens, _layer(node, spec, ctx, dispatch, why))
+        for node, spec in targets
+    ]
     stats = [node for node, _ in rewritten]
     ctx.put(EpLayers(tuple(info for _, info in rewritten)))
-    if stats and ctx.options.ep_dispatch == "exact":
+    if stats and dispatch == "exact":
         # The split sizes are read on the host: fake propagation (validate, inductor) must give
         # them unbacked symbols rather than refuse.
         ctx.fake_mode.allow_scalar_outputs = True
@@ -146,30 +150,96 @@ class _Routed:
     (`rows.encode`), which the receiver decodes to the op's input rows, bit for bit."""
 
 
-def _rewrite(
-    graph: Graph, node: Node, spec: RoutedExperts, ctx: CompileContext, ep_tokens: Node | None
-) -> tuple[Node, EpLayer]:
-    x, idx, w = node.args[:3]
-    weights = [node.args[i] for i in spec.weight_args()]
-    constants = node.args[3 + spec.n_weights :]
+def _quantised(x: object, ctx: CompileContext) -> bool:
+    """Whether the op's input is the model's activation quantisation (the dispatch then moves
+    the encoded rows of its input)."""
     codec = ctx.adapter.activation_rows
-    quantised = codec is not None and x.op == "call_function" and x.target == codec.quantize
-    x_val, w_val = x.meta[GLOBAL_VAL], weights[0].meta[GLOBAL_VAL]
-    ep, n_experts = ctx.mesh.ep, w_val.shape[0]
+    return (
+        codec is not None
+        and isinstance(x, Node)
+        and x.op == "call_function"
+        and x.target == codec.quantize
+    )
+
+
+def _layer(
+    node: Node, spec: RoutedExperts, ctx: CompileContext, dispatch: str, why: str = ""
+) -> EpLayer:
+    """The layer's EP description with its row form chosen (`_choose_rows`) for `dispatch`;
+    `why` (the dispatch's choice) leads its reason."""
+    x, idx = node.args[:2]
+    x_val = x.meta[GLOBAL_VAL]
+    weight = node.args[spec.weight_args()[0]]
+    codec = ctx.adapter.activation_rows
     region = node.meta.get(REGION, "")
     info = _choose_rows(
         EpLayer(
             layer=ctx.adapter.site(region).layer,
             region=region,
-            dispatch=ctx.options.ep_dispatch,
-            ep=ep,
-            experts_per_rank=n_experts // ep,
+            dispatch=dispatch,
+            ep=ctx.mesh.ep,
+            experts_per_rank=weight.meta[GLOBAL_VAL].shape[0] // ctx.mesh.ep,
             top_k=idx.meta[GLOBAL_VAL].shape[1],
             token_row_bytes=x_val.shape[1] * x_val.element_size(),
-            dispatch_row_bytes=codec.width(x_val.shape[1]) if quantised else None,
+            dispatch_row_bytes=(
+                codec.width(x_val.shape[1]) if codec and _quantised(x, ctx) else None
+            ),
         ),
         ctx.options.ep_rows,
     )
+    return dataclasses.replace(info, why=f"{why}; {info.why}") if why else info
+
+
+def _choose_dispatch(
+    targets: list[tuple[Node, RoutedExperts]], ctx: CompileContext
+) -> tuple[str, str]:
+    """The option's dispatch, or ("auto") padded for torchair (its graphs cannot read sizes on
+    the host) and otherwise the one whose MoE layer is the shorter on the device model at
+    `rows_per_step` rows (`ceil(rows / tp)` per rank), from the first layer's sizes (the
+    layers share them): exact waits on 3 all-to-alls and on the host's read of the counts
+    (taken as one more collective's latency: an assumption), and sends the rows expected
+    under uniform routing; padded waits on 2 and sends its worst-case rows, plus one
+    all-reduce of `Tl_max` per call (outside the graph), shared by the layers. Returns the
+    dispatch and why (empty where the option named it)."""
+    option = ctx.options.ep_dispatch
+    if option != "auto" or not targets:
+        return ("exact" if option == "auto" else option), ""
+    if ctx.target == "torchair":
+        return "padded", "ep_dispatch='auto': padded (torchair reads no size on the host)"
+    node, spec = targets[0]
+    device = ctx.options.device_model(node.args[0].meta[GLOBAL_VAL].device.type)
+    rows = -(-ctx.options.rows_per_step // ctx.mesh.tp)
+    latency, link = device.collective_latency, device.link_bytes_per_s
+    seconds = {}
+    for dispatch, waits in (("exact", ALL_TO_ALLS["exact"] + 1), ("padded", ALL_TO_ALLS["padded"])):
+        info = _layer(node, spec, ctx, dispatch)
+        seconds[dispatch] = waits * latency + rows * info.bytes_per_token() / link
+    seconds["padded"] += latency / len(targets)
+    chosen = min(seconds, key=seconds.__getitem__)
+    (other,) = set(seconds) - {chosen}
+    why = (
+        f"ep_dispatch='auto': {chosen}, {seconds[chosen] * 1e6:.1f} us per layer against "
+        f"{seconds[other] * 1e6:.1f} us {other} on {device.name} at "
+        f"{ctx.options.rows_per_step} rows per step "
+        f"({latency * 1e6:.0f} us per collective)"
+    )
+    return chosen, why
+
+
+def _rewrite(
+    graph: Graph,
+    node: Node,
+    spec: RoutedExperts,
+    ctx: CompileContext,
+    ep_tokens: Node | None,
+    info: EpLayer,
+) -> tuple[Node, EpLayer]:
+    x, idx, w = node.args[:3]
+    weights = [node.args[i] for i in spec.weight_args()]
+    constants = node.args[3 + spec.n_weights :]
+    codec = ctx.adapter.activation_rows
+    quantised = _quantised(x, ctx)
+    x_val = x.meta[GLOBAL_VAL]
     emit = _Emitter(graph, ctx.mesh.ep_group_name, x_val.device)
     with emit.inserting_before(node) as added:
         p = emit.proxy

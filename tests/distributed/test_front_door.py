@@ -86,8 +86,7 @@ RUNS = {
         steps=STEPS,
         options=(
             ("tp", TP),
-            ("ep", 8),
-            ("ep_dispatch", "padded"),
+            ("ep", 8),  # ep_dispatch="auto": padded at 8 rows per step (LAYOUT below)
             ("lowering", "eager"),
             ("engram", "host"),
             ("device", SLOW_HBM),  # where head="auto" shards the head (tests/test_backend.py)
@@ -110,7 +109,8 @@ LAYOUT = {
     # coalesce: their rows side by side), wo_b's fp32 partial
     # reduce-scattered (attn_exit="auto" at the default 8 rows per step: the all-to-all's
     # whole wo_b would cost more reads than its bytes save), one EP row per rank with its routes
-    # (one all-to-all out, one back) and the Engram exchange's two: row ids out, rows back
+    # (padded: ep_dispatch="auto" at 8 rows; one all-to-all out, one back) and the Engram
+    # exchange's two: row ids out, rows back
     "sp-ep8-padded": ["all_gather(tp)", *["all_to_all(ep)"] * 4, "reduce_scatter(tp)"],
     "replicated-ep1": ["all_reduce(tp)"],
 }

@@ -78,6 +78,7 @@ from dsv41_compile.deepseek_v41.testing.presets import (
     EVERY_MODE_6,
     ONE_LAYER,
     SINKHORN_3,
+    SLOW_LINK,
     WIDE,
     compile_config,
 )
@@ -120,9 +121,10 @@ def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> Case
 
 RUNS = {
     # tiny's Engram layer (before layer 1) with its tables split by columns over the world;
-    # stated as a prefill-sized workload, where attn_exit="auto" times the all-to-all shorter
-    # (tests/distributed/test_front_door.py's sp run, at the default 8 rows, gets the
-    # ReduceScatter)
+    # stated as a prefill-sized workload on a device with a slow link, where attn_exit="auto"
+    # times the all-to-all shorter (tests/distributed/test_front_door.py's sp run, at the
+    # default 8 rows, gets the ReduceScatter) and ep_dispatch="auto" the exact dispatch (the
+    # front door's, on a fast link, gets the padded one)
     "tiny-every-mode-ep-exact-eager": spec(
         "tiny",
         overrides=(*EVERY_MODE_6, *WIDE),
@@ -131,6 +133,7 @@ RUNS = {
         lowering="eager",
         engram="sharded",
         rows_per_step=4096,
+        device=SLOW_LINK,
     ),
     # an Engram layer, its tables replicated (the replicated layout's)
     "tiny-swa-replicated-ep-padded-torchair": spec(
@@ -145,6 +148,7 @@ RUNS = {
         "tiny-swa",
         overrides=ONE_LAYER,
         ep=EP,
+        ep_dispatch="exact",
         lowering="inductor",
         embedding="vocab_sharded",
         ep_rows="per_assignment",
@@ -498,6 +502,18 @@ def test_each_rank_read_only_its_slices_of_the_checkpoint():
         if not name.endswith(".scale") and name.removesuffix(".weight").endswith(tuple(TP_SHARDED)):
             read = sum(results[r]["checkpoint_read"][name] for r in range(TP))
             assert read == math.prod(shape) * SIZE[dtype], name
+
+
+def test_ep_dispatch_auto_takes_the_exact_dispatch_on_a_slow_link_at_a_prefill():
+    """`ep_dispatch="auto"` (the default) on a 100 MB/s link at 4096 rows per step: the padded
+    dispatch's worst-case rows would cost more than the exact one's count exchange and host
+    read, so every MoE layer is exact (its logits above equal the single-device model's);
+    tests/distributed/test_front_door.py's sp run, on a fast link at 8 rows, gets the padded
+    one, as exact."""
+    for result in results_of("tiny-every-mode-ep-exact-eager"):
+        layers = result["comm"]["ep_layers"]
+        assert layers and {layer["dispatch"] for layer in layers} == {"exact"}
+        assert layers[0]["why"].startswith("ep_dispatch='auto': exact, "), layers[0]["why"]
 
 
 @pytest.mark.parametrize("name", sorted(n for n in RUNS if "official" in n))

@@ -18,7 +18,7 @@ from dsv41_compile.core.meta import REASON, REGION
 from dsv41_compile.core.placements import ExpertShard
 from dsv41_compile.deepseek_v41.testing.batches import Request
 from dsv41_compile.deepseek_v41.testing.fake_rank import compile_on_fake_rank, run_on_fake_rank
-from dsv41_compile.deepseek_v41.testing.presets import ONE_LAYER, compile_config
+from dsv41_compile.deepseek_v41.testing.presets import ONE_LAYER, SLOW_LINK, compile_config
 from dsv41_compile.moe.stats import EpLayer, ep_layers
 from dsv41_compile.testing.fake_rank import collective_windows, layer_text, placement_counts
 
@@ -324,3 +324,24 @@ ep_routed_out = index_add(v104, 0, ep_token, ep_combined)  # S(0) f32[((T+3)//4)
             str(placement_counts(gm, "layers.0.ffn")),
             """{'(S(0), S(0))': 1, '-': 112, 'R': 6, 'S(0)': 26}""",
         )
+
+
+def test_ep_dispatch_auto_flips_with_the_link_and_the_rows():
+    """The same model (tiny-swa, one layer): `ep_dispatch="auto"` takes the padded dispatch on
+    the 950DT at the default 8 rows per step (two collectives' latency and a few padded rows
+    against exact's three and the host's read of the counts) and the exact one on a 100 MB/s
+    link at 4096 rows (the padded rows' bytes dominate); the choice and both times are the EP
+    layer's `why` (comm.json, graph.py, tools/explain.py). The two lowerings are exact on 8
+    gloo ranks: tests/distributed/test_front_door.py (auto -> padded) and test_numerics.py
+    (auto -> exact)."""
+    chosen = {}
+    for name, extra in (("950dt", {}), ("slow-link", {"device": SLOW_LINK, "rows_per_step": 4096})):
+        gm, ctx, _ = compile_on_fake_rank(2, {"tp": 4, "ep": 8, **extra}, cfg=ONE_LAYER_SWA)
+        (layer,) = ep_layers(ctx)
+        chosen[name] = layer.dispatch
+        assert layer.why.startswith(f"ep_dispatch='auto': {layer.dispatch}, "), layer.why
+        assert f" on {name} at " in layer.why
+        a2a = [n for n in gm.graph.nodes if collective_kind(n) == "all_to_all"
+               and n.args[-1] == ctx.mesh.ep_group_name]  # fmt: skip
+        assert len(a2a) == {"padded": 2, "exact": 3}[layer.dispatch]
+    assert chosen == {"950dt": "padded", "slow-link": "exact"}

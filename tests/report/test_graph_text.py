@@ -16,9 +16,11 @@ from dsv41_compile.report.dump import graph_text, layer_module
 
 @pytest.fixture(scope="module")
 def planned(plan_once):
-    """The plan tests/test_verify.py checks verify's propagation on (planned once)."""
+    """The plan tests/test_verify.py checks verify's propagation on (planned once): exact EP,
+    whose sizes are data-dependent."""
     cfg = compile_config("tiny-swa", (("n_layers", 3),))
-    gm, ctx, _ = plan_once(cfg, {"tp": 4, "ep": 8}, world_size=8, rank=1)
+    options = {"tp": 4, "ep": 8, "ep_dispatch": "exact"}
+    gm, ctx, _ = plan_once(cfg, options, world_size=8, rank=1)
     return gm, ctx
 
 

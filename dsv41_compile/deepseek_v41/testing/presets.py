@@ -27,6 +27,8 @@ __all__ = [
     "ONE_LAYER",
     "SEED_LAYOUT",
     "SINKHORN_3",
+    "SLOW_HBM",
+    "SLOW_LINK",
     "WIDE",
     "compile_config",
 ]
@@ -114,3 +116,15 @@ SLOW_HBM = Device(
 """A device of a user's own (the `device` option) whose memory is so slow that reading
 tiny-swa's 131 kB fp32 head (1.3 ms) costs more than gathering its logits (a 10 us latency):
 the head is vocab-sharded where the 950DT keeps it whole."""
+
+SLOW_LINK = Device(
+    name="slow-link",
+    hbm_bytes=64e9,
+    hbm_bytes_per_s=4e12,
+    flops={"bf16": 1e15},
+    link_bytes_per_s=1e8,
+    node_link_bytes_per_s=1e8,
+)
+"""A device of a user's own whose link is so slow (100 MB/s) that, at a prefill's 4096 rows
+per step, the padded EP dispatch's worst-case rows cost more than the exact one's count
+exchange and host read: `ep_dispatch="auto"` is exact here and padded on the 950DT."""
