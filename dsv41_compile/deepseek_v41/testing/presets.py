@@ -14,10 +14,11 @@ presets as they are.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from dsv41_compile.deepseek_v41.model import ModelConfig
-from dsv41_compile.devices import Device
+from dsv41_compile.devices import DEVICES, Device
 
 __all__ = [
     "AS_RELEASED",
@@ -117,14 +118,9 @@ SLOW_HBM = Device(
 tiny-swa's 131 kB fp32 head (1.3 ms) costs more than gathering its logits (a 10 us latency):
 the head is vocab-sharded where the 950DT keeps it whole."""
 
-SLOW_LINK = Device(
-    name="slow-link",
-    hbm_bytes=64e9,
-    hbm_bytes_per_s=4e12,
-    flops={"bf16": 1e15},
-    link_bytes_per_s=1e8,
-    node_link_bytes_per_s=1e8,
+SLOW_LINK = dataclasses.replace(
+    DEVICES["950dt"], name="slow-link", link_bytes_per_s=1e8, node_link_bytes_per_s=1e8
 )
-"""A device of a user's own whose link is so slow (100 MB/s) that, at a prefill's 4096 rows
-per step, the padded EP dispatch's worst-case rows cost more than the exact one's count
-exchange and host read: `ep_dispatch="auto"` is exact here and padded on the 950DT."""
+"""The 950DT with a link so slow (100 MB/s) that, at a prefill's 4096 rows per step, the
+padded EP dispatch's worst-case rows cost more than the exact one's count exchange and host
+read: `ep_dispatch="auto"` is exact here and padded on the 950DT."""
