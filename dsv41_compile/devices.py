@@ -12,9 +12,18 @@ model answers at the two values of `LATENCIES`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["DEVICES", "LATENCIES", "MATMUL_DTYPES", "Device", "device_named", "latency_label"]
+__all__ = [
+    "DEVICES",
+    "LATENCIES",
+    "MATMUL_DTYPES",
+    "Device",
+    "device_named",
+    "latency_label",
+    "timed_choice",
+]
 
 LATENCIES = (10e-6, 30e-6)
 """The two per-collective latencies (seconds) the model answers at: an assumption, the range of
@@ -24,6 +33,26 @@ small-message collectives on HCCL and NCCL within a node (docs/devices.md)."""
 def latency_label(seconds: float) -> str:
     """How the tools name a latency in their tables and JSON: `"10us"`."""
     return f"{seconds * 1e6:.0f}us"
+
+
+def timed_choice(
+    option: str,
+    given: str,
+    chosen: str,
+    seconds: Mapping[str, float],
+    per: str,
+    digits: int,
+    device: str,
+    rows: int,
+) -> str:
+    """How a choice between two cuts by time reads in `graph.py`: the chosen one's time, the
+    other's, the device and the workload they were timed at."""
+    (other,) = set(seconds) - {chosen}
+    return (
+        f"{option}={given!r}: {chosen}, {seconds[chosen] * 1e6:.{digits}f} us per {per} "
+        f"against {seconds[other] * 1e6:.{digits}f} us {other} on {device} at {rows} rows "
+        "per step"
+    )
 
 
 MATMUL_DTYPES = ("fp4", "fp8", "bf16")

@@ -36,20 +36,22 @@ from torch.fx import GraphModule, Node
 
 from dsv41_compile.core.collectives import (
     collective_axis,
+    collective_ends,
     collective_kind,
     dispatched_values,
-    made_by_layout,
 )
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError, as_node
 from dsv41_compile.core.fake_prop import propagate_local_values
 from dsv41_compile.core.meta import (
+    COALESCED,
     GLOBAL_VAL,
     IN,
     OUT,
     REAL_ROWS,
     REASON,
     REGION,
+    RULE,
     TABLE,
     source_line,
     tensor_inputs,
@@ -310,11 +312,26 @@ def _reduces_tokens(node: Node) -> bool:
 _HALVES = {"attention": "attention half", "moe": "MoE half", "layer": "between its halves"}
 
 
+def _layouts(node: Node) -> bool:
+    """Whether a collective is one the layout makes: a value moving into or out of an anchored
+    module (the plan's anchors and exits: attention's entry gather, its exit), or a value the
+    entry cut put on the token shard. An op's own exchange (a shift's rows, a statistic's sum)
+    and a gather its rule asks for stay inside one module. A coalesced AllGather stands for
+    entry gathers (`spmd.coalesce`), which the layout makes."""
+    if COALESCED in node.meta:
+        return True
+    producer, consumers = collective_ends(node)
+    if str(producer.meta.get(RULE, "")).startswith("entry cut"):
+        return True
+    regions = {producer.meta.get(REGION, "")} | {c.meta.get(REGION, "") for c in consumers}
+    return len(regions) > 1
+
+
 def _extra_collectives(gm: GraphModule, ctx: CompileContext) -> list[ExtraCollective]:
     """Each decoder layer's TP collectives beyond the layout's (`expected_collectives`; where
     the entry cut moved the gather, one AllGather per value it gathers, or fewer where
     `spmd.coalesce` merged them), in graph order: the collectives the layout makes
-    (`core.collectives.made_by_layout`) are matched with its list first, kind by kind; the
+    (`_layouts`) are matched with its list first, kind by kind; the
     others, and any beyond the list, are extra."""
     promise = ctx.adapter.expected_collectives(ctx.options)
     cuts = {ctx.adapter.site(region).layer: cut for region, cut in entry_cuts(ctx).items()}
@@ -336,7 +353,7 @@ def _extra_collectives(gm: GraphModule, ctx: CompileContext) -> list[ExtraCollec
                 expected.remove("all_gather")  # the entry gathers the cut's values instead
                 expected += ["all_gather"] * len(cut.gathered)
             remaining[key] = expected
-        if kind in remaining[key] and made_by_layout(node):
+        if kind in remaining[key] and _layouts(node):
             remaining[key].remove(kind)
             continue
         half = _HALVES.get(site.part, site.part)

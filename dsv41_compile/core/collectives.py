@@ -11,7 +11,7 @@ from torch.fx import GraphModule, Node
 
 from dsv41_compile.core.errors import InternalError, as_node
 from dsv41_compile.core.mesh import Mesh
-from dsv41_compile.core.meta import COALESCED, EP_SOURCE, REASON, REGION, RULE
+from dsv41_compile.core.meta import EP_SOURCE, REASON
 
 __all__ = [
     "COLLECTIVES",
@@ -19,7 +19,6 @@ __all__ = [
     "collective_ends",
     "collective_kind",
     "dispatched_values",
-    "made_by_layout",
 ]
 
 c10d = torch.ops._c10d_functional
@@ -70,18 +69,3 @@ def collective_ends(node: Node) -> tuple[Node, list[Node]]:
         else:
             consumers.append(user)
     return producer, consumers
-
-
-def made_by_layout(node: Node) -> bool:
-    """Whether a collective is one the layout makes: a value moving into or out of an anchored
-    module (the plan's anchors and exits: attention's entry gather, its exit), or a value the
-    entry cut put on the token shard. An op's own exchange (a shift's rows, a statistic's sum)
-    and a gather its rule asks for stay inside one module. A coalesced AllGather stands for
-    entry gathers (`spmd.coalesce`), which the layout makes."""
-    if COALESCED in node.meta:
-        return True
-    producer, consumers = collective_ends(node)
-    if str(producer.meta.get(RULE, "")).startswith("entry cut"):
-        return True
-    regions = {producer.meta.get(REGION, "")} | {c.meta.get(REGION, "") for c in consumers}
-    return len(regions) > 1

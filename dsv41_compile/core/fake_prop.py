@@ -21,7 +21,7 @@ from dsv41_compile.core.torch_private import (
     tree_map_only,
 )
 
-__all__ = ["local_value", "propagate_local_values", "propagate_nodes"]
+__all__ = ["propagate_local_values", "propagate_nodes"]
 
 
 def propagate_local_values(gm: GraphModule, ctx: CompileContext) -> None:
@@ -37,29 +37,6 @@ def propagate_nodes(nodes: list[Node], ctx: CompileContext) -> None:
         for node in nodes:
             args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
             node.meta["val"] = node.target(*args, **kwargs)  # type: ignore[operator]
-
-
-def local_value(node: Node, ctx: CompileContext) -> Any:
-    """`node`'s local value, computed (and kept) from its inputs' where an earlier rewrite
-    added it without one; None where an input without a value is not an op's result (a
-    placeholder: only the whole graph's propagation has the program's local inputs)."""
-    missing: list[Node] = []  # inputs before the nodes that read them
-
-    def visit(n: Node) -> bool:
-        if "val" in n.meta or n in missing:
-            return True
-        if n.op != "call_function":
-            return False
-        if not all(visit(i) for i in n.all_input_nodes):
-            return False
-        missing.append(n)
-        return True
-
-    if not visit(node):
-        return None
-    if missing:
-        propagate_nodes(missing, ctx)
-    return node.meta["val"]
 
 
 class _OnceProp(FakeTensorProp):

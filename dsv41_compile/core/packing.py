@@ -15,6 +15,7 @@ the same shapes: a reshape around every change of element size.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,27 +31,36 @@ Call = Callable[..., Any]
 
 @dataclass(frozen=True)
 class Column:
-    """One value's part of the packed rows: its dtype and its columns (dim 1)."""
+    """One value's part of the packed rows: its dtype and the sizes of one of its rows (its
+    trailing dims: `(d,)` for a `[rows, d]` value), flattened to `columns` side by side."""
 
     dtype: torch.dtype
-    columns: int
+    shape: tuple[int, ...]
+
+    @property
+    def columns(self) -> int:
+        return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:
         return torch.empty(0, dtype=self.dtype).element_size()
 
 
-def _as_bytes(call: Call, value: Any, column: Column) -> Any:
-    """`[rows, d]` as `[rows, d * itemsize]` uint8."""
+def _as_row(call: Call, value: Any, column: Column, as_bytes: bool) -> Any:
+    """`[rows, *shape]` as `[rows, columns]`, or as `[rows, columns * itemsize]` uint8."""
+    if not as_bytes:
+        if len(column.shape) == 1:
+            return value
+        return call(aten.view.default, call(aten.clone.default, value), [-1, column.columns])
     dense = call(aten.clone.default, value)  # a view of dtype needs contiguous rows
-    if column.itemsize == 1:
-        return call(aten.view.dtype, dense, torch.uint8)
     as_uint8 = call(aten.view.dtype, dense, torch.uint8)
+    if column.itemsize == 1 and len(column.shape) == 1:
+        return as_uint8
     return call(aten.view.default, as_uint8, [-1, column.columns * column.itemsize])
 
 
 def _from_bytes(call: Call, dense: Any, column: Column) -> Any:
-    """`[rows, d * itemsize]` uint8 back as `[rows, d]` of the column's dtype."""
+    """`[rows, columns * itemsize]` uint8 back as `[rows, columns]` of the column's dtype."""
     if column.itemsize == 1:
         return call(aten.view.dtype, dense, column.dtype)
     grouped = call(aten.view.default, dense, [-1, column.columns, column.itemsize])
@@ -70,18 +80,22 @@ def _mixed(columns: Sequence[Column]) -> bool:
 
 def pack(call: Call, values: Sequence[Any], columns: Sequence[Column]) -> Any:
     """The values' rows side by side: `[rows, sum of columns]` (of bytes where dtypes differ)."""
-    if _mixed(columns):
-        values = [_as_bytes(call, v, c) for v, c in zip(values, columns, strict=True)]
-    return call(aten.cat.default, list(values), 1)
+    as_bytes = _mixed(columns)
+    rows = [_as_row(call, v, c, as_bytes) for v, c in zip(values, columns, strict=True)]
+    return call(aten.cat.default, rows, 1)
 
 
 def unpack(call: Call, packed: Any, columns: Sequence[Column]) -> list[Any]:
-    """Each value's rows back out of `pack`'s result (moved or not), contiguous."""
+    """Each value back out of `pack`'s result (moved or not), `[rows, *shape]`, contiguous."""
     as_bytes = _mixed(columns)
     widths = [c.columns * (c.itemsize if as_bytes else 1) for c in columns]
     split = call(aten.split_with_sizes.default, packed, widths, 1)
     values = []
     for i, column in enumerate(columns):
-        dense = call(aten.clone.default, call(operator.getitem, split, i))
-        values.append(_from_bytes(call, dense, column) if as_bytes else dense)
+        value = call(aten.clone.default, call(operator.getitem, split, i))
+        if as_bytes:
+            value = _from_bytes(call, value, column)
+        if len(column.shape) > 1:
+            value = call(aten.view.default, value, [-1, *column.shape])
+        values.append(value)
     return values

@@ -50,6 +50,7 @@ from dsv41_compile.deepseek_v41.model.ops import engram_dequantize
 from dsv41_compile.deepseek_v41.model.quant import BLOCK
 from dsv41_compile.deepseek_v41.options import DeepseekV41Options
 from dsv41_compile.deepseek_v41.plan import deepseek_v41_plan
+from dsv41_compile.devices import timed_choice
 from dsv41_compile.moe.rules import routed_experts_rule
 from dsv41_compile.options import BackendOptions
 
@@ -188,31 +189,11 @@ def _resolve_head(
         + (tp - 1) / tp * gather / device.link_bytes_per_s,
     }
     chosen = min(seconds, key=seconds.__getitem__) if given == "auto" else given
-    why = _timed_choice("head", given, chosen, seconds, "step", 1, device.name, rows) + (
+    why = timed_choice("head", given, chosen, seconds, "step", 1, device.name, rows) + (
         f" (the head {weight:,} B; sharded: {weight // tp:,} B per rank and an AllGather of "
         f"{gather // tp:,} B per rank)"
     )
     return _with(options, head=chosen), {"head": why}
-
-
-def _timed_choice(
-    option: str,
-    given: str,
-    chosen: str,
-    seconds: Mapping[str, float],
-    per: str,
-    digits: int,
-    device: str,
-    rows: int,
-) -> str:
-    """How a choice between two cuts by time reads in `graph.py`: the chosen one's time, the
-    other's, the device and the workload they were timed at."""
-    (other,) = set(seconds) - {chosen}
-    return (
-        f"{option}={given!r}: {chosen}, {seconds[chosen] * 1e6:.{digits}f} us per {per} "
-        f"against {seconds[other] * 1e6:.{digits}f} us {other} on {device} at {rows} rows "
-        "per step"
-    )
 
 
 ENGRAM_REPLICATED_LIMIT = 1 << 30
@@ -385,7 +366,7 @@ class DeepseekV41Adapter(ModelAdapter):
                 "budget or use attn_exit='reduce_scatter'"
             )
         (other,) = set(seconds) - {chosen}
-        why = _timed_choice("attn_exit", given, chosen, seconds, "layer", 3, device.name, rows)
+        why = timed_choice("attn_exit", given, chosen, seconds, "layer", 3, device.name, rows)
         why += (
             f" ({device.collective_latency * 1e6:.0f} us per collective; "
             f"{wire[chosen]:,.0f} B per token against {wire[other]:,.0f} B"

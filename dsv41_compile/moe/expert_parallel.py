@@ -64,6 +64,7 @@ from dsv41_compile.core.meta import (
 from dsv41_compile.core.packing import Column, pack, unpack
 from dsv41_compile.core.placements import ExpertShard
 from dsv41_compile.core.torch_private import OpOverload
+from dsv41_compile.devices import timed_choice
 from dsv41_compile.moe.stats import ALL_TO_ALLS, EP_ROWS, EpLayer, EpLayers
 
 __all__ = ["expert_parallel", "sharded_routed_experts"]
@@ -150,16 +151,13 @@ class _Routed:
     (`rows.encode`), which the receiver decodes to the op's input rows, bit for bit."""
 
 
-def _quantised(x: object, ctx: CompileContext) -> bool:
-    """Whether the op's input is the model's activation quantisation (the dispatch then moves
-    the encoded rows of its input)."""
+def _codec(x: object, ctx: CompileContext) -> ActivationRows | None:
+    """The model's activation quantisation where the op's input is its output (the dispatch
+    then moves the encoded rows of the quantisation's input), else None."""
     codec = ctx.adapter.activation_rows
-    return (
-        codec is not None
-        and isinstance(x, Node)
-        and x.op == "call_function"
-        and x.target == codec.quantize
-    )
+    if codec is None or not isinstance(x, Node) or x.op != "call_function":
+        return None
+    return codec if x.target == codec.quantize else None
 
 
 def _layer(
@@ -170,7 +168,7 @@ def _layer(
     x, idx = node.args[:2]
     x_val = x.meta[GLOBAL_VAL]
     weight = node.args[spec.weight_args()[0]]
-    codec = ctx.adapter.activation_rows
+    codec = _codec(x, ctx)
     region = node.meta.get(REGION, "")
     info = _choose_rows(
         EpLayer(
@@ -181,9 +179,7 @@ def _layer(
             experts_per_rank=weight.meta[GLOBAL_VAL].shape[0] // ctx.mesh.ep,
             top_k=idx.meta[GLOBAL_VAL].shape[1],
             token_row_bytes=x_val.shape[1] * x_val.element_size(),
-            dispatch_row_bytes=(
-                codec.width(x_val.shape[1]) if codec and _quantised(x, ctx) else None
-            ),
+            dispatch_row_bytes=codec.width(x_val.shape[1]) if codec else None,
         ),
         ctx.options.ep_rows,
     )
@@ -216,14 +212,10 @@ def _choose_dispatch(
         seconds[dispatch] = waits * latency + rows * info.bytes_per_token() / link
     seconds["padded"] += latency / len(targets)
     chosen = min(seconds, key=seconds.__getitem__)
-    (other,) = set(seconds) - {chosen}
-    why = (
-        f"ep_dispatch='auto': {chosen}, {seconds[chosen] * 1e6:.1f} us per layer against "
-        f"{seconds[other] * 1e6:.1f} us {other} on {device.name} at "
-        f"{ctx.options.rows_per_step} rows per step "
-        f"({latency * 1e6:.0f} us per collective)"
+    why = timed_choice(
+        "ep_dispatch", option, chosen, seconds, "layer", 1, device.name, ctx.options.rows_per_step
     )
-    return chosen, why
+    return chosen, f"{why} ({latency * 1e6:.0f} us per collective)"
 
 
 def _rewrite(
@@ -237,16 +229,14 @@ def _rewrite(
     x, idx, w = node.args[:3]
     weights = [node.args[i] for i in spec.weight_args()]
     constants = node.args[3 + spec.n_weights :]
-    codec = ctx.adapter.activation_rows
-    quantised = _quantised(x, ctx)
+    codec = _codec(x, ctx)
     x_val = x.meta[GLOBAL_VAL]
     emit = _Emitter(graph, ctx.mesh.ep_group_name, x_val.device)
     with emit.inserting_before(node) as added:
         p = emit.proxy
         routed = _Routed(
-            spec.op, p(x.args[0] if quantised else x), p(idx), p(w),
-            tuple(p(v) for v in weights), tuple(constants), x_val.dtype, x_val.shape[1],
-            codec if quantised else None,
+            spec.op, p(x.args[0] if codec else x), p(idx), p(w),
+            tuple(p(v) for v in weights), tuple(constants), x_val.dtype, x_val.shape[1], codec,
         )  # fmt: skip
         lower = _LOWERINGS[info.dispatch, info.rows]
         if ep_tokens is None:
@@ -369,12 +359,12 @@ def _exchange(
     routes move side by side in one all-to-all (`core.packing`: one latency, not two), as
     bytes where their dtypes differ."""
     if op.rows is None:
-        payload, column, what = x_send, Column(op.dtype, op.dim), why[0]
+        payload, column, what = x_send, Column(op.dtype, (op.dim,)), why[0]
     else:  # the quantised rows of the op's input, decoded to it
         payload = op.rows.encode(x_send)
-        column = Column(torch.uint8, op.rows.width(op.dim))
+        column = Column(torch.uint8, (op.rows.width(op.dim),))
         what = f"{why[0]}; {op.rows.name} rows of the quantisation's input"
-    columns = [column, Column(torch.float32, 2 * k)]
+    columns = [column, Column(torch.float32, (2 * k,))]
     sent = pack(_call, [payload, route_send], columns)
     moved = emit.named(
         emit.a2a(sent, recv_splits, send_splits), "ep_rows", f"{what}; with {why[1]}"

@@ -3,11 +3,12 @@
 Requires: entry_cut, localize (per-rank shapes), and the passes that rewrite collectives'
 payloads (`quantised_transport`). Ensures: in each decoder layer, the TP AllGathers of the
 values its entry cut leaves on the token shards (`spmd.entry_cut.entry_cuts`; not an op's own
-exchange, such as a shift's neighbour rows) that move `[Tl, ...]` rows (of static trailing sizes) and do not depend on one
-another are one AllGather: their rows flattened and concatenated along dim 1 (as bytes where
-their dtypes differ: `core.packing`), gathered, and split back into each value after the wait. Each value after the wait is the one its own
-gather gave, bit for bit; the graph stays in a topological order that keeps every other node
-where it was relative to the rest.
+exchange, such as a shift's neighbour rows) that move `[Tl, ...]` rows of static trailing
+sizes and do not depend on one another are one AllGather: their rows flattened side by side
+(as bytes where their dtypes differ: `core.packing`), gathered, and split back into each value
+after the wait. Each value after the wait is the one its own gather gave, bit for bit; the
+graph stays in a topological order that keeps every other node where it was relative to the
+rest.
 
 Why: a decode step waits on each collective's latency (10-30 us on HCCL / NCCL,
 docs/devices.md), and the entry cut gathers each latent it moves on its own, 2-5 per layer at
@@ -19,7 +20,6 @@ counts), which `report.comm` records (`comm.json`'s "members"); its reason is th
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -30,7 +30,7 @@ from torch.fx.node import Argument
 from dsv41_compile.core.collectives import collective_axis, collective_ends, collective_kind
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import as_node
-from dsv41_compile.core.fake_prop import local_value, propagate_nodes
+from dsv41_compile.core.fake_prop import propagate_nodes
 from dsv41_compile.core.meta import COALESCED, OUT, REASON, REGION
 from dsv41_compile.core.packing import Column, pack, unpack
 from dsv41_compile.spmd.entry_cut import entry_cuts
@@ -42,8 +42,10 @@ c10d = torch.ops._c10d_functional
 
 
 def coalesce_gathers(gm: GraphModule, *, ctx: CompileContext) -> None:
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     entry = _entry_values(ctx)
+    if not entry:  # no layer's entry cut gathers its values
+        return
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     groups: dict[tuple[int | None, object], list[Node]] = defaultdict(list)
     for node in gm.graph.nodes:
         if _candidate(node, entry, ctx):
@@ -76,24 +78,18 @@ def _entry_values(ctx: CompileContext) -> set[Node]:
 
 
 def _candidate(node: Node, entry: set[Node], ctx: CompileContext) -> bool:
-    """A TP AllGather of a decoder layer of a value its entry cut gathers (not an op's own
-    exchange: a shift's rows), of `[rows, ...]` rows of static trailing sizes, whose only use
-    is its wait."""
+    """A TP AllGather, whose only use is its wait, of a value an entry cut gathers (so in a
+    decoder layer, and not an op's own exchange: a shift's rows), of `[rows, ...]` rows of
+    static trailing sizes."""
     if collective_kind(node) != "all_gather" or collective_axis(node, ctx.mesh) != "tp":
-        return False
-    if ctx.adapter.site(node.meta.get(REGION, "")).layer is None:
-        return False
-    value = node.args[0]
-    # (`quantised_transport`'s codec nodes come without a local value)
-    val = local_value(value, ctx) if isinstance(value, Node) else None
-    if not isinstance(val, torch.Tensor) or val.dim() < 2:
-        return False
-    if not all(isinstance(size, int) for size in val.shape[1:]):
         return False
     users = list(node.users)
     if len(users) != 1 or users[0].target is not c10d.wait_tensor.default:
         return False
-    return collective_ends(node)[0] in entry
+    if collective_ends(node)[0] not in entry:
+        return False
+    val = _moved(node).meta["val"]
+    return val.dim() >= 2 and all(isinstance(size, int) for size in val.shape[1:])
 
 
 def _independent(members: list[Node], order: dict[Node, int]) -> list[Node]:
@@ -144,20 +140,10 @@ def _merge(graph: Graph, gathers: Sequence[Node], order: dict[Node, int]) -> lis
             made.append(node)
             return node
 
-        columns = [Column(v.dtype, math.prod(v.shape[1:])) for v in vals]
-        flat = [
-            call(aten.view.default, call(aten.clone.default, value), [-1, column.columns])
-            if val.dim() > 2
-            else value
-            for value, val, column in zip(values, vals, columns, strict=True)
-        ]  # [rows, ...] as [rows, columns]
-        rows = pack(call, flat, columns)
+        columns = [Column(v.dtype, tuple(v.shape[1:])) for v in vals]
+        rows = pack(call, values, columns)
         gathered = call(c10d.all_gather_into_tensor.default, rows, tp, group)
-        waited = call(c10d.wait_tensor.default, gathered)
-        outs = [
-            call(aten.view.default, out, [-1, *val.shape[1:]]) if val.dim() > 2 else out
-            for out, val in zip(unpack(call, waited, columns), vals, strict=True)
-        ]
+        outs = unpack(call, call(c10d.wait_tensor.default, gathered), columns)
     for n in made:
         n.meta[REASON] = reason
         n.meta[OUT] = None

@@ -3,7 +3,8 @@ only feeds one, moves the quantised rows instead (codes and their scales, in byt
 
 Requires: localize (a per-rank graph with its collectives). Ensures: each collective below
 moves `encode(v)` (uint8 rows) instead of bf16 `v`, and its receiver decodes them; the values
-every op computes are unchanged, bit for bit.
+every op computes are unchanged, bit for bit; every node has its local value (`meta["val"]`:
+the collective's and its wait's are now the bytes).
 
 The model adapter names its quantisation (`core.adapter.ActivationRows`): an op `quantize`
 that rounds each row's blocks of `block` values along the last dim on their own, an `encode`
@@ -34,7 +35,7 @@ from torch.fx import GraphModule, Node
 
 from dsv41_compile.core.adapter import ActivationRows
 from dsv41_compile.core.context import CompileContext
-from dsv41_compile.core.fake_prop import propagate_local_values
+from dsv41_compile.core.fake_prop import propagate_local_values, propagate_nodes
 from dsv41_compile.core.meta import GLOBAL_VAL, OUT, REASON, REGION
 
 __all__ = ["quantised_transport"]
@@ -56,9 +57,9 @@ def quantised_transport(gm: GraphModule, *, ctx: CompileContext) -> None:
         (wait,) = node.users
         value = node.args[0]
         if value.target == codec.quantize:
-            _move_encoded(gm, node, wait, value.args[0], codec, "its quantisation's input")
+            _move_encoded(gm, node, wait, value.args[0], ctx, "its quantisation's input")
         elif (quantizations := _only_quantized(wait, codec)) is not None:
-            _move_encoded(gm, node, wait, value, codec, "the rows its receiver quantises")
+            _move_encoded(gm, node, wait, value, ctx, "the rows its receiver quantises")
             for q in quantizations:  # the decoded rows are quantize(rows) already
                 q.replace_all_uses_with(cast(Node, q.args[0]))
                 gm.graph.erase_node(q)
@@ -67,8 +68,11 @@ def quantised_transport(gm: GraphModule, *, ctx: CompileContext) -> None:
 
 
 def _move_encoded(
-    gm: GraphModule, collective: Node, wait: Node, source: Node, codec: ActivationRows, what: str
+    gm: GraphModule, collective: Node, wait: Node, source: Node, ctx: CompileContext, what: str
 ) -> None:
+    """The collective moves `codec.encode(source)` and its receivers read the decoded rows;
+    the nodes made and changed get their local values (the collective's are now bytes)."""
+    codec = cast(ActivationRows, ctx.adapter.activation_rows)
     graph = gm.graph
     width = source.meta["val"].shape[-1]
     with graph.inserting_before(collective):
@@ -90,7 +94,8 @@ def _move_encoded(
             if key in collective.meta:
                 new.meta[key] = collective.meta[key]
     for moved in (collective, wait):
-        moved.meta.pop(GLOBAL_VAL, None)  # now bytes; verify computes the local value
+        moved.meta.pop(GLOBAL_VAL, None)  # now bytes
+    propagate_nodes([encoded, collective, wait, decoded], ctx)
     collective.meta[REASON] += (
         f"; moves {codec.name} rows of {what} ({encoded_width} B per row against "
         f"{2 * width} B in bf16: quantised_transport)"

@@ -70,7 +70,7 @@ def test_packed_rows_come_back_bit_for_bit():
         torch.tensor([[0.1, -2.0, 7.0], [1e30, 0.0, -1.0]], dtype=torch.bfloat16),
         torch.tensor([[0.5], [-448.0]]).to(torch.float8_e4m3fn),
     ]
-    columns = [Column(v.dtype, v.shape[1]) for v in values]
+    columns = [Column(v.dtype, (v.shape[1],)) for v in values]
     graph = Graph()
 
     def call(target, *args):
