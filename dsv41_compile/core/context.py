@@ -98,11 +98,13 @@ class CompileContext:
 
     def choice_for(self, paths: Iterable[str]) -> str | None:
         """The reason of the adapter's (or a pass's) choice, in `choices`, whose pattern matches
-        one of the module `paths`; None when no choice covers them."""
-        paths = tuple(paths)
-        for pattern, why in self.choices.items():
-            if any(pattern_matches(pattern, path) for path in paths):
-                return why
+        one of the module `paths` (outermost first), the innermost that has one: a layer's
+        Engram table takes `layers.*.engram`'s choice, not `layers.*`'s; None when no choice
+        covers them."""
+        for path in reversed(tuple(paths)):
+            for pattern, why in self.choices.items():
+                if pattern_matches(pattern, path):
+                    return why
         return None
 
     def put(self, result: object) -> None:

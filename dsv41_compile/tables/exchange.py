@@ -21,6 +21,11 @@ rows). Ensures: no lookup of a column-split table is left. In its place, on ever
     values    the asking rank's rows, its C columns in order, dequantised (the adapter's
               `dequantize`: the arithmetic the op itself does)
 
+Lookups whose row ids depend on no earlier lookup share one exchange, before the first
+(`_batches`): their ids side by side per token slot in one all-to-all, their rows side by side
+in the other, the later ones' row ids computed before it. The model's Engram layers all hash
+the input ids, so a step makes one exchange however many Engram layers it has.
+
 The DP groups' batches meet in the exchange: a rank serves every rank's token rows, a group
 with no tokens included. The choice of placement is the adapter's (`ctx.choices`); each
 exchange's reason names it.
@@ -30,10 +35,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule, Node, Proxy
 
 from dsv41_compile.core.adapter import TableLookup
 from dsv41_compile.core.context import CompileContext
@@ -57,76 +62,192 @@ def table_exchange(gm: GraphModule, *, ctx: CompileContext) -> None:
     if not targets:
         return
     ep_tokens = ctx.ep_tokens_input(gm)
-    for node, spec in targets:
-        _rewrite(gm, node, spec, ctx, ep_tokens)
+    for batch in _batches(targets):
+        _exchange(gm, batch, ctx, ep_tokens)
     gm.graph.lint()
     gm.recompile()
 
 
-def _rewrite(
-    gm: GraphModule, node: Node, spec: TableLookup, ctx: CompileContext, ep_tokens: Node
-) -> None:
-    table, scale, rows, columns, *constants = node.args
+def _batches(targets: list[tuple[Node, TableLookup]]) -> list[list[tuple[Node, TableLookup]]]:
+    """The lookups in program order, cut where one's row ids depend on an earlier lookup of its
+    batch (or on an op with a side effect after the batch's first): a batch's lookups share one
+    exchange at its first's place. The model's Engram layers hash the input ids, so they are
+    one batch: one exchange per step, not one per Engram layer."""
+    order = {n: i for i, n in enumerate(targets[0][0].graph.nodes)}
+    batches: list[list[tuple[Node, TableLookup]]] = []
+    for node, spec in targets:
+        if batches:
+            first = batches[-1][0][0]
+            members = {n for n, _ in batches[-1]}
+            needed = _needed_after(first, node.args[2], order)
+            if not needed & members and not any(n.is_impure() for n in needed):
+                batches[-1].append((node, spec))
+                continue
+        batches.append([(node, spec)])
+    return batches
+
+
+def _needed_after(first: Node, value: object, order: dict[Node, int]) -> set[Node]:
+    """The nodes `value` is computed from (itself included) that come after `first`."""
+    needed: set[Node] = set()
+    stack = [value] if isinstance(value, Node) else []
+    while stack:
+        n = stack.pop()
+        if n in needed or order[n] < order[first]:
+            continue
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
+    return needed
+
+
+@dataclasses.dataclass(frozen=True)
+class _Member:
+    """One lookup of a batch: its table's layout on this rank and what its rows move."""
+
+    node: Node
+    spec: TableLookup
+    bounds: list[int]  # the column bounds
+    k: int  # columns per rank
+    local_rows: int  # the rows of this rank's part
+    width: int  # e4m3 codes per row
+    scales: int  # e8m0 scales per row
+    host: bool  # this rank's part lives in host memory
+
+    @property
+    def row(self) -> int:
+        """Bytes a row moves: its codes and its scales."""
+        return self.width + self.scales
+
+
+def _member(
+    node: Node, spec: TableLookup, placeholders: list[Node], ctx: CompileContext
+) -> _Member:
+    table, scale, _rows, columns, *_ = node.args
     bounds = list(cast(Sequence[int], columns))
-    n_columns, world = len(bounds) - 1, ctx.mesh.world_size
-    k = -(-n_columns // world)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    shard = ctx.signature.param_shards[placeholders.index(table)]
-    local_rows = shard.local_shape(table.meta[GLOBAL_VAL].shape)[0]
+    k = -(-(len(bounds) - 1) // ctx.mesh.world_size)
+    shard = ctx.signature.param_shards[placeholders.index(cast(Node, table))]
+    local_rows = shard.local_shape(cast(Node, table).meta[GLOBAL_VAL].shape)[0]
     for held in (table, scale):  # the rank holds its rows as the bytes the exchange moves
-        _hold_as_bytes(cast(Node, held), placeholders.index(held), ctx)
-    host = node.meta[IN][0].host
-    width, scales = (v.meta[GLOBAL_VAL].shape[1] for v in (table, scale))
-    row = width + scales  # bytes a row moves: its e4m3 codes and e8m0 scales
-    choice = ctx.choice_for(module_paths(node))  # the adapter's, behind the placement
+        _hold_as_bytes(cast(Node, held), placeholders.index(cast(Node, held)), ctx)
+    width, scales = (cast(Node, v).meta[GLOBAL_VAL].shape[1] for v in (table, scale))
+    return _Member(node, spec, bounds, k, local_rows, width, scales, node.meta[IN][0].host)
+
+
+def _exchange(
+    gm: GraphModule, batch: list[tuple[Node, TableLookup]], ctx: CompileContext, ep_tokens: Node
+) -> None:
+    """One exchange for the batch's lookups, before the first: every lookup's ids in one
+    all-to-all, side by side per token slot, and their rows back in another."""
+    first = batch[0][0]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    hoisted = set().union(*(_needed_after(first, n.args[2], order) for n, _ in batch[1:]))
+    for n in sorted(hoisted, key=order.__getitem__):  # later row ids, computed before `first`
+        first.prepend(n)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    members = [_member(node, spec, placeholders, ctx) for node, spec in batch]
+    world = ctx.mesh.world_size
+    choice = ctx.choice_for(module_paths(first))  # the adapter's, behind the placement
     group, why = ctx.mesh.ep_group_name, f" ({choice})" if choice else ""
-    device = rows.meta[GLOBAL_VAL].device
+    if len(members) == 1:
+        what = f"{members[0].k}"
+    else:
+        names = ", ".join(_where(m.node) for m in members)
+        what = f"{' + '.join(str(m.k) for m in members)} (the {len(members)} lookups of {names})"
+    rows0 = cast(Node, first.args[2])
+    device = rows0.meta[GLOBAL_VAL].device
     emit = Emitter(gm.graph)
-    with emit.inserting_before(node) as added:
+    with emit.inserting_before(first) as added:
         p = emit.proxy
-        tl, capacity = aten.sym_size.int(p(rows), 0), p(ep_tokens)
-        # each column's ids as rows of the rank holding it: minus that rank's first row
-        firsts = [
-            emit.call(aten.scalar_tensor.default, bounds[min(c // k * k, n_columns)],
-                      dtype=torch.int64, device=device)
-            for c in range(n_columns)
-        ]  # fmt: skip
-        local = aten.sub.Tensor(p(rows), aten.stack.default(firsts))  # [Tl, C]
-        padded = aten.constant_pad_nd.default(local, [0, world * k - n_columns], -1)
-        by_rank = aten.permute.default(aten.view.default(padded, [tl, world, k]), [1, 0, 2])
-        ids = aten.constant_pad_nd.default(by_rank, [0, 0, 0, capacity - tl], -1)
-        dense = aten.clone.default(ids, memory_format=torch.contiguous_format)
-        splits = [capacity * k] * world
-        asked = _all_to_all(
-            emit, aten.view.default(dense, [-1]), splits, group, "table_ids",
-            f"table rows: each token's row ids, {k} to each rank, as rows of its part{why}",
+        tl, capacity = aten.sym_size.int(p(rows0), 0), p(ep_tokens)
+        ids = [_ids(emit, m, tl, capacity, world, device) for m in members]
+        slots = sum(m.k for m in members)
+        dense = aten.clone.default(
+            ids[0] if len(ids) == 1 else aten.cat.default(ids, 2),
+            memory_format=torch.contiguous_format,
+        )
+        asked_all = _all_to_all(
+            emit, aten.view.default(dense, [-1]), [capacity * slots] * world, group,
+            "table_ids",
+            f"table rows: each token's row ids, {what} to each rank, as rows of its part{why}",
         )  # fmt: skip
-        if host:  # the rank's part of the table lives in host memory: look up there
-            asked = aten._to_copy.default(asked, device=torch.device("cpu"))
-        valid = aten.logical_and.default(
-            aten.ge.Scalar(asked, 0), aten.lt.Scalar(asked, local_rows)
-        )
-        index = aten.where.ScalarOther(valid, asked, 0)
-        codes = aten.index_select.default(p(table), 0, index)
-        exps = aten.index_select.default(p(scale), 0, index)
-        found = aten.mul.Tensor(
-            aten.cat.default([codes, exps], 1), aten.unsqueeze.default(valid, 1)
-        )
-        if host:
-            found = aten._to_copy.default(found, device=device)
+        by_slot = aten.view.default(asked_all, [world, capacity, slots])
+        asked = aten.split_with_sizes.default(by_slot, [m.k for m in members], 2)
+        found = [
+            _found(emit, m, aten.reshape.default(asked[i], [-1]), world, capacity, device)
+            for i, m in enumerate(members)
+        ]
+        row = sum(m.k * m.row for m in members)
         back = _all_to_all(
-            emit, found, splits, group, "table_rows",
-            f"table rows back: FP8 codes with their e8m0 scales, {row} B a row{why}",
+            emit, found[0] if len(found) == 1 else aten.cat.default(found, 1),
+            [capacity] * world, group, "table_rows",
+            f"table rows back: FP8 codes with their e8m0 scales, "
+            f"{' + '.join(str(m.row) for m in members)} B a row{why}",
         )  # fmt: skip
-        blocks = aten.view.default(back, [world, capacity, k, row])
-        mine = aten.slice.Tensor(blocks, 1, 0, tl)
-        by_token = aten.permute.default(mine, [1, 0, 2, 3])
-        columns_in_order = aten.reshape.default(by_token, [tl, world * k, row])
-        in_order = aten.slice.Tensor(columns_in_order, 1, 0, n_columns)
-        got = aten.split_with_sizes.default(in_order, [width, scales], -1)
-        dense = [aten.clone.default(got[i], memory_format=torch.contiguous_format) for i in (0, 1)]
-        out = spec.dequantize(*dense, *constants)
-    replace_node(node, out.node, added)
+        parts = aten.split_with_sizes.default(
+            aten.view.default(back, [world, capacity, row]), [m.k * m.row for m in members], 2
+        )
+    # the exchange goes with the first lookup (its source line and region), each lookup's
+    # values with their own
+    outs: list[tuple[Node, list[Node]]] = []
+    for i, m in enumerate(members):
+        with emit.inserting_before(first) as values:
+            value = _values(m, parts[i], tl, world)
+        outs.append((value.node, (added if i == 0 else []) + values))
+    for m, (out, nodes) in zip(members, outs, strict=True):
+        replace_node(m.node, out, nodes)
+
+
+def _where(node: Node) -> str:
+    """The innermost module of a lookup (`layers.14.engram.embed`), or its node's name."""
+    paths = module_paths(node)
+    return paths[-1] if paths else node.name
+
+
+def _ids(emit: Emitter, m: _Member, tl: Any, capacity: Any, world: int, device: Any) -> Proxy:
+    """Each token's ids of `m`'s columns as rows of the rank holding them (the global id minus
+    that rank's first row), `[world, capacity, k]`: k to each rank, unused slots -1."""
+    p, n_columns = emit.proxy, len(m.bounds) - 1
+    firsts = [
+        emit.call(aten.scalar_tensor.default, m.bounds[min(c // m.k * m.k, n_columns)],
+                  dtype=torch.int64, device=device)
+        for c in range(n_columns)
+    ]  # fmt: skip
+    local = aten.sub.Tensor(p(m.node.args[2]), aten.stack.default(firsts))  # [Tl, C]
+    padded = aten.constant_pad_nd.default(local, [0, world * m.k - n_columns], -1)
+    by_rank = aten.permute.default(aten.view.default(padded, [tl, world, m.k]), [1, 0, 2])
+    return aten.constant_pad_nd.default(by_rank, [0, 0, 0, capacity - tl], -1)
+
+
+def _found(emit: Emitter, m: _Member, asked: Any, world: int, capacity: Any, device: Any) -> Proxy:
+    """The rows every rank asked of this rank's part of `m`'s table, `[world * capacity,
+    k * row]` bytes: the e4m3 codes and their e8m0 scales (looked up in host memory for a
+    `host` table); ids outside the part (-1) give zero bytes."""
+    p = emit.proxy
+    table, scale = m.node.args[:2]
+    if m.host:
+        asked = aten._to_copy.default(asked, device=torch.device("cpu"))
+    valid = aten.logical_and.default(aten.ge.Scalar(asked, 0), aten.lt.Scalar(asked, m.local_rows))
+    index = aten.where.ScalarOther(valid, asked, 0)
+    codes = aten.index_select.default(p(table), 0, index)
+    exps = aten.index_select.default(p(scale), 0, index)
+    found = aten.mul.Tensor(aten.cat.default([codes, exps], 1), aten.unsqueeze.default(valid, 1))
+    if m.host:
+        found = aten._to_copy.default(found, device=device)
+    return aten.view.default(found, [world * capacity, m.k * m.row])
+
+
+def _values(m: _Member, back: Any, tl: Any, world: int) -> Proxy:
+    """The asking rank's rows of `m`'s lookup from its part of the rows back (`[world,
+    capacity, k * row]`), its C columns in order, dequantised (the adapter's `dequantize`)."""
+    n_columns = len(m.bounds) - 1
+    blocks = aten.reshape.default(back, [world, -1, m.k, m.row])
+    mine = aten.slice.Tensor(blocks, 1, 0, tl)
+    by_token = aten.permute.default(mine, [1, 0, 2, 3])
+    columns_in_order = aten.reshape.default(by_token, [tl, world * m.k, m.row])
+    in_order = aten.slice.Tensor(columns_in_order, 1, 0, n_columns)
+    got = aten.split_with_sizes.default(in_order, [m.width, m.scales], -1)
+    dense = [aten.clone.default(got[i], memory_format=torch.contiguous_format) for i in (0, 1)]
+    return m.spec.dequantize(*dense, *m.node.args[4:])
 
 
 def _hold_as_bytes(node: Node, index: int, ctx: CompileContext) -> None:

@@ -1,4 +1,5 @@
-"""The `coalesce` pass on DeepSeek V4.1: a layer's entry gathers move in one AllGather.
+"""The `coalesce` pass on DeepSeek V4.1: a layer's entry gathers move in one AllGather; and the
+step's Engram lookups share one exchange (`tables`).
 
 Flash's sizes are planned on meta tensors (`planning.plan_rank`, rank 0 of a fake world of 8,
 tp=4, ep=8, weights as released: the FP8 q latent beside the bf16 kv latent and the
@@ -7,6 +8,7 @@ of a coalesced entry are tests/distributed/test_front_door.py's (tiny-swa at D =
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.fx import Graph, GraphModule
 
@@ -24,12 +26,13 @@ FLASH_2 = {
     "kv_source_layer_ids": (1,),
     "index_source_layer_ids": (1,),
     "candidate_source_layer_id": -1,
-    "engram_layer_ids": (1,),
-    "engram_num_embeddings": (384006168,),
+    "engram_layer_ids": (0, 1),  # flash's two tables (its Engram layers are 1 and 14)
+    "engram_num_embeddings": (384006168, 384016682),
 }
 
 
-def test_a_flash_layer_gathers_its_entry_once():
+@pytest.fixture(scope="module")
+def flash_ctx():
     cfg = ModelConfig.from_name(
         "flash",
         **FLASH_2,
@@ -42,6 +45,11 @@ def test_a_flash_layer_gathers_its_entry_once():
         cfg, {"tp": 4, "ep": 8, "lowering": "eager"}, world_size=8,
         requests=[Request(0, [1], 0)], max_len=256,
     )  # fmt: skip
+    return ctx
+
+
+def test_a_flash_layer_gathers_its_entry_once(flash_ctx):
+    ctx = flash_ctx
     entry = {}
     for record in ctx.comm:
         at_entry = ctx.adapter.site(record["region"]).part == "attention"
@@ -59,6 +67,24 @@ def test_a_flash_layer_gathers_its_entry_once():
         assert gather["dtype"] == "uint8" and gather["input_shape"][1] == str(sum(widths))
         assert len({m["dtype"] for m in members}) > 1, members
         assert "entry gathers of layer values as one AllGather" in gather["reason"]
+
+
+def test_the_engram_layers_share_one_exchange_per_step(flash_ctx):
+    """Both Engram layers hash the input ids, so their tables (split by column over the world,
+    `engram="auto"` at flash sizes) are looked up in one exchange before the first: one
+    all-to-all of both layers' row ids (3 + 3 per rank and token), one of their rows back
+    (264 B each), where each layer had its own two. The 8-rank numerics of two Engram layers
+    sharing the exchange are tests/distributed/test_numerics.py's every-mode run."""
+    table = [r for r in flash_ctx.comm if r["reason"].startswith("table rows")]
+    assert [(r["kind"], r["axis"], r["dtype"], r["layer"]) for r in table] == [
+        ("all_to_all", "ep", "int64", 0),
+        ("all_to_all", "ep", "uint8", 0),
+    ], table
+    ids, rows = table
+    assert ids["input_shape"] == [str(8 * (3 + 3)) + "*Tl_max"], ids
+    assert rows["input_shape"] == ["8*Tl_max", str((3 + 3) * 264)], rows
+    assert "3 + 3 (the 2 lookups of layers.0.engram.embed, layers.1.engram.embed)" in ids["reason"]
+    assert "engram='auto': sharded" in ids["reason"], ids["reason"]  # the choice, not attn_exit's
 
 
 def test_packed_rows_come_back_bit_for_bit():

@@ -119,15 +119,19 @@ def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> Case
     )
 
 
+ENGRAM_1_4 = (("engram_layer_ids", (1, 4)), ("engram_num_embeddings", (384, 552)))
+"""tiny's Engram layer and one more: two tables, 6 columns each (other primes)."""
+
 RUNS = {
-    # tiny's Engram layer (before layer 1) with its tables split by columns over the world;
+    # tiny's Engram layer (before layer 1) and a second one (before layer 4), their tables
+    # split by columns over the world and looked up in one exchange (`tables`);
     # stated as a prefill-sized workload on a device with a slow link, where attn_exit="auto"
     # times the all-to-all shorter (tests/distributed/test_front_door.py's sp run, at the
     # default 8 rows, gets the ReduceScatter) and ep_dispatch="auto" the exact dispatch (the
     # front door's, on a fast link, gets the padded one)
     "tiny-every-mode-ep-exact-eager": spec(
         "tiny",
-        overrides=(*EVERY_MODE_6, *WIDE),
+        overrides=(*EVERY_MODE_6, *WIDE, *ENGRAM_1_4),
         capture=True,
         ep=EP,
         lowering="eager",
@@ -447,15 +451,17 @@ def expected_read(
 ) -> dict[str, int]:
     """The bytes rank `rank` should read of each checkpoint tensor: a quarter of a tp-sharded
     weight (and the rows or columns of its scale blocks the quarter touches), the experts of
-    its EP shard and none of the others', the rows of its column of the Engram table (tiny's
-    6 columns over 8 ranks: rank r < 6 holds column r, the others none) and their scales, all
+    its EP shard and none of the others', the rows of its column of each Engram table (6
+    columns over 8 ranks: rank r < 6 holds column r, the others none) and their scales, all
     of every other tensor; and the tokenizer (`tokenizer` bytes), whole. From the files'
     headers (`checkpoint_headers`)."""
-    cfg = compile_config("tiny", EVERY_MODE_5)
+    cfg = model_config(RUNS[CHECKPOINT_RUN])
     mine = range(rank * cfg.n_routed_experts // EP, (rank + 1) * cfg.n_routed_experts // EP)
     tp_rank = rank % TP
-    primes = cfg.engram_primes[0]
-    column_rows = primes[rank] if rank < len(primes) else 0
+    column_rows = {
+        layer: primes[rank] if rank < len(primes) else 0
+        for layer, primes in zip(cfg.engram_layer_ids, cfg.engram_primes, strict=True)
+    }
     want = {"tokenizer.json": tokenizer}
     for name, (shape, dtype) in headers.items():
         stem = name.removesuffix(".weight").removesuffix(".scale")
@@ -465,7 +471,7 @@ def expected_read(
         if expert is not None:
             numel = numel if int(expert[1]) in mine else 0
         elif ".engram.embed." in name:
-            numel = numel // shape[0] * column_rows
+            numel = numel // shape[0] * column_rows[int(name.split(".")[1])]
         elif dim is not None and name.endswith(".scale"):  # the blocks of 32 the slice touches
             full = headers[stem + ".weight"][0][dim]
             lo, hi = tp_rank * full // TP, (tp_rank + 1) * full // TP
@@ -480,7 +486,7 @@ def test_each_rank_read_only_its_slices_of_the_checkpoint():
     """The every-mode run compiled `DeepseekV41.without_weights` with the `checkpoint` option:
     each rank read its share of every sharded tensor and nothing of the other ranks' experts,
     counted per tensor; a tp group read each sharded weight exactly once between its ranks,
-    the world each row of the Engram table exactly once. The single-device reference read the
+    the world each row of the Engram tables exactly once. The single-device reference read the
     whole checkpoint."""
     results = results_of(CHECKPOINT_RUN)
     root = Path(spec_of(CHECKPOINT_RUN).checkpoint)
@@ -494,7 +500,9 @@ def test_each_rank_read_only_its_slices_of_the_checkpoint():
         assert set(result["checkpoint_read"]) <= set(want)
         total = sum(result["reference_read"].values())
         assert total == index["metadata"]["total_size"] + tokenizer
-    for name in ("layers.1.engram.embed.weight", "layers.1.engram.embed.scale"):
+    tables = [n for n in headers if ".engram.embed." in n]
+    assert len(tables) == 4, tables  # two layers' codes and scales
+    for name in tables:
         shape, dtype = headers[name]
         read = sum(result["checkpoint_read"].get(name, 0) for result in results)
         assert read == math.prod(shape) * SIZE[dtype], name
@@ -514,6 +522,22 @@ def test_ep_dispatch_auto_takes_the_exact_dispatch_on_a_slow_link_at_a_prefill()
         layers = result["comm"]["ep_layers"]
         assert layers and {layer["dispatch"] for layer in layers} == {"exact"}
         assert layers[0]["why"].startswith("ep_dispatch='auto': exact, "), layers[0]["why"]
+
+
+def test_the_engram_layers_share_one_exchange():
+    """The every-mode run's two Engram layers (before layers 1 and 4) hash the input ids: both
+    tables' row ids go out in one all-to-all and their rows come back in another, placed with
+    the first layer (its logits above equal the single-device model's)."""
+    for result in results_of("tiny-every-mode-ep-exact-eager"):
+        table = [c for c in result["comm"]["collectives"] if c["reason"].startswith("table rows")]
+        assert [(c["kind"], c["dtype"], c["region"]) for c in table] == [
+            ("all_to_all", "int64", "layers.1"),
+            ("all_to_all", "uint8", "layers.1"),
+        ], table
+        assert (
+            "1 + 1 (the 2 lookups of layers.1.engram.embed, layers.4.engram.embed)"
+            in (table[0]["reason"])
+        )
 
 
 @pytest.mark.parametrize("name", sorted(n for n in RUNS if "official" in n))
