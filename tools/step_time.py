@@ -80,7 +80,7 @@ def report(costs: StepCosts, device_name: str, scenario: Scenario, top: int) -> 
         )
         + f"  layout floor {_ms(first.layout_floor)} ms  physical floor {_ms(first.physical_floor)} ms"
         + f"  HBM {first.hbm_bytes / 1e9:7.2f} GB  collectives {first.collectives}"
-        + f" ({per_layer:.1f} per layer)"
+        + f" ({per_layer:.2f} per layer)"
     )
     for label, chosen in (
         ("ops", first.top(top, collectives=False)),
@@ -163,7 +163,7 @@ def main() -> None:
                 f"| {scenario.name} | {name} | {r['seconds'][low] * 1e3:.2f} ms | "
                 f"{r['seconds'][high] * 1e3:.2f} ms | {r['layout_floor'] * 1e3:.2f} ms | "
                 f"{r['physical_floor'] * 1e3:.2f} ms | {r['hbm_bytes'] / 1e9:.1f} GB | "
-                f"{r['collectives_per_layer']:.1f} |"
+                f"{r['collectives_per_layer']:.2f} |"
             )
     if args.json:
         args.json.write_text(json.dumps({"configs": configs, "scenarios": results}, indent=2))
