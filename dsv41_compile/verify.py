@@ -128,6 +128,10 @@ _LINEAR = {
     torch.ops.aten.sub.Tensor,
     torch.ops.aten.addmm.default,  # a bias (rank 0's) plus a row-parallel product
     torch.ops.aten.div.Tensor,  # a partial mean: the sum divided by T
+    # a keyed sum (`spmd.token_ops`): self (rank 0's) plus the rank's rows at their keys
+    torch.ops.aten.index_add.default,
+    torch.ops.aten.scatter_add.default,
+    torch.ops.aten.scatter_reduce.two,  # (reduce="sum": its output is a partial sum)
 }
 
 

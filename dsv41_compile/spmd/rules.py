@@ -18,9 +18,10 @@ plain sum, max or min (not the mean's average over uneven shards, not a norm's o
 in a dtype whose sum is exact enough (fp32, fp64, integers). Otherwise -- and where DTensor's
 rule refuses the token shards -- the token-sharded inputs are gathered (`S(0) -> R`) and the
 rules are asked again: any op is right on gathered rows, at the cost of the gather, which
-`graph.py` lists with the op. An op no rule knows at all (a custom op of the model) is an
-error that says how to give it one: gathering blindly before every such op would hide its
-cost, and a rule is a few lines (docs/architecture.md, "Adding an op rule").
+`graph.py` lists with the op. The same for an ATen op DTensor has no rule for (`bincount`, a
+keyed reduction that is a mean): its meaning is torch's, exact on all the rows. A custom op
+of the model no rule knows is an error that says how to give it one: nothing here knows what
+it does with the rows, and a rule is a few lines (docs/architecture.md, "Adding an op rule").
 """
 
 from __future__ import annotations
@@ -207,6 +208,11 @@ def strategy_for(
         op = cast(OpOverload, node.target)
         strategy = propagate(op, args, mesh, dict(node.kwargs), answers)
     except NotImplementedError:  # (before RuntimeError, its base class)
+        if _is_aten(node.target):  # torch's op: exact on gathered rows
+            why = f"DTensor has no rule for {node.target} on ({placements})"
+            gathered = _tokens_gathered(node, inputs, given, mesh, model_rules, answers, why)
+            if gathered is not None:
+                return gathered
         raise NotImplementedError(
             f"no sharding rule for {describe(node)} with input placements ({placements}); add a "
             "rule for it (dsv41_compile/spmd/rules.py, or the model adapter's `rules`: "
@@ -276,6 +282,12 @@ def _off_token_layout(
             if out.reduce_op == "sum" and v.dtype not in EXACT_SUMS:
                 return f"sums the token shards in {v.dtype}"
     return None
+
+
+def _is_aten(target: object) -> bool:
+    """An op of torch's own (`aten`), whose meaning on replicated rows is torch's; not a
+    model's custom op, whose meaning no rule here knows."""
+    return isinstance(target, OpOverload) and target.namespace == "aten"
 
 
 def _token_like(size: object, dim: int) -> bool:

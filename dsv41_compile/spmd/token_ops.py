@@ -16,8 +16,17 @@ padding row never enters a statistic, a scan or a shift:
     or a pad; `token_shifts`)                      before it (after it, k < 0)     k rows per rank
     roll by k                      S(0) -> S(0)    a shift by k whose outside      2 AllGathers of
                                                    rows are the wrapped ones       k rows per rank
+    keyed sum (index_add,          (P, S(0), S(0)) the rank's rows into the whole  AllReduce of
+    scatter_add, scatter_reduce    -> P            output, self on rank 0 (padding the result
+    "sum"; `include_self`)                         rows: key 0, the identity)
+    keyed amax, amin               (R, S(0), S(0)) the same, self on every rank    AllReduce of
+    (scatter_reduce, index_reduce) -> P(max/min)                                   the result
+    a replicated value at the      (R, S(0))       the rows of the shard's keys    none
+    tokens' keys (`v[slot_T]`)     -> S(0)         (padding rows: key 0)
     any other (sort, var, cummax,  R -> R          the op on every row             AllGather of
-    a gather by index, a conv...)  (gathered)                                      the value
+    a gather by index, a conv, a   (gathered)                                      the value
+    keyed mean, an ATen op DTensor
+    has no rule for...)
 
 Along another dim than the tokens, `cat` / `stack` of token shards with replicated pieces (a
 value made before the layout shards the tokens beside one made after) split the replicated
@@ -174,6 +183,71 @@ def _replicated_pieces_split(
     return None
 
 
+_KEYED = (
+    aten.index_add.default,
+    aten.scatter_add.default,
+    aten.scatter_reduce.two,
+    aten.index_reduce.default,
+)
+"""Reductions keyed by an index (`out[index[t]] (+)= source[t]`): along the tokens, a
+reduction of each rank's rows into the whole output."""
+
+_KEYED_PARTIALS = {"sum": "sum", "amax": "max", "amin": "min"}
+"""A keyed reduction whose per-rank results combine by an all-reduce: their partial."""
+
+
+def keyed_reduction(node: Node) -> str | None:
+    """The partial a keyed reduction's per-rank results make ("sum", "max", "min"), or None:
+    a mean or a product (the ranks' results do not combine), or `include_self=False` (a rank
+    whose rows miss an output row leaves `self`'s value there, where the op would not)."""
+    if node.target in (aten.index_add.default, aten.scatter_add.default):
+        return "sum"
+    if node.target not in _KEYED:
+        return None
+    reduce = cast(str, node.args[4] if len(node.args) > 4 else node.kwargs["reduce"])
+    include_self = node.args[5] if len(node.args) > 5 else node.kwargs.get("include_self", True)
+    return _KEYED_PARTIALS.get(reduce) if include_self else None
+
+
+@rule(*_KEYED)
+def _keyed(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    # Each rank reduces its own tokens' rows into the whole output: a partial of the output,
+    # all-reduced (the rows of the batch never move). A sum starts from `self` on one rank
+    # (R -> P: zeros elsewhere); a max or a min from `self` on every rank.
+    self_, index, source = given
+    x, dim, idx, src = (node.args[i] for i in range(4))
+    x, idx, src = (as_node(v, "a keyed reduction's argument") for v in (x, idx, src))
+    if cast(int, dim) % max(_global(x).dim(), 1) != 0 or is_token_shard(x, self_):
+        return None
+    if not (is_token_shard(idx, index) and is_token_shard(src, source)):
+        return None
+    reduce = keyed_reduction(node)
+    if reduce is None or (reduce == "sum" and node.meta["val"].dtype not in EXACT_SUMS):
+        return None
+    start = Partial() if reduce == "sum" else Replicate()
+    return Strategy(inputs=(start, _TOKENS, _TOKENS), outputs=(Partial(reduce),))
+
+
+@rule(aten.index.Tensor)
+def _rows_at_tokens(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    # A replicated value's rows at the tokens' indices (`per_request_DT[slot_T]`): each rank
+    # reads the rows of its own tokens, as an embedding does; the result is a token shard.
+    indices = cast(Sequence[Node | None], node.args[1])
+    if len(indices) != 1 or indices[0] is None or len(given) != 2:
+        return None
+    index = indices[0]
+    self_, at = given
+    if (
+        self_ != Replicate()
+        or not is_token_shard(index, at)
+        or _global(index).dtype.is_floating_point
+    ):
+        return None
+    if _global(index).dtype is torch.bool:  # a mask: the rows it selects are data's
+        return None
+    return Strategy(inputs=(Replicate(), _TOKENS), outputs=(_TOKENS,))
+
+
 def _roll_dims(node: Node) -> list[int]:
     ndim = _global(as_node(node.args[0], "a token op's argument")).dim()
     dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
@@ -200,6 +274,8 @@ def localize_token_ops(gm: GraphModule, sizes: TokenSizes) -> None:
             _roll_tokens(graph, node, out, sizes)
         elif node.target is custom_op_overload(shift_tokens):
             _shift_tokens(graph, node, sizes)
+        elif node.target is aten.index.Tensor and node.meta.get(IN) == (Replicate(), _TOKENS):
+            _index_real_rows(graph, node, sizes)
 
 
 def _identity(reduce_op: str, dtype: torch.dtype) -> bool | int | float:
@@ -237,8 +313,20 @@ def _mask_padding(graph: Graph, node: Node, out: Partial, sizes: TokenSizes) -> 
             continue
         with graph.inserting_before(node):
             dtype = _global(producer).dtype
-            kept = _real_rows(graph, producer, _identity(out.reduce_op, dtype), sizes, node)
+            # a keyed reduction's index: any row of the output (the source row is the identity)
+            keyed = node.target in _KEYED and producer is node.args[2]
+            fill = 0 if keyed else _identity(out.reduce_op, dtype)
+            kept = _real_rows(graph, producer, fill, sizes, node)
         node.replace_input_with(producer, kept)
+
+
+def _index_real_rows(graph: Graph, node: Node, sizes: TokenSizes) -> None:
+    """Rows at a token shard's indices: its padding rows (whatever the ops before left
+    there, perhaps out of range) read row 0, and are padding of the result."""
+    index = cast(Sequence[Node], node.args[1])[0]
+    with graph.inserting_before(node):
+        kept = _real_rows(graph, index, 0, sizes, node)
+    node.replace_input_with(index, kept)
 
 
 def _mean_as_sum(graph: Graph, node: Node, sizes: TokenSizes) -> Node:

@@ -9,7 +9,8 @@ parameters in attention, mHC, the MoE and the head, a bias on the row-parallel `
 RMSNorm of its partial sum (with the attention exit that reduce-scatters it), another
 activation, another norm, ops along the head and expert dims, and -- the edits that mix tokens
 -- statistics over the batch's tokens, token shifts (slices and a cat, `torch.roll`, a causal
-conv as padded shifts, `F.conv1d` over the batch) and a cumulative sum over a request.
+conv as padded shifts, `F.conv1d` over the batch), a cumulative sum over a request, and
+reductions keyed by request (`index_add`, `scatter_reduce` over the cache's slots).
 
 A compile costs seconds per layer kind and rank group, so the edits are compiled together: each
 run is one model whose decoder layers carry different edits (edits of different modules combine
@@ -25,19 +26,23 @@ tests/spmd/test_token_ops.py.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 import dsv41_compile.deepseek_v41.testing.edits as edits_module
 from dsv41_compile.core.errors import InternalError
+from dsv41_compile.core.strategy import Strategy
 from dsv41_compile.deepseek_v41.model import DeepseekV41
 from dsv41_compile.deepseek_v41.testing.batches import Request, pack
 from dsv41_compile.deepseek_v41.testing.cases import CaseSpec, compare_on_rank
 from dsv41_compile.deepseek_v41.testing.edits import EDITS
 from dsv41_compile.deepseek_v41.testing.presets import SINKHORN_3, compile_config
+from dsv41_compile.spmd.rules import RULES
 from dsv41_compile.testing.fake_rank import compile_model_on_fake_rank
 from dsv41_compile.testing.multirank import RankPool
 
@@ -112,6 +117,16 @@ RUNS = {
         around=("capped_head",),
         modes=("marked", "unmarked"),
     ),
+    # reductions keyed by request (the cache slot of each token): the per-request sums and
+    # maxima of each rank's rows all-reduced; a mean, whose ranks' results do not combine,
+    # on gathered rows
+    "keyed": EditedModel(
+        layers=(
+            ("request_max_scatter_reduce", "request_mean_index_add"),
+            ("request_mean_scatter_reduce",),
+        ),
+        modes=("marked", "unmarked"),
+    ),
     # the seed's exit (wo_b row-parallel, its fp32 partial sum reduce-scattered)
     "partial-sums": EditedModel(layers=(("wo_b_bias",), ("attn_out_norm",))),
 }
@@ -136,6 +151,14 @@ EXTRA = {
     # a scan adds the totals of the shards before it (1 row per rank); an index by a
     # replicated index of a token shard gathers the value
     "request_running_mean": ["all_gather(tp)"] * 2,
+    # a reduction keyed by request is a partial of the slots' rows, all-reduced (its self
+    # counted once: rank 0's for a sum, every rank's for a max); the rows at each token's slot
+    # are read on the token shard
+    "request_mean_index_add": ["all_reduce(tp)"] * 2,  # the sums, the counts
+    "request_max_scatter_reduce": ["all_reduce(tp)"],  # the max
+    # a keyed mean (and include_self=False): no partial combines, so the index and the rows
+    # are gathered
+    "request_mean_scatter_reduce": ["all_gather(tp)"] * 2,
     # a softmax across the heads, which tp shards: the per-head weights [T, H/tp] gathered
     # whole on the head dim
     "q_head_softmax": ["all_gather(tp)"],
@@ -325,6 +348,39 @@ def test_edit_gets_the_layouts_collectives_and_what_its_ops_need(name):
                 assert len(program[layer]) <= len(expected), (name, layer, program[layer])
             else:
                 assert program[layer] == expected, (name, mode, i, layer)
+
+
+def _compare_with_a_planted_rule(rank: int, world_size: int, spec: CaseSpec) -> dict:
+    """`compare_on_rank` with a wrong rule for `index_add` in place of ours: each rank's sum
+    over its own tokens called replicated (no all-reduce) -- placements that verify cannot
+    tell from right ones."""
+    aten = torch.ops.aten
+
+    def wrong(node, given):
+        return Strategy(inputs=(Replicate(), Shard(0), Shard(0)), outputs=(Replicate(),))
+
+    with RULES.restored():
+        RULES.remove(aten.index_add.default)
+        RULES.add(aten.index_add.default, wrong)
+        return compare_on_rank(rank, world_size, spec)
+
+
+@pytest.mark.slow
+def test_a_wrong_rule_makes_the_comparison_fail():
+    """The comparison can fail: the request mean (`index_add`) compiled with a planted rule
+    that skips the all-reduce gives logits off the single-device model's, at the steps whose
+    requests span ranks, where the right rule's run above matches."""
+    spec = EditedModel(layers=(("request_mean_index_add",),)).spec()
+    # every rank compiles with the planted rule, and nothing is saved for a later compile of
+    # the same graph (the host cache does not see a rule changed at run time)
+    spec = dataclasses.replace(spec, options=(*spec.options, ("share_compile", False)))
+    results = RankPool.shared(WORLD).run(_compare_with_a_planted_rule, spec)
+    worst = max(
+        float((sp - ref).abs().max())
+        for result in results
+        for sp, ref in zip(result["modes"]["marked"]["logits"], result["ref"])
+    )
+    assert worst > 100 * TOLERANCE["atol"], worst
 
 
 def _source_line(text: str) -> str:

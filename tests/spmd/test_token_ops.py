@@ -106,6 +106,91 @@ def test_a_statistic_over_the_tokens_is_a_partial_of_the_real_rows_all_reduced(
     assert masked.target is aten.where.ScalarOther and masked.args[2] == identity
 
 
+def _keys(h):
+    """A key per token (two "requests"), made from the token's own row: a token shard."""
+    return (h[:, 0] > 0).long()
+
+
+def _keys_2d(h):
+    return _keys(h)[:, None].expand_as(h)
+
+
+@pytest.mark.parametrize(
+    ("mix", "op", "start", "out"),
+    [
+        (
+            lambda h: h.new_zeros(2, h.shape[1]).index_add(0, _keys(h), h)[_keys(h)],
+            aten.index_add.default, Partial(), Partial(),
+        ),
+        (
+            lambda h: h.new_zeros(2, h.shape[1]).scatter_add(0, _keys_2d(h), h)[_keys(h)],
+            aten.scatter_add.default, Partial(), Partial(),
+        ),
+        (
+            lambda h: h.new_zeros(2, h.shape[1]).scatter_reduce(0, _keys_2d(h), h, "sum")[_keys(h)],
+            aten.scatter_reduce.two, Partial(), Partial(),
+        ),
+        (
+            lambda h: h.new_zeros(2, h.shape[1]).scatter_reduce(0, _keys_2d(h), h, "amax")[_keys(h)],
+            aten.scatter_reduce.two, R, Partial("max"),
+        ),
+        (
+            lambda h: h.new_zeros(2, h.shape[1]).index_reduce(0, _keys(h), h, "amin")[_keys(h)],
+            aten.index_reduce.default, R, Partial("min"),
+        ),
+    ],
+    ids=["index_add", "scatter_add", "scatter_reduce-sum", "scatter_reduce-amax", "index_reduce-amin"],
+)  # fmt: skip
+def test_a_reduction_keyed_by_an_index_along_the_tokens_is_a_partial_all_reduced(
+    mix, op, start, out
+):
+    """Each rank reduces its own tokens' rows into the whole output (a sum from `self` on one
+    rank, a max or a min from `self` on every rank): a partial, all-reduced; the rows at each
+    token's key are read on its shard, with no exchange."""
+    placed, block, gm = compiled(mix)
+    ((given, made, rule),) = nodes_of(placed, op)
+    assert (given, made) == ((start, S0, S0), out), rule
+    ((kind, why),) = block
+    assert kind == "all_reduce" and why.startswith(f"{out_text(out)} -> R: "), why
+    ((given, made, rule),) = nodes_of(placed, aten.index.Tensor)
+    assert (given, made, rule) == ((R, S0), S0, "dsv41 (R, S(0)) -> S(0)")
+    # the padding rows: the key reads row 0 of the output, the row is the reduction's identity
+    (node,) = [n for n in gm.graph.nodes if n.target is op]
+    index, source = node.args[2], node.args[3]
+    identity = {"sum": 0, "max": float("-inf"), "min": float("inf")}[out.reduce_op]
+    for masked, fill in ((index, 0), (source, identity)):
+        assert masked.target is aten.where.ScalarOther and masked.meta[REAL_ROWS], masked
+        assert masked.args[2] == fill, masked
+
+
+@pytest.mark.parametrize(
+    "mix",
+    [
+        lambda h: h.new_zeros(2, h.shape[1]).scatter_reduce(0, _keys_2d(h), h, "mean")[_keys(h)],
+        lambda h: (
+            h.new_zeros(2, h.shape[1], dtype=torch.bfloat16)
+            .index_add(0, _keys(h), h.to(torch.bfloat16))
+            .float()[_keys(h)]
+        ),
+        lambda h: h.new_zeros(2, h.shape[1]).scatter_reduce(
+            0, _keys_2d(h), h, "amax", include_self=False
+        )[_keys(h)],
+    ],
+    ids=["scatter_reduce-mean", "index_add-bf16", "scatter_reduce-amax-without-self"],
+)
+def test_a_keyed_reduction_whose_partials_do_not_combine_exactly_gathers_its_tokens(mix):
+    """A mean (the ranks' means do not combine), a sum in bf16 (summed in another precision
+    than one device's) and a max without `self` (a rank whose rows miss a key would leave
+    `self` there): DTensor has no rule, so the token shards are gathered and the op runs on
+    every row, as on one device."""
+    placed, block, _ = compiled(mix)
+    ops = (aten.scatter_reduce.two, aten.index_add.default)
+    ((given, made, why),) = [p[1:] for p in placed.values() if p[0] in ops]
+    assert made == R and all(p == R for p in given), (given, made)
+    assert why.startswith("tokens gathered (DTensor has no rule for aten."), why
+    assert block and all(kind == "all_gather" for kind, _ in block), block
+
+
 def out_text(placement) -> str:
     return "P" if placement.reduce_op == "sum" else f"P({placement.reduce_op})"
 

@@ -24,6 +24,7 @@ Legend: T tokens, D hidden, H heads, d head width, E routed experts, K top-k.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -261,8 +262,13 @@ _MIXED: dict[tuple[Callable[..., Tensor] | None, ...], type] = {}
 
 def _mixed_forward(attn_mix: Callable | None, ffn_mix: Callable | None) -> Callable[..., Any]:
     """`Block.forward` with `attn_in_TD = attn_mix(self, attn_in_TD, cache_slot_T, valid_T)`
-    and the same of `ffn_in_TD` (where given); a compiled region like the original (a layer
-    kind traced once)."""
+    and the same of `ffn_in_TD` (where given; a mix with a `num_slots` parameter also gets the
+    cache's slot count: `cache_slot_T` runs over `0 .. num_slots`, the last the scratch slot of
+    padding rows); a compiled region like the original (a layer kind traced once)."""
+    attn_slots, ffn_slots = (
+        mix is not None and "num_slots" in inspect.signature(mix).parameters
+        for mix in (attn_mix, ffn_mix)
+    )
 
     @torch.compiler.nested_compile_region(max_reuse_entries=_LAYER_KINDS)
     def forward(
@@ -276,7 +282,8 @@ def _mixed_forward(attn_mix: Callable | None, ffn_mix: Callable | None) -> Calla
         attn_pre_TN, attn_post_TN, attn_comb_TNN = self.hc_attn(x_TND)
         attn_in_TD = self.attn_norm(hc_collapse(x_TND, pre_TN))
         if attn_mix is not None:
-            attn_in_TD = attn_mix(self, attn_in_TD, cache_slot_T, valid_T)
+            slots = {"num_slots": num_slots} if attn_slots else {}
+            attn_in_TD = attn_mix(self, attn_in_TD, cache_slot_T, valid_T, **slots)
         attn_out_TD, made = self.attn(
             attn_in_TD, positions_T, cache_slot_T, kv, topk, candidates_TC
         )
@@ -284,7 +291,8 @@ def _mixed_forward(attn_mix: Callable | None, ffn_mix: Callable | None) -> Calla
         ffn_pre_TN, ffn_post_TN, ffn_comb_TNN = self.hc_ffn(x_TND)
         ffn_in_TD = self.ffn_norm(hc_collapse(x_TND, attn_pre_TN))
         if ffn_mix is not None:
-            ffn_in_TD = ffn_mix(self, ffn_in_TD, cache_slot_T, valid_T)
+            slots = {"num_slots": num_slots} if ffn_slots else {}
+            ffn_in_TD = ffn_mix(self, ffn_in_TD, cache_slot_T, valid_T, **slots)
         ffn_out_TD = self.ffn(ffn_in_TD, valid_T)
         x_TND = hc_expand(x_TND, ffn_out_TD, ffn_post_TN, ffn_comb_TNN)
         return (x_TND, ffn_pre_TN, *made)
@@ -403,6 +411,39 @@ def _request_running_mean(self, x_TD, cache_slot_T, valid_T):
     return x_TD + self.running_mean_weight * (csum_TD - before_TD) / count_T1
 
 
+def _request_mean_index_add(self, x_TD, cache_slot_T, valid_T, num_slots):
+    """Each token's input plus the mean of its request's valid inputs in this call, written
+    with `index_add` over the cache's slots: sums per slot divided by the counts per slot,
+    read back at each token's slot."""
+    w_T1 = valid_T[:, None].to(x_TD.dtype)
+    zeros_SD = x_TD.new_zeros(num_slots + 1, x_TD.shape[1])
+    sums_SD = zeros_SD.index_add(0, cache_slot_T, x_TD * w_T1)
+    counts_S = x_TD.new_zeros(num_slots + 1).index_add(0, cache_slot_T, w_T1[:, 0])
+    mean_SD = sums_SD / counts_S.clamp(min=1)[:, None]
+    return x_TD + self.request_mean_weight * mean_SD[cache_slot_T]
+
+
+def _request_max_scatter_reduce(self, x_TD, cache_slot_T, valid_T, num_slots):
+    """Each token's input plus its request's largest input per channel in this call,
+    written with `scatter_reduce(..., "amax")` over the cache's slots."""
+    valid_T1 = valid_T[:, None]
+    rows_TD = torch.where(valid_T1, x_TD, float("-inf"))
+    lowest_SD = x_TD.new_full((num_slots + 1, x_TD.shape[1]), float("-inf"))
+    max_SD = lowest_SD.scatter_reduce(0, cache_slot_T[:, None].expand_as(x_TD), rows_TD, "amax")
+    return x_TD + self.request_max_weight * torch.where(valid_T1, max_SD[cache_slot_T], 0.0)
+
+
+def _request_mean_scatter_reduce(self, x_TD, cache_slot_T, valid_T, num_slots):
+    """The same request mean written with `scatter_reduce(..., "mean", include_self=False)`
+    (the padding rows' scratch slot included: only real requests' rows are read back)."""
+    index_TD = cache_slot_T[:, None].expand_as(x_TD)
+    zeros_SD = x_TD.new_zeros(num_slots + 1, x_TD.shape[1])
+    mean_SD = zeros_SD.scatter_reduce(0, index_TD, x_TD, "mean", include_self=False)
+    return x_TD + self.scatter_mean_weight * torch.where(
+        valid_T[:, None], mean_SD[cache_slot_T], 0.0
+    )
+
+
 # -- Ops along the expert dim ----------------------------------------------------------------
 
 
@@ -505,6 +546,25 @@ _EDITS = (
         "request_running_mean",
         "a running mean of the attention input within a request (cumsum and a gather)",
         _mixing("attention", _request_running_mean, running_mean_weight=()),
+        mixes_tokens=True,
+    ),
+    # reductions keyed by request (an index along the tokens)
+    Edit(
+        "request_mean_index_add",
+        "the FFN input plus its request's mean (index_add over the slots, divided by counts)",
+        _mixing("ffn", _request_mean_index_add, request_mean_weight=()),
+        mixes_tokens=True,
+    ),
+    Edit(
+        "request_max_scatter_reduce",
+        "the attention input plus its request's max per channel (scatter_reduce amax)",
+        _mixing("attention", _request_max_scatter_reduce, request_max_weight=()),
+        mixes_tokens=True,
+    ),
+    Edit(
+        "request_mean_scatter_reduce",
+        "the FFN input plus its request's mean (scatter_reduce mean, include_self=False)",
+        _mixing("ffn", _request_mean_scatter_reduce, scatter_mean_weight=()),
         mixes_tokens=True,
     ),
 )
