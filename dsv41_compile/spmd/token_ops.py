@@ -23,6 +23,10 @@ padding row never enters a statistic, a scan or a shift:
     (scatter_reduce, index_reduce) -> P(max/min)                                   the result
     a replicated value at the      (R, S(0))       the rows of the shard's keys    none
     tokens' keys (`v[slot_T]`)     -> S(0)         (padding rows: key 0)
+    one token's row at a computed  (S(0), R) -> P  the row if the rank holds it,   AllReduce of
+    index (`x[top_1]`, `x[-1]`)                    else zeros                      one row
+    rows written at computed       (S(0), R, R)    the rows the rank holds; the    none
+    indices (`x[top] = v`)         -> S(0)         others to a scratch row
     any other (sort, var, cummax,  R -> R          the op on every row             AllGather of
     a gather by index, a conv, a   (gathered)                                      the value
     keyed mean, an ATen op DTensor
@@ -45,6 +49,7 @@ of every partial over the tokens, and the ops above.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from typing import cast
@@ -53,6 +58,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import Argument
 
 from dsv41_compile.core.errors import as_node
@@ -228,24 +234,49 @@ def _keyed(node: Node, given: Sequence[Placement]) -> Strategy | None:
     return Strategy(inputs=(start, _TOKENS, _TOKENS), outputs=(Partial(reduce),))
 
 
+def _one_index(node: Node) -> Node | None:
+    """The index tensor of an `index` / `index_put` along dim 0 alone, of an integer dtype (a
+    bool mask selects rows the data decides), or None."""
+    indices = cast(Sequence[Node | None], node.args[1])
+    if len(indices) != 1 or indices[0] is None:
+        return None
+    dtype = _global(indices[0]).dtype
+    return None if dtype is torch.bool or dtype.is_floating_point else indices[0]
+
+
 @rule(aten.index.Tensor)
-def _rows_at_tokens(node: Node, given: Sequence[Placement]) -> Strategy | None:
+def _rows_at(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    index = _one_index(node)
+    if index is None or len(given) != 2:
+        return None
+    x = as_node(node.args[0], "an index's value")
+    self_, at = given
     # A replicated value's rows at the tokens' indices (`per_request_DT[slot_T]`): each rank
     # reads the rows of its own tokens, as an embedding does; the result is a token shard.
-    indices = cast(Sequence[Node | None], node.args[1])
-    if len(indices) != 1 or indices[0] is None or len(given) != 2:
+    if self_ == Replicate() and is_token_shard(index, at):
+        return Strategy(inputs=(Replicate(), _TOKENS), outputs=(_TOKENS,))
+    # One token's row at a replicated index (`x_TD[top_1]`, `x_TD[-1]`): each rank gives the
+    # row if it holds it and zeros if not, a partial sum of one row (not a gather of T rows).
+    # More rows are gathered: in a graph Dynamo traced at a static T, an index of T0 rows
+    # made from T (`torch.arange(T)`) is a number that cannot be told from K.
+    one = statically_known_true(math.prod(_global(index).shape) == 1)
+    exact = node.meta["val"].dtype in EXACT_SUMS
+    if is_token_shard(x, self_) and at == Replicate() and one and exact:
+        return Strategy(inputs=(_TOKENS, Replicate()), outputs=(Partial(),))
+    return None
+
+
+@rule(aten.index_put.default)
+def _write_rows_at(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    # Rows written at replicated token indices (`x_TD[top] = v`): each rank writes the rows it
+    # holds; the others' writes land in a scratch row. The token shard stays a token shard.
+    index = _one_index(node)
+    x = as_node(node.args[0], "an index_put's value")
+    if index is None or len(given) != 3 or not is_token_shard(x, given[0]):
         return None
-    index = indices[0]
-    self_, at = given
-    if (
-        self_ != Replicate()
-        or not is_token_shard(index, at)
-        or _global(index).dtype.is_floating_point
-    ):
+    if tuple(given[1:]) != (Replicate(), Replicate()):
         return None
-    if _global(index).dtype is torch.bool:  # a mask: the rows it selects are data's
-        return None
-    return Strategy(inputs=(Replicate(), _TOKENS), outputs=(_TOKENS,))
+    return Strategy(inputs=(_TOKENS, Replicate(), Replicate()), outputs=(_TOKENS,))
 
 
 def _roll_dims(node: Node) -> list[int]:
@@ -264,6 +295,9 @@ def localize_token_ops(gm: GraphModule, sizes: TokenSizes) -> None:
         if node.op != "call_function":
             continue
         out = node.meta.get(OUT)
+        if node.target is aten.index.Tensor and node.meta.get(IN) == (_TOKENS, Replicate()):
+            _rows_held(graph, node, sizes)  # a partial of rows, not of a reduction
+            continue
         if node.target in (aten.mean.dim, aten.mean.default) and isinstance(out, Partial):
             node = _mean_as_sum(graph, node, sizes)
         if type(out) is Partial:
@@ -276,6 +310,8 @@ def localize_token_ops(gm: GraphModule, sizes: TokenSizes) -> None:
             _shift_tokens(graph, node, sizes)
         elif node.target is aten.index.Tensor and node.meta.get(IN) == (Replicate(), _TOKENS):
             _index_real_rows(graph, node, sizes)
+        elif node.target is aten.index_put.default and node.meta.get(IN, (None,))[0] == _TOKENS:
+            _write_rows_held(graph, node, sizes)
 
 
 def _identity(reduce_op: str, dtype: torch.dtype) -> bool | int | float:
@@ -327,6 +363,56 @@ def _index_real_rows(graph: Graph, node: Node, sizes: TokenSizes) -> None:
     with graph.inserting_before(node):
         kept = _real_rows(graph, index, 0, sizes, node)
     node.replace_input_with(index, kept)
+
+
+def _held(graph: Graph, index: Node, sizes: TokenSizes) -> tuple[Node, Node, list[Node]]:
+    """A global token index (negative: from the end) as a row of this rank's shard, and
+    whether this rank holds it."""
+    wrapped = graph.call_function(aten.remainder.Scalar, (index, sizes.T))
+    local = graph.call_function(aten.sub.Tensor, (wrapped, sizes.first_row(graph)))
+    low = graph.call_function(aten.ge.Scalar, (local, 0))
+    high = graph.call_function(aten.lt.Scalar, (local, sizes.Tl))
+    mine = graph.call_function(aten.logical_and.default, (low, high))
+    return local, mine, [wrapped, local, low, high, mine]
+
+
+def _rows_held(graph: Graph, node: Node, sizes: TokenSizes) -> None:
+    """`x[index]` of a token shard at replicated token indices: the rows this rank holds,
+    zeros for the others (a partial sum: one rank holds each row)."""
+    x, (index,) = node.args[0], cast(Sequence[Node], node.args[1])
+    ndim = _global(as_node(x, "an index's value")).dim()
+    with graph.inserting_before(node):
+        local, mine, added = _held(graph, index, sizes)
+        safe = graph.call_function(aten.where.ScalarOther, (mine, local, 0))
+        rows = graph.call_function(aten.index.Tensor, (x, [safe]))
+        shape = list(_global(index).shape) + [1] * (ndim - 1)
+        held = graph.call_function(aten.view.default, (mine, shape))
+        out = graph.call_function(aten.where.ScalarOther, (held, rows, 0))
+    added += [safe, rows, held, out]
+    mark_inserted(added, f"{node.name}: the rows at the indices this rank holds", node)
+    out.meta.update({IN: node.meta[IN], OUT: Partial(), GLOBAL_VAL: node.meta[GLOBAL_VAL]})
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
+def _write_rows_held(graph: Graph, node: Node, sizes: TokenSizes) -> None:
+    """`index_put(x, [index], values)` of a token shard at replicated token indices: the
+    rows this rank holds written, the others' written to a scratch row past the shard."""
+    x, indices, values, *rest = node.args
+    (index,) = cast(Sequence[Node], indices)
+    ndim = _global(as_node(x, "an index_put's value")).dim()
+    with graph.inserting_before(node):
+        local, mine, added = _held(graph, index, sizes)
+        at = graph.call_function(aten.where.ScalarOther, (mine, local, sizes.Tl))
+        scratch = [0, 0] * (ndim - 1) + [0, 1]
+        padded = graph.call_function(aten.constant_pad_nd.default, (x, scratch))
+        written = graph.call_function(aten.index_put.default, (padded, [at], values, *rest))
+        out = graph.call_function(aten.slice.Tensor, (written, 0, 0, sizes.Tl))
+    added += [at, padded, written, out]
+    mark_inserted(added, f"{node.name}: the rows this rank holds written", node)
+    out.meta.update({IN: node.meta[IN], OUT: _TOKENS, GLOBAL_VAL: node.meta[GLOBAL_VAL]})
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
 
 
 def _mean_as_sum(graph: Graph, node: Node, sizes: TokenSizes) -> Node:

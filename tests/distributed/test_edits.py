@@ -123,7 +123,7 @@ RUNS = {
     "keyed": EditedModel(
         layers=(
             ("request_max_scatter_reduce", "request_mean_index_add"),
-            ("request_mean_scatter_reduce",),
+            ("top_token_boost", "request_mean_scatter_reduce"),
         ),
         modes=("marked", "unmarked"),
     ),
@@ -159,6 +159,11 @@ EXTRA = {
     # a keyed mean (and include_self=False): no partial combines, so the index and the rows
     # are gathered
     "request_mean_scatter_reduce": ["all_gather(tp)"] * 2,
+    # rows read at computed token indices: each rank gives the rows it holds, a partial of the
+    # few rows all-reduced (three reads: x[top] before the write, x[last] and x[top] after);
+    # writes there: each rank writes the rows it holds (no exchange); the argmax over the
+    # tokens gathers its scores
+    "top_token_boost": ["all_gather(tp)"] + ["all_reduce(tp)"] * 3,
     # a softmax across the heads, which tp shards: the per-head weights [T, H/tp] gathered
     # whole on the head dim
     "q_head_softmax": ["all_gather(tp)"],

@@ -191,6 +191,35 @@ def test_a_keyed_reduction_whose_partials_do_not_combine_exactly_gathers_its_tok
     assert block and all(kind == "all_gather" for kind, _ in block), block
 
 
+def _top(h):
+    """The token whose row has the largest first channel, as a tensor index (not a number)."""
+    return h[:, 0].argmax(0, keepdim=True)
+
+
+def test_one_row_read_at_a_computed_token_is_a_partial_of_that_row():
+    """`h[top]`: the rank holding the row gives it, the others zeros; one row all-reduced
+    (the argmax over the tokens gathers its scores), not a gather of the T rows."""
+    placed, block, _ = compiled(lambda h: h[_top(h)])
+    ((given, made, rule),) = nodes_of(placed, aten.index.Tensor)
+    assert (given, made, rule) == ((S0, R), Partial(), "dsv41 (S(0), R) -> P")
+    assert sorted(kind for kind, _ in block) == ["all_gather", "all_reduce"], block
+    (gather,) = [why for kind, why in block if kind == "all_gather"]
+    assert " argmax " in gather, gather
+
+
+def test_a_write_at_a_computed_token_keeps_the_token_shard():
+    """`h.index_put((top,), v)`: each rank writes the row if it holds it (the others' writes
+    land in a scratch row past the shard): no exchange but the argmax's."""
+    placed, block, gm = compiled(lambda h: h.index_put((_top(h),), h.new_ones(1, h.shape[1])) - h)
+    ((given, made, rule),) = nodes_of(placed, aten.index_put.default)
+    assert (given, made, rule) == ((S0, R, R), S0, "dsv41 (S(0), R, R) -> S(0)")
+    assert [kind for kind, _ in block] == ["all_gather"], block
+    (write,) = [n for n in gm.graph.nodes if n.target is aten.index_put.default]
+    assert write.args[0].target is aten.constant_pad_nd.default  # the scratch row
+    (cut,) = write.users
+    assert cut.target is aten.slice.Tensor
+
+
 def out_text(placement) -> str:
     return "P" if placement.reduce_op == "sum" else f"P({placement.reduce_op})"
 
