@@ -25,6 +25,7 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.hooks import active, pass_manager
 from dsv41_compile.core.mesh import Mesh, build_mesh
+from dsv41_compile.core.registry import code_fingerprint
 from dsv41_compile.core.torch_private import (
     TracingContext,
     detect_fake_mode,
@@ -45,6 +46,8 @@ from dsv41_compile.report.dump import EpStepLog, graph_text, write_dump, write_g
 from dsv41_compile.runtime.host_cache import Artifact, claim, load_graph, program_key, save_graph
 from dsv41_compile.runtime.program import ProgramSpec, ShardedProgram
 from dsv41_compile.runtime.weights import rank_weights
+from dsv41_compile.spmd.rules import RULES
+from dsv41_compile.spmd.transitions import TRANSITIONS
 from dsv41_compile.targets import TARGETS, Handoff, Target
 from dsv41_compile.targets.torchair import import_torchair
 
@@ -136,7 +139,11 @@ def _shared_key(captured: Captured, build: _Build) -> str | None:
     if not opts.share_compile or opts.dump_after or None in tags or watched:
         return None  # the pipeline must run here
     parts: tuple[Any, ...] = (opts.cache_key(), mesh.world_size, mesh.tp, mesh.ep, mesh.device_type)
-    parts += (build.target.name, captured.adapter.name, tags)
+    # the op rules and transitions in force (a rule added or changed at run time plans
+    # another program: `core.registry.code_fingerprint`)
+    adapter_rules = code_fingerprint(captured.adapter.rules.items())
+    rules = (RULES.fingerprint(), TRANSITIONS.fingerprint(), adapter_rules)
+    parts += (build.target.name, captured.adapter.name, tags, rules)
     dumps = opts.dump_dir is not None  # an artifact holds its graph's text only then
     return program_key(captured.gm, captured.fakes, (*parts, dumps))
 

@@ -4,11 +4,13 @@ every later compile without a word."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+import hashlib
+import marshal
+from collections.abc import Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "code_fingerprint"]
 
 V = TypeVar("V")
 
@@ -43,6 +45,11 @@ class Registry(Generic[V]):
         """The entries, in registration order."""
         return list(self._entries.values())
 
+    def fingerprint(self) -> str:
+        """`code_fingerprint` of the entries, keys included: what a compile's cache key
+        takes from this table."""
+        return code_fingerprint(self._entries.items())
+
     @contextmanager
     def restored(self) -> Iterator[None]:
         """Within the block, registrations are undone at its end (tests, worked examples)."""
@@ -51,3 +58,27 @@ class Registry(Generic[V]):
             yield
         finally:
             self._entries = saved
+
+
+def code_fingerprint(values: Iterable[object]) -> str:
+    """A hash of `values` (nested in tuples): a function by its module and qualified name, and
+    by its code where it lives outside this package (whose source the host cache hashes
+    already: `runtime.host_cache`); anything else by its repr. A rule registered, removed or
+    rewritten at run time (a user's, a test's) changes it; a closure's captured values do
+    not."""
+    digest = hashlib.sha256()
+    stack = list(values)[::-1]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, tuple):
+            stack.extend(reversed(value))
+            continue
+        code = getattr(value, "__code__", None)
+        if code is None:
+            digest.update(repr(value).encode())
+            continue
+        module = getattr(value, "__module__", None) or ""
+        digest.update(f"{module}.{getattr(value, '__qualname__', '')}".encode())
+        if module.split(".")[0] != __name__.split(".")[0]:
+            digest.update(marshal.dumps(code))
+    return digest.hexdigest()

@@ -11,7 +11,8 @@ caches then serve the loading ranks.
 The key is Dynamo's graph as traced (a loading rank skips the front porch's trace too),
 its inputs' dtypes and shapes (symbols numbered by first appearance, not by the rank's compile
 history), the options that change the program, the mesh's shape, the target, the installed hook
-passes, and the versions of torch and of this package's source. The cache lives beside inductor's
+passes, the op rules and transitions in force (those registered at run time by their code:
+`core.registry.code_fingerprint`), and the versions of torch and of this package's source. The cache lives beside inductor's
 (`TORCHINDUCTOR_CACHE_DIR` moves both), so it also serves the next start of the same job (a warm
 start).
 

@@ -1,12 +1,15 @@
 """The host cache shares a compile that makes Dynamo trace again: the other ranks of the host
-trace again the same way, without compiling (`runtime.host_cache`)."""
+trace again the same way, without compiling (`runtime.host_cache`); and it never serves a
+program planned under other op rules."""
 
 from __future__ import annotations
 
 import torch
 import torch._dynamo
 
+from dsv41_compile.core.strategy import Strategy
 from dsv41_compile.runtime.host_cache import STATS
+from dsv41_compile.spmd.rules import RULES
 from dsv41_compile.testing.torch_shims import fake_process_group
 from dsv41_compile.testing.toy import ToyLM, toy_family
 
@@ -56,3 +59,26 @@ def test_a_dump_is_not_loaded_from_a_program_compiled_without_one(tmp_path, monk
         assert compile_and_call(3, model, tokens, dump_dir=str(dump)) == {"loaded": 2}
     for rank in (2, 3):
         assert "_c10d_functional" in (dump / f"rank{rank}" / "graph.py").read_text()
+
+
+def test_a_rule_registered_at_run_time_is_not_served_a_program_planned_without_it(
+    tmp_path, monkeypatch
+):
+    """The key holds the op rules in force (`core.registry.code_fingerprint`): a rank with a
+    rule of its own for an op the toy uses (registered at run time, outside the package's
+    source) compiles, and a later rank without it loads the program planned before it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = ToyLM()
+    tokens = torch.arange(8)
+    relu = torch.ops.aten.relu.default
+
+    def elementwise(node, given):  # placed as DTensor would: the input's placement
+        return Strategy(inputs=tuple(given), outputs=(given[0],))
+
+    with toy_family():
+        assert compile_and_call(1, model, tokens) == {"compiled": 2}
+        with RULES.restored():
+            RULES.add(relu, elementwise)
+            assert compile_and_call(2, model, tokens) == {"compiled": 2}
+            assert compile_and_call(3, model, tokens) == {"loaded": 2}
+        assert compile_and_call(4, model, tokens) == {"loaded": 2}
