@@ -198,8 +198,9 @@ def _resolve_head(
 
 ENGRAM_REPLICATED_LIMIT = 1 << 30
 """`engram="auto"` replicates the Engram tables when they take at most this many bytes per
-rank (and fit `extra_weight_bytes`): below it the memory is cheaper than an exchange per
-Engram layer; the released tables take 203 GB."""
+rank (and fit `extra_weight_bytes`). By time replicated tables always win (a lookup reads
+only the rows asked for; split tables add the step's exchange), so the split is memory's
+choice; the released tables take 203 GB."""
 
 
 def _resolve_engram(
@@ -223,6 +224,15 @@ def _resolve_engram(
     wkv = next(v for f, v in params.items() if f.endswith(".engram.wkv.weight"))
     columns = wkv.shape[1] // next(iter(tables.values())).shape[1]
     exchange = (world - 1) / world * columns * (8 + row)
+    # the step's one exchange (`tables`) on the device model at `rows_per_step`: two
+    # all-to-alls, each rank's tokens' ids out and rows back for every table
+    device = options.device_model(next(iter(tables.values())).device.type)
+    per_rank = -(-options.rows_per_step // options.tp) * exchange * len(tables)
+    seconds = 2 * device.collective_latency + per_rank / device.link_bytes_per_s
+    timed = (
+        f"{seconds * 1e6:.1f} us per step for the exchange on {device.name} at "
+        f"{options.rows_per_step} rows per step"
+    )
     chosen, can_shard = given, world > 1 and options.layout == "sp"
     limit = ENGRAM_REPLICATED_LIMIT
     if options.extra_weight_bytes is not None:
@@ -238,14 +248,15 @@ def _resolve_engram(
     if chosen == "replicated":
         why = f"engram={given!r}: replicated, {replicated:,} B of tables per rank"
         if can_shard:
-            why += f" against {sharded:,} B split over {world} ranks"
+            why += f" against {sharded:,} B split over {world} ranks and {timed}"
         why += "; no exchange"
     else:
         where = " in host memory" if chosen == "host" else ""
+        over = f" (over {limit:,} B)" if given == "auto" else ""
         why = (
             f"engram={given!r}: {chosen}, about {sharded:,} B of tables per rank{where} "
-            f"against {replicated:,} B replicated; about {exchange:,.0f} B per token and Engram "
-            "layer exchanged"
+            f"against {replicated:,} B replicated{over}; about {exchange:,.0f} B per token and "
+            f"Engram layer exchanged, {timed}"
         )
     return _with(options, engram=chosen), {"layers.*.engram": why}
 
