@@ -26,7 +26,8 @@ padding row never enters a statistic, a scan or a shift:
     one token's row at a computed  (S(0), R) -> P  the row if the rank holds it,   AllReduce of
     index (`x[top_1]`, `x[-1]`)                    else zeros                      one row
     rows written at computed       (S(0), R, R)    the rows the rank holds; the    none
-    indices (`x[top] = v`)         -> S(0)         others to a scratch row
+    indices (`x[top] = v`,         -> S(0)         others to a scratch row
+    `index_copy` along the tokens)
     any other (sort, var, cummax,  R -> R          the op on every row             AllGather of
     a gather by index, a conv, a   (gathered)                                      the value
     keyed mean, an ATen op DTensor
@@ -266,12 +267,17 @@ def _rows_at(node: Node, given: Sequence[Placement]) -> Strategy | None:
     return None
 
 
-@rule(aten.index_put.default)
+@rule(aten.index_put.default, aten.index_copy.default)
 def _write_rows_at(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    # Rows written at replicated token indices (`x_TD[top] = v`): each rank writes the rows it
-    # holds; the others' writes land in a scratch row. The token shard stays a token shard.
-    index = _one_index(node)
-    x = as_node(node.args[0], "an index_put's value")
+    # Rows written at replicated token indices (`x_TD[top] = v`, `x.index_copy(0, top, v)`):
+    # each rank writes the rows it holds; the others' writes land in a scratch row. The token
+    # shard stays a token shard.
+    x = as_node(node.args[0], "a write's value")
+    if node.target is aten.index_copy.default:
+        dim = cast(int, node.args[1]) % max(_global(x).dim(), 1)
+        index = as_node(node.args[2], "an index_copy's index") if dim == 0 else None
+    else:
+        index = _one_index(node)
     if index is None or len(given) != 3 or not is_token_shard(x, given[0]):
         return None
     if tuple(given[1:]) != (Replicate(), Replicate()):
@@ -310,7 +316,7 @@ def localize_token_ops(gm: GraphModule, sizes: TokenSizes) -> None:
             _shift_tokens(graph, node, sizes)
         elif node.target is aten.index.Tensor and node.meta.get(IN) == (Replicate(), _TOKENS):
             _index_real_rows(graph, node, sizes)
-        elif node.target is aten.index_put.default and node.meta.get(IN, (None,))[0] == _TOKENS:
+        elif node.target in _WRITES and node.meta.get(IN, (None,))[0] == _TOKENS:
             _write_rows_held(graph, node, sizes)
 
 
@@ -395,11 +401,20 @@ def _rows_held(graph: Graph, node: Node, sizes: TokenSizes) -> None:
     graph.erase_node(node)
 
 
+_WRITES = (aten.index_put.default, aten.index_copy.default)
+
+
 def _write_rows_held(graph: Graph, node: Node, sizes: TokenSizes) -> None:
-    """`index_put(x, [index], values)` of a token shard at replicated token indices: the
-    rows this rank holds written, the others' written to a scratch row past the shard."""
-    x, indices, values, *rest = node.args
-    (index,) = cast(Sequence[Node], indices)
+    """`index_put(x, [index], values)` (or `index_copy(x, 0, index, values)`) of a token shard
+    at replicated token indices: the rows this rank holds written, the others' written to a
+    scratch row past the shard."""
+    if node.target is aten.index_copy.default:
+        x, _, index, values = node.args
+        rest: list[Argument] = []
+    else:
+        x, indices, values, *rest = node.args
+        (index,) = cast(Sequence[Node], indices)
+    index = as_node(index, "a write's index")
     ndim = _global(as_node(x, "an index_put's value")).dim()
     with graph.inserting_before(node):
         local, mine, added = _held(graph, index, sizes)

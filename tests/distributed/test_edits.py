@@ -158,11 +158,11 @@ EXTRA = {
     # a keyed mean (and include_self=False): no partial combines, so the index and the rows
     # are gathered
     "request_mean_scatter_reduce": ["all_gather(tp)"] * 2,
-    # rows read at computed token indices: each rank gives the rows it holds, a partial of the
-    # few rows all-reduced (three reads: x[top] before the write, x[last] and x[top] after);
-    # writes there: each rank writes the rows it holds (no exchange); the argmax over the
-    # tokens gathers its scores
-    "top_token_boost": ["all_gather(tp)"] + ["all_reduce(tp)"] * 3,
+    # a row read at a computed token index: the rank holding it gives it, a partial of one
+    # row all-reduced (five reads: x[top] before the first write, x[last] and x[top] before
+    # the second, x[first] and x[top] before the third); writes there: each rank writes the
+    # rows it holds (no exchange); the argmax over the tokens gathers its scores
+    "top_token_boost": ["all_gather(tp)"] + ["all_reduce(tp)"] * 5,
     # a softmax across the heads, which tp shards: the per-head weights [T, H/tp] gathered
     # whole on the head dim
     "q_head_softmax": ["all_gather(tp)"],

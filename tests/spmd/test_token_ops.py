@@ -207,11 +207,26 @@ def test_one_row_read_at_a_computed_token_is_a_partial_of_that_row():
     assert " argmax " in gather, gather
 
 
-def test_a_write_at_a_computed_token_keeps_the_token_shard():
-    """`h.index_put((top,), v)`: each rank writes the row if it holds it (the others' writes
-    land in a scratch row past the shard): no exchange but the argmax's."""
-    placed, block, gm = compiled(lambda h: h.index_put((_top(h),), h.new_ones(1, h.shape[1])) - h)
-    ((given, made, rule),) = nodes_of(placed, aten.index_put.default)
+@pytest.mark.parametrize(
+    ("mix", "op"),
+    [
+        (
+            lambda h: h.index_put((_top(h),), h.new_ones(1, h.shape[1])) - h,
+            aten.index_put.default,
+        ),
+        (
+            lambda h: h.index_copy(0, _top(h), h.new_ones(1, h.shape[1])) - h,
+            aten.index_copy.default,
+        ),
+    ],
+    ids=["index_put", "index_copy"],
+)
+def test_a_write_at_a_computed_token_keeps_the_token_shard(mix, op):
+    """`h.index_put((top,), v)`, `h.index_copy(0, top, v)`: each rank writes the row if it
+    holds it (the others' writes land in a scratch row past the shard): no exchange but the
+    argmax's."""
+    placed, block, gm = compiled(mix)
+    ((given, made, rule),) = nodes_of(placed, op)
     assert (given, made, rule) == ((S0, R, R), S0, "dsv41 (S(0), R, R) -> S(0)")
     assert [kind for kind, _ in block] == ["all_gather"], block
     (write,) = [n for n in gm.graph.nodes if n.target is aten.index_put.default]

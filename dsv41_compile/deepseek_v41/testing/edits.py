@@ -445,15 +445,18 @@ def _request_mean_scatter_reduce(self, x_TD, cache_slot_T, valid_T, num_slots):
 
 
 def _top_token_boost(self, x_TD, cache_slot_T, valid_T):
-    """The valid token whose input has the largest first channel, scaled up, and the last
-    token nudged towards it: writes and reads at computed token indices (tensor indices, not
-    numbers read on the host)."""
+    """The valid token whose input has the largest first channel, scaled up, the last token
+    nudged towards it and the first away from it: writes (`x[i] = v`, `index_put`,
+    `index_copy`) and reads at computed token indices (tensor indices, not numbers read on
+    the host)."""
     score_T = torch.where(valid_T, x_TD[:, 0], float("-inf"))
     top_1 = score_T.argmax(0, keepdim=True)
     x_TD = x_TD.clone()
     x_TD[top_1] = x_TD[top_1] * (1 + self.top_boost)
     last_1 = torch.full_like(top_1, -1)  # the last row: a negative index, from the end
-    return x_TD.index_put((last_1,), x_TD[last_1] + self.top_boost * x_TD[top_1])
+    x_TD = x_TD.index_put((last_1,), x_TD[last_1] + self.top_boost * x_TD[top_1])
+    first_1 = torch.zeros_like(top_1)  # and the first, with index_copy
+    return x_TD.index_copy(0, first_1, x_TD[first_1] - self.top_boost * x_TD[top_1])
 
 
 # -- Ops along the expert dim ----------------------------------------------------------------
