@@ -203,7 +203,7 @@ _KEYED_PARTIALS = {"sum": "sum", "amax": "max", "amin": "min"}
 """A keyed reduction whose per-rank results combine by an all-reduce: their partial."""
 
 
-def keyed_reduction(node: Node) -> str | None:
+def _keyed_reduction(node: Node) -> str | None:
     """The partial a keyed reduction's per-rank results make ("sum", "max", "min"), or None:
     a mean or a product (the ranks' results do not combine), or `include_self=False` (a rank
     whose rows miss an output row leaves `self`'s value there, where the op would not)."""
@@ -222,13 +222,13 @@ def _keyed(node: Node, given: Sequence[Placement]) -> Strategy | None:
     # all-reduced (the rows of the batch never move). A sum starts from `self` on one rank
     # (R -> P: zeros elsewhere); a max or a min from `self` on every rank.
     self_, index, source = given
-    x, dim, idx, src = (node.args[i] for i in range(4))
-    x, idx, src = (as_node(v, "a keyed reduction's argument") for v in (x, idx, src))
-    if cast(int, dim) % max(_global(x).dim(), 1) != 0 or is_token_shard(x, self_):
+    dim = cast(int, node.args[1])
+    x, idx, src = (as_node(node.args[i], "a keyed reduction's argument") for i in (0, 2, 3))
+    if dim % max(_global(x).dim(), 1) != 0 or is_token_shard(x, self_):
         return None
     if not (is_token_shard(idx, index) and is_token_shard(src, source)):
         return None
-    reduce = keyed_reduction(node)
+    reduce = _keyed_reduction(node)
     if reduce is None or (reduce == "sum" and node.meta["val"].dtype not in EXACT_SUMS):
         return None
     start = Partial() if reduce == "sum" else Replicate()
@@ -260,11 +260,12 @@ def _rows_at(node: Node, given: Sequence[Placement]) -> Strategy | None:
     # row if it holds it and zeros if not, a partial sum of one row (not a gather of T rows).
     # More rows are gathered: in a graph Dynamo traced at a static T, an index of T0 rows
     # made from T (`torch.arange(T)`) is a number that cannot be told from K.
+    if not is_token_shard(x, self_) or at != Replicate():
+        return None
     one = statically_known_true(math.prod(_global(index).shape) == 1)
-    exact = node.meta["val"].dtype in EXACT_SUMS
-    if is_token_shard(x, self_) and at == Replicate() and one and exact:
-        return Strategy(inputs=(_TOKENS, Replicate()), outputs=(Partial(),))
-    return None
+    if not one or node.meta["val"].dtype not in EXACT_SUMS:
+        return None
+    return Strategy(inputs=(_TOKENS, Replicate()), outputs=(Partial(),))
 
 
 @rule(aten.index_put.default, aten.index_copy.default)
