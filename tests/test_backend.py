@@ -86,7 +86,14 @@ def test_one_all_gather_of_the_2d_attention_input_and_one_fp32_reduce_scatter_pe
     assert not any(collective_kind(n) == "all_reduce" for n in gm.graph.nodes)
 
 
-def test_the_head_is_sharded_where_the_device_model_says_it_pays(rank1):
+@pytest.fixture(scope="module")
+def slow_hbm_rank1():
+    """One window-only layer, tp=4, on a device whose memory is slow (`SLOW_HBM`)."""
+    cfg = compile_config("tiny-swa", ONE_LAYER)
+    return compile_on_fake_rank(1, {"tp": 4, "device": SLOW_HBM}, cfg=cfg)
+
+
+def test_the_head_is_sharded_where_the_device_model_says_it_pays(rank1, slow_hbm_rank1):
     """tiny-swa's head at tp=4: on the 950DT, reading it whole (0.03 us) beats a gather of the
     logits (10 us of latency); on a device with slow memory, each rank's quarter of it wins.
     Each rank then computes its V/tp logits and one AllGather assembles them: 32,768 B at
@@ -94,8 +101,7 @@ def test_the_head_is_sharded_where_the_device_model_says_it_pays(rank1):
     _, ctx, _ = rank1
     assert ctx.options.family.head == "replicated"
     assert ctx.choices["head"].startswith("head='auto': replicated, 0.0 us per step against ")
-    cfg = compile_config("tiny-swa", ONE_LAYER)
-    gm, ctx, logits = compile_on_fake_rank(1, {"tp": 4, "device": SLOW_HBM}, cfg=cfg)
+    gm, ctx, logits = slow_hbm_rank1
     assert ctx.options.family.head == "vocab_sharded"
     assert ctx.choices["head"] == (
         "head='auto': vocab_sharded, 337.9 us per step against 1310.7 us replicated on slow-hbm "
@@ -108,6 +114,42 @@ def test_the_head_is_sharded_where_the_device_model_says_it_pays(rank1):
     last = list(collectives(gm))[-1]
     assert collective_kind(last) == "all_gather"
     assert last.args[0].meta["val"].shape[1] == 128  # [T, V/tp]
+
+
+def test_the_shared_expert_is_split_over_tp_where_the_device_model_says_it_pays(
+    rank1, slow_hbm_rank1
+):
+    """tiny-swa's shared expert (three [32, 64] fp32 weights, 24,576 B) at tp=4 and 8 rows:
+    on the 950DT each rank reads it whole (0.01 us), less than the split's two collectives
+    (10 us of latency each); at 1e8 B/s the whole read takes 245.8 us, a quarter of it and the
+    two collectives 81.5 us. Split, `w1` / `w3` hold a quarter of the hidden columns and `w2`
+    a quarter of its rows on each rank; the expert's [Tl, D] input is gathered where it enters
+    and its output's partial sum reduce-scattered back to the token shards in the MoE half."""
+    _, ctx, _ = rank1
+    why = ctx.choices["layers.*.ffn.shared_expert"]
+    assert ctx.options.family.shared_expert == "whole"
+    assert why.startswith("shared_expert='auto': whole, 0.0 us per layer against 20.0 us split")
+    gm, ctx, logits = slow_hbm_rank1
+    assert ctx.options.family.shared_expert == "split"
+    assert ctx.choices["layers.*.ffn.shared_expert"] == (
+        "shared_expert='auto': split, 81.5 us per layer against 245.8 us whole on slow-hbm at "
+        "8 rows per step (24,576 B of weights per layer whole, 6,144 B per rank split; split "
+        "gathers its input and reduce-scatters its output, 1,536 B each per rank)"
+    )
+    shards = {s.fqn: s for s in ctx.signature.param_shards.values()}
+    for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):  # [I, D], [I, D], [D, I]
+        shard = shards[f"layers.0.ffn.shared_expert.{name}.weight"]
+        assert (shard.dim, shard.parts, shard.axis) == (dim, 4, "tp")
+    moe = Counter(
+        (n.meta[REGION], collective_kind(n))
+        for n in collectives(gm)
+        if n.meta[REGION].startswith("layers.0.ffn")
+    )
+    assert moe == {
+        ("layers.0.ffn.shared_expert", "all_gather"): 1,  # its [Tl, D] input
+        ("layers.0.ffn", "reduce_scatter"): 1,  # its output's partial, added to the routed
+    }
+    assert logits.shape == (8, 512)
 
 
 @pytest.fixture(scope="module")

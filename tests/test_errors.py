@@ -399,7 +399,8 @@ def test_a_familys_own_option_is_its_own():
             ValueError,
             "unknown dsv41_sp option(s) ['mlp']; 'mlp' is an option of the toy_lm model family, "
             f"not of deepseek_v41. The options are {GENERIC_OPTIONS}, and the deepseek_v41 model "
-            "family's ['attn_entry', 'attn_exit', 'embedding', 'head', 'engram']",
+            "family's ['attn_entry', 'attn_exit', 'embedding', 'head', 'engram', "
+            "'shared_expert']",
         )
     assert_error(
         raised(lambda: compile_and_run({"tp": 4, "embedding": "tied"})),
@@ -427,6 +428,25 @@ def test_a_split_engram_table_needs_experts_over_the_world():
         "engram='sharded' splits the Engram tables over the world, which the EP group is: it "
         "needs ep = the world size and layout='sp' (got ep=1, layout='sp'); use "
         "engram='replicated'",
+    )
+
+
+def test_a_split_shared_expert_needs_the_sp_layout_and_fp32_activations():
+    assert_error(
+        raised(
+            lambda: compile_and_run({"tp": 4, "layout": "replicated", "shared_expert": "split"})
+        ),
+        ValueError,
+        "shared_expert='split' splits the shared expert over tp in the sp layout (got "
+        "layout='replicated', tp=4); use shared_expert='auto'",
+    )
+    cfg = compile_config("tiny-swa", ONE_LAYER, (("dtype", "bfloat16"),))
+    assert_error(
+        raised(lambda: compile_and_run({"tp": 4, "shared_expert": "split"}, cfg=cfg)),
+        ValueError,
+        "shared_expert='split': the split expert's w2 gives each rank a partial sum in the "
+        "activation dtype (torch.bfloat16), whose rounding before the sum differs from the "
+        "single-device model's; the split needs fp32 activations. Use shared_expert='whole'",
     )
 
 

@@ -261,6 +261,58 @@ def _resolve_engram(
     return _with(options, engram=chosen), {"layers.*.engram": why}
 
 
+def _resolve_shared_expert(
+    options: BackendOptions, params: Mapping[str, torch.Tensor]
+) -> tuple[BackendOptions, dict[str, str]]:
+    """Whole on every rank or split over tp, by the time each adds to a layer on the device
+    model at `rows_per_step` rows R: whole, the roofline of reading its three weights and
+    their matmuls on the rank's ceil(R/tp) rows; split, 1/tp of the weights and matmuls on all
+    R rows, an AllGather of the `[R, D]` input and a ReduceScatter of the `[R, D]` partial
+    output in the activation dtype (a latency each, (tp-1)/tp of the rows' bytes leaving the
+    rank). The matmuls run at the weights' rate (FP8 as released). The layers' shared experts
+    have one shape: one choice for all."""
+    given = family_options(options).shared_expert
+    w1 = [v for f, v in params.items() if f.endswith(".ffn.shared_expert.w1.weight")]
+    if options.layout != "sp" or options.tp == 1 or not w1:  # nothing to split
+        if given == "split":
+            raise ValueError(
+                f"shared_expert='split' splits the shared expert over tp in the sp layout "
+                f"(got layout={options.layout!r}, tp={options.tp}); use shared_expert='auto'"
+            )
+        return _with(options, shared_expert="whole"), {}
+    tp, (hidden, dim) = options.tp, w1[0].shape
+    act = params["embed.weight"].dtype
+    if act != torch.float32:
+        if given == "split":
+            raise ValueError(
+                f"shared_expert='split': the split expert's w2 gives each rank a partial sum in "
+                f"the activation dtype ({act}), whose rounding before the sum differs from the "
+                "single-device model's; the split needs fp32 activations. Use "
+                "shared_expert='whole'"
+            )
+        return _with(options, shared_expert="whole"), {
+            "layers.*.ffn.shared_expert": f"shared_expert={given!r}: whole ({act} activations: "
+            "a split expert's partial sums would round on each rank)"
+        }
+    weight = 3 * w1[0].numel() * w1[0].element_size()
+    operand = "fp8" if w1[0].element_size() == 1 else "bf16"
+    device = options.device_model(w1[0].device.type)
+    rows = options.rows_per_step
+    flops = device.matmul_flops(operand)
+    moved = (tp - 1) / tp * rows * dim * act.itemsize
+    seconds = {
+        "whole": max(weight / device.hbm_bytes_per_s, 6 * -(-rows // tp) * dim * hidden / flops),
+        "split": max(weight / tp / device.hbm_bytes_per_s, 6 * rows * dim * hidden / tp / flops)
+        + 2 * (device.collective_latency + moved / device.link_bytes_per_s),
+    }
+    chosen = min(seconds, key=seconds.__getitem__) if given == "auto" else given
+    why = timed_choice("shared_expert", given, chosen, seconds, "layer", 1, device.name, rows) + (
+        f" ({weight:,} B of weights per layer whole, {weight // tp:,} B per rank split; split "
+        f"gathers its input and reduce-scatters its output, {moved:,.0f} B each per rank)"
+    )
+    return _with(options, shared_expert=chosen), {"layers.*.ffn.shared_expert": why}
+
+
 class DeepseekV41Adapter(ModelAdapter):
     name = "deepseek_v41"
     options = DeepseekV41Options
@@ -321,19 +373,21 @@ class DeepseekV41Adapter(ModelAdapter):
             attn_entry=family.attn_entry,
             engram=family.engram,
             head=family.head,
+            shared_expert=family.shared_expert,
         )
 
     def resolve(
         self, options: BackendOptions, params: Mapping[str, torch.Tensor]
     ) -> tuple[BackendOptions, dict[str, str]]:
-        """The attention exit (`_resolve_attn_exit`), how the head is held (`_resolve_head`)
-        and where the Engram tables live (`_resolve_engram`), decided for a model with these
-        parameters."""
+        """The attention exit (`_resolve_attn_exit`), how the head is held (`_resolve_head`),
+        where the Engram tables live (`_resolve_engram`) and how the shared expert is held
+        (`_resolve_shared_expert`), decided for a model with these parameters."""
         options, exit_why = self._resolve_attn_exit(options, params)
         options, head_why = _resolve_head(options, params)
         options, engram_why = _resolve_engram(options, params)
+        options, shared_why = _resolve_shared_expert(options, params)
         _check_fp8_shards(self.plan(options), options.tp, params)
-        return options, {**exit_why, **head_why, **engram_why}
+        return options, {**exit_why, **head_why, **engram_why, **shared_why}
 
     def _resolve_attn_exit(
         self, options: BackendOptions, params: Mapping[str, torch.Tensor]
@@ -485,7 +539,9 @@ class DeepseekV41Adapter(ModelAdapter):
             # (attn_exit); the MoE half talks over ep only.
             exit_cut = family_options(options).attn_exit
             out = "all_to_all" if exit_cut == "all_to_all" else "reduce_scatter"
-            return LayerCollectives(("all_gather", out), ())
+            # a split shared expert: its input gathered, its partial output reduce-scattered
+            split = family_options(options).shared_expert == "split"
+            return LayerCollectives(("all_gather", out), ("all_gather", "reduce_scatter") * split)
         # The baseline: the wo_b partial all-reduced; with experts sharded, the owners' MoE
         # output all-gathered back to the TP group.
         return LayerCollectives(("all_reduce",), ("all_gather",) if options.ep > 1 else ())

@@ -1,8 +1,8 @@
 """DeepSeek V4.1's own options (`FamilyOptions`), given to `torch.compile(..., options={...})`
 beside the generic ones: where its attention's entry gather and exit cut run, how its
-embedding and its head are held, and where its Engram tables live. Each `"auto"` is decided for the model's
-sizes when it compiles (`DeepseekV41Adapter.resolve`), and the choice with its figures is in
-`graph.py`, `comm.json` and `tools/explain.py`."""
+embedding, its head and its shared expert are held, and where its Engram tables live. Each
+`"auto"` is decided for the model's sizes when it compiles (`DeepseekV41Adapter.resolve`), and
+the choice with its figures is in `graph.py`, `comm.json` and `tools/explain.py`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ _ATTN_EXITS = ("auto", "reduce_scatter", "all_to_all")
 _EMBEDDINGS = ("replicated", "vocab_sharded")
 _HEADS = ("auto", "replicated", "vocab_sharded")
 _ENGRAM = ("auto", "replicated", "sharded", "host")
+_SHARED_EXPERTS = ("auto", "whole", "split")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,16 @@ class DeepseekV41Options(FamilyOptions):
     rank's rows in host memory, looked up there), or "auto": sharded when ep is the world and
     replicating the tables would hold more than 1 GiB per rank (or more than
     `extra_weight_bytes`), else replicated."""
+    shared_expert: str = "auto"
+    """How the MoE's shared expert is held in the sp layout: "whole" (its three weights on every
+    rank; each rank runs it on its own token shard) or "split" (`w1` / `w3` split on their
+    hidden columns and `w2` on its rows over tp, as attention's heads are: each rank reads 1/tp
+    of the weights, the expert's input is gathered over tp and its output's partial sum
+    reduce-scattered back to the token shards, two collectives per layer). "auto": the one
+    with the shorter time on the device model (`device`) at `rows_per_step` rows -- the reads
+    and matmuls of the whole expert against 1/tp of them and the two collectives. "split"
+    needs fp32 activations: a partial sum rounded to bf16 on each rank is not the
+    single-device rounding."""
 
     def __post_init__(self) -> None:
         check_choice("attn_entry", self.attn_entry, _ATTN_ENTRIES)
@@ -59,3 +70,4 @@ class DeepseekV41Options(FamilyOptions):
         check_choice("embedding", self.embedding, _EMBEDDINGS)
         check_choice("engram", self.engram, _ENGRAM)
         check_choice("head", self.head, _HEADS)
+        check_choice("shared_expert", self.shared_expert, _SHARED_EXPERTS)

@@ -20,6 +20,7 @@ def deepseek_v41_plan(
     attn_entry: str = "input",
     engram: str = "replicated",
     head: str = "replicated",
+    shared_expert: str = "whole",
 ) -> ShardingPlan:
     """`layout="sp"` (docs/backend.md, "The layout"): heads and output groups sharded over tp, latents /
     compressor / indexer replicated, row-parallel `wo_b` (a partial sum, reduce-scattered),
@@ -45,7 +46,11 @@ def deepseek_v41_plan(
 
     `engram="sharded"` / `"host"` (sp, ep = world): the Engram tables split by their hash
     columns over the world (`placements.ColumnShard`), in device or host memory; each rank
-    looks up its token shard's rows through an exchange (`tables.exchange`)."""
+    looks up its token shard's rows through an exchange (`tables.exchange`).
+
+    `shared_expert="split"` (sp only): the shared expert's `w1` / `w3` column-parallel and `w2`
+    row-parallel over tp; its input gathered where it enters (Replicate-anchored) and its
+    output's partial sum reduce-scattered to the token shards."""
     # (an FP8 weight held as released, `weight_format="released"`: its block scales with it)
     params: list[Entry] = [
         *colwise("layers.*.attn.wq_b", scales=True),  # [H*d, q_lora]: heads
@@ -59,6 +64,14 @@ def deepseek_v41_plan(
         params.append(Entry("embed.weight", Shard(0)))
     if head == "vocab_sharded":
         params.append(Entry("head.weight", Shard(0)))  # [V, D]: vocab rows
+    split_shared = layout == "sp" and shared_expert == "split"
+    if split_shared:
+        shared = "layers.*.ffn.shared_expert"
+        params += [
+            *colwise(f"{shared}.w1", scales=True),  # [I, D]: hidden columns
+            *colwise(f"{shared}.w3", scales=True),
+            *rowwise(f"{shared}.w2", scales=True),  # [D, I]: a partial sum over tp
+        ]
     if ep > 1:
         # the stacked expert weights; held as released, FP4 codes with their scales (`w1_scale`)
         for w in ("w1", "w2", "w3"):
@@ -88,6 +101,8 @@ def deepseek_v41_plan(
     )
     if exit_all_to_all:
         anchors += (Entry("layers.*.attn.wo_b", Shard(0)),)
+    if split_shared:
+        anchors += (Entry("layers.*.ffn.shared_expert", Replicate()),)
     entry_cuts = ("layers.*.attn",) if attn_entry == "auto" else ()
     return ShardingPlan(
         params=tuple(params),

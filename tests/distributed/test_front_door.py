@@ -89,7 +89,9 @@ RUNS = {
             ("ep", 8),  # ep_dispatch="auto": padded at 8 rows per step (LAYOUT below)
             ("lowering", "eager"),
             ("engram", "host"),
-            ("device", SLOW_HBM),  # where head="auto" shards the head (tests/test_backend.py)
+            # where head="auto" shards the head and shared_expert="auto" splits the shared
+            # expert (tests/test_backend.py)
+            ("device", SLOW_HBM),
         ),  # fmt: skip
         group_modes=("unmarked", "dynamic"),
         logit_rows=True,
@@ -110,8 +112,14 @@ LAYOUT = {
     # reduce-scattered (attn_exit="auto" at the default 8 rows per step: the all-to-all's
     # whole wo_b would cost more reads than its bytes save), one EP row per rank with its routes
     # (padded: ep_dispatch="auto" at 8 rows; one all-to-all out, one back) and the Engram
-    # exchange's two: row ids out, rows back
-    "sp-ep8-padded": ["all_gather(tp)", *["all_to_all(ep)"] * 4, "reduce_scatter(tp)"],
+    # exchange's two: row ids out, rows back; and the shared expert split over tp
+    # (shared_expert="auto" on the slow device: its input gathered, its partial output
+    # reduce-scattered)
+    "sp-ep8-padded": [
+        *["all_gather(tp)"] * 2,
+        *["all_to_all(ep)"] * 4,
+        *["reduce_scatter(tp)"] * 2,
+    ],
     "replicated-ep1": ["all_reduce(tp)"],
 }
 
@@ -166,13 +174,14 @@ def test_recompiles_are_dynamos_and_counted(run):
 def test_every_program_of_a_rank_ran_on_one_read_of_its_slices():
     """The sp run compiled `DeepseekV41.without_weights` with the `checkpoint` option in both
     modes: each rank's three programs share one read of its slices, the bytes a direct read of
-    that rank's slices takes (its quarter of the tp-sharded weights and of the vocab-sharded
-    head, its two experts, the table rows of its Engram column)."""
+    that rank's slices takes (its quarter of the tp-sharded weights, of the vocab-sharded head
+    and of the split shared expert, its two experts, the table rows of its Engram column)."""
     case = RUNS["sp-ep8-padded"]
     _, results = run_of("sp-ep8-padded")
     cfg = model_config(case)
     options = {k: v for k, v in case.options if k in ("tp", "ep", "engram")}
-    options["head"] = "vocab_sharded"  # as head="auto" chose on the run's device
+    # as head="auto" and shared_expert="auto" chose on the run's device
+    options.update(head="vocab_sharded", shared_expert="split")
     for rank, result in enumerate(results):
         _, direct = read_weights(case.checkpoint, rank_weight_inputs(cfg, options, rank))
         # (a case records the tensors it read bytes of: ranks 6 and 7 hold no Engram column)

@@ -38,6 +38,10 @@ def test_report_json_and_plot(tmp_path, plan_once, load_tool):
         "head='auto': replicated, 0.0 us per step against 10.0 us vocab_sharded on 950dt at 8 "
         "rows per step (the head 131,072 B; sharded: 32,768 B per rank and an AllGather of "
         "4,096 B per rank)",
+        # its 24,576 B of weights are read faster than two collectives' latency
+        "shared_expert='auto': whole, 0.0 us per layer against 20.0 us split on 950dt at 8 "
+        "rows per step (24,576 B of weights per layer whole, 6,144 B per rank split; split "
+        "gathers its input and reduce-scatters its output, 1,536 B each per rank)",
     ]
     assert doc["device"] == "950dt"  # the tool's default; args carry none here
     for scenario in doc["scenarios"]:
