@@ -105,6 +105,16 @@ class Device:
                 return self.flops[dtype]
         raise AssertionError("__post_init__ checked the bf16 rate")
 
+    def roofline_seconds(self, bytes_read: float, flops: float, operand: str = "bf16") -> float:
+        """A matmul's time: the longer of reading `bytes_read` from HBM and its `flops` at the
+        rate of `operand` (`matmul_flops`)."""
+        return max(bytes_read / self.hbm_bytes_per_s, flops / self.matmul_flops(operand))
+
+    def collective_seconds(self, bytes_out: float, count: int = 1) -> float:
+        """`count` collectives in a row: a latency each and `bytes_out` in all leaving the rank
+        over the node's link."""
+        return count * self.collective_latency + bytes_out / self.link_bytes_per_s
+
     def with_latency(self, seconds: float) -> Device:
         return dataclasses.replace(self, collective_latency=seconds)
 

@@ -176,17 +176,12 @@ def _resolve_head(
     weight = head.numel() * head.element_size()
 
     def matmul(share: int) -> float:
-        return max(
-            weight / share / device.hbm_bytes_per_s,
-            2 * rows * vocab * dim / share / device.matmul_flops("bf16"),
-        )
+        return device.roofline_seconds(weight / share, 2 * rows * vocab * dim / share)
 
     gather = rows * vocab * 4
     seconds = {
         "replicated": matmul(1),
-        "vocab_sharded": matmul(tp)
-        + device.collective_latency
-        + (tp - 1) / tp * gather / device.link_bytes_per_s,
+        "vocab_sharded": matmul(tp) + device.collective_seconds((tp - 1) / tp * gather),
     }
     chosen = min(seconds, key=seconds.__getitem__) if given == "auto" else given
     why = timed_choice("head", given, chosen, seconds, "step", 1, device.name, rows) + (
@@ -228,7 +223,7 @@ def _resolve_engram(
     # all-to-alls, each rank's tokens' ids out and rows back for every table
     device = options.device_model(next(iter(tables.values())).device.type)
     per_rank = -(-options.rows_per_step // options.tp) * exchange * len(tables)
-    seconds = 2 * device.collective_latency + per_rank / device.link_bytes_per_s
+    seconds = device.collective_seconds(per_rank, count=2)
     timed = (
         f"{seconds * 1e6:.1f} us per step for the exchange on {device.name} at "
         f"{options.rows_per_step} rows per step"
@@ -298,12 +293,11 @@ def _resolve_shared_expert(
     operand = "fp8" if w1[0].element_size() == 1 else "bf16"
     device = options.device_model(w1[0].device.type)
     rows = options.rows_per_step
-    flops = device.matmul_flops(operand)
     moved = (tp - 1) / tp * rows * dim * act.itemsize
     seconds = {
-        "whole": max(weight / device.hbm_bytes_per_s, 6 * -(-rows // tp) * dim * hidden / flops),
-        "split": max(weight / tp / device.hbm_bytes_per_s, 6 * rows * dim * hidden / tp / flops)
-        + 2 * (device.collective_latency + moved / device.link_bytes_per_s),
+        "whole": device.roofline_seconds(weight, 6 * -(-rows // tp) * dim * hidden, operand),
+        "split": device.roofline_seconds(weight / tp, 6 * rows * dim * hidden / tp, operand)
+        + device.collective_seconds(2 * moved, count=2),
     }
     chosen = min(seconds, key=seconds.__getitem__) if given == "auto" else given
     why = timed_choice("shared_expert", given, chosen, seconds, "layer", 1, device.name, rows) + (
@@ -411,10 +405,7 @@ class DeepseekV41Adapter(ModelAdapter):
         layer_extra = wo_b[0].numel() * wo_b[0].element_size() * (tp - 1) // tp
         device = options.device_model(wo_b[0].device.type)
         rows = options.rows_per_step
-        seconds = {
-            cut: device.collective_latency + rows * wire[cut] / device.link_bytes_per_s
-            for cut in wire
-        }
+        seconds = {cut: device.collective_seconds(rows * wire[cut]) for cut in wire}
         seconds["all_to_all"] += layer_extra / device.hbm_bytes_per_s
         extra = layer_extra * len(wo_b)
         budget = options.extra_weight_bytes

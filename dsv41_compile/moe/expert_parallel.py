@@ -205,11 +205,11 @@ def _choose_dispatch(
     node, spec = targets[0]
     device = ctx.options.device_model(node.args[0].meta[GLOBAL_VAL].device.type)
     rows = -(-ctx.options.rows_per_step // ctx.mesh.tp)
-    latency, link = device.collective_latency, device.link_bytes_per_s
+    latency = device.collective_latency
     seconds = {}
     for dispatch, waits in (("exact", ALL_TO_ALLS["exact"] + 1), ("padded", ALL_TO_ALLS["padded"])):
         info = _layer(node, spec, ctx, dispatch)
-        seconds[dispatch] = waits * latency + rows * info.bytes_per_token() / link
+        seconds[dispatch] = device.collective_seconds(rows * info.bytes_per_token(), waits)
     seconds["padded"] += latency / len(targets)
     chosen = min(seconds, key=seconds.__getitem__)
     why = timed_choice(

@@ -350,7 +350,7 @@ def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:
     timed: list[tuple[float, OpCost]] = []
     for op in costs.ops:
         if op.collective:
-            t = device.collective_latency + value(op.wire) / device.link_bytes_per_s
+            t = device.collective_seconds(value(op.wire))
             comm += t
             count += 1
             in_layers += op.layer is not None
