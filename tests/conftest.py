@@ -20,6 +20,11 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsv41_test_cach
 # 2 workers each), and the suite already keeps both cores busy. Measured on the 8-rank inductor
 # run: 145 -> 119 s of CPU.
 os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+# Inductor's C++ kernels built at -O0 (with debug symbols), by this session and the ranks it
+# starts: the suite checks inductor's lowering of each op and what the kernels compute, not
+# gcc's optimiser; `tools/demo.py --lowering inductor` and users build at -O3. The plain-inductor
+# compile of every attention mode (tests/deepseek_v41/model/test_model.py), alone: 65 s -> 40 s.
+os.environ["TORCHINDUCTOR_DEBUG_COMPILE"] = "1"
 # One intra-op thread per worker, as in the ranks (`testing.multirank`), and in the processes
 # tests start (OMP_NUM_THREADS): with two workers on two cores, an op of tiny shapes split over
 # two OpenMP threads spins while its other thread waits for a core taken by the other worker --

@@ -1,11 +1,12 @@
-"""Speculative decoding on 8 gloo ranks (tp=4, ep=8): the backbone and the DSpark drafter each
-compiled once by `dsv41_sp` with the seed's layout, driven by `serving.generate` on every
-rank as under `torchrun`, give exactly the tokens of plain greedy decoding on one device for
-three requests of different lengths, 40 new tokens each. The model is tiny-dspark cut to four
-backbone layers (window-only with Engram, ratio-2 FULL, ratio-1 FULL making candidates, ratio-1
-REUSE; the drafter reading layers 1-3), loaded from a synthetic checkpoint in the released layout
-(`mtp.*` tensors and all), in fp32. tests/test_serving.py decodes the whole tiny-dspark on one
-device."""
+"""Speculative decoding on 4 gloo ranks (tp=2, dp=2, ep=4): the backbone and the DSpark drafter
+each compiled once by `dsv41_sp` in the sp layout (the seed's 8 ranks are
+tests/distributed/test_numerics.py's; half the ranks trace half as much on two cores), driven
+by `serving.generate` on every rank as under `torchrun`, give exactly the tokens of plain
+greedy decoding on one device for three requests of different lengths, 40 new tokens each. The
+model is tiny-dspark cut to four backbone layers (window-only with Engram, ratio-2 FULL, ratio-1
+FULL making candidates, ratio-1 REUSE; the drafter reading layers 1-3), loaded from a synthetic
+checkpoint in the released layout (`mtp.*` tensors and all), in fp32. tests/test_serving.py
+decodes the whole tiny-dspark on one device."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ FOUR_LAYERS = {
     "dspark_target_layer_ids": (1, 2, 3),
 }
 """Every attention kind but REINDEX and a ratio-2 REUSE: half of tiny's layers to compile."""
+SP = (("tp", 2), ("ep", 4), ("lowering", "eager"))
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,11 @@ def run(tmp_path_factory):
     g = torch.Generator().manual_seed(1)
     prompts = tuple(tuple(torch.randint(0, 511, (n,), generator=g).tolist()) for n in LENGTHS)
     float32 = (("dtype", "float32"), ("numerics", "bf16"), ("weight_format", "dequantized"))
-    spec = DecodeSpec(checkpoint=str(root), overrides=float32, prompts=prompts, max_new_tokens=NEW)
+    spec = DecodeSpec(
+        checkpoint=str(root), overrides=float32, prompts=prompts, max_new_tokens=NEW, options=SP
+    )
     reference = generate(model_of(spec), [list(p) for p in prompts], NEW, speculative=False)
-    return reference, RankPool.shared(8).run(decode_on_rank, spec)
+    return reference, RankPool.shared(4).run(decode_on_rank, spec)
 
 
 def test_every_rank_decodes_exactly_the_greedy_tokens(run):
