@@ -19,8 +19,10 @@ from dsv41_compile.devices import DEVICES, Device
 
 __all__ = ["BackendOptions", "FamilyOptions", "GivenOptions", "check_choice"]
 
-_LOWERINGS = ("auto", "eager", "inductor", "torchair")
+_LOWERINGS = ("auto", "eager", "inductor", "npugraph_ex", "torchair")
 _EP_DISPATCH = ("auto", "exact", "padded")
+_GRAPHS = {"torchair": "torchair's GE graphs", "npugraph_ex": "a captured ACL graph"}
+"""The lowerings that run a whole graph on the device, and what they make of it."""
 _EP_ROWS = ("auto", "per_rank", "per_assignment")
 
 F = TypeVar("F", bound="FamilyOptions")
@@ -107,8 +109,13 @@ class BackendOptions:
     compiles). DeepSeek V4.1's: "sp" (token-sharded residuals, AllGather in / ReduceScatter out
     of attention) and "replicated" (the all-reduce baseline sp replaces: docs/backend.md)."""
     lowering: str = "auto"
-    """"eager", "inductor", "torchair" (Ascend NPU graph mode; needs torch_npu and
-    ep_dispatch="padded"), or "auto" (inductor on CPU / GPU, torchair on NPU)."""
+    """"eager", "inductor", "npugraph_ex" (Ascend NPU, ACL graph capture of each step's
+    size; needs torch_npu and ep_dispatch="padded"), "torchair" (Ascend NPU, torchair's GE
+    graph mode; the same needs), or "auto" (inductor on CPU / GPU, npugraph_ex on NPU)."""
+    capture_tokens: int = 128
+    """lowering="npugraph_ex": a call of at most this many tokens (a DP group's step: decode,
+    verify) runs as an ACL graph captured on the first call of its size; a longer one (a
+    prefill) runs uncaptured."""
     dump_dir: str | None = None
     """Where to write `rank{r}/graph.py` and `rank{r}/comm.json` at compile time."""
     dump_after: tuple[str, ...] = ()
@@ -147,6 +154,8 @@ class BackendOptions:
         self._check_target(self.lowering)
         if not isinstance(self.device, Device):
             check_choice("device", self.device, ("auto", *DEVICES))
+        if not isinstance(self.capture_tokens, int) or self.capture_tokens < 0:
+            raise ValueError(f"capture_tokens must be an int >= 0, got {self.capture_tokens!r}")
         if not isinstance(self.rows_per_step, int) or self.rows_per_step < 1:
             raise ValueError(f"rows_per_step must be a positive int, got {self.rows_per_step!r}")
         budget = self.extra_weight_bytes
@@ -158,16 +167,16 @@ class BackendOptions:
             raise ValueError("skip_unimplemented_parts applies to the checkpoint option only")
 
     def _check_target(self, lowering: str) -> None:
-        if lowering == "torchair" and self.ep > 1 and self.ep_dispatch == "exact":
+        if lowering in _GRAPHS and self.ep > 1 and self.ep_dispatch == "exact":
             how = (
-                "lowering='auto' chose torchair (NPU tensors)"
+                f"lowering='auto' chose {lowering} (NPU tensors)"
                 if self.lowering == "auto"
-                else ("lowering='torchair'")
+                else (f"lowering='{lowering}'")
             )
             raise ValueError(
                 f"{how} needs ep_dispatch='padded' with ep > 1: the exact EP lowering reads "
-                "the assignment counts on the host (data-dependent sizes), which torchair's GE "
-                "graphs cannot run"
+                f"the assignment counts on the host (data-dependent sizes), which "
+                f"{_GRAPHS[lowering]} cannot run"
             )
 
     @staticmethod
@@ -195,7 +204,7 @@ class BackendOptions:
             if device_type in ("cpu", "cuda"):
                 lowering = "inductor"
             elif device_type == "npu":
-                lowering = "torchair"
+                lowering = "npugraph_ex"
             else:
                 raise ValueError(
                     f"lowering='auto' has no compiler for device {device_type!r}; pass "

@@ -333,7 +333,7 @@ def test_a_size_that_makes_t_a_number_names_the_op():
         (
             {"tp": 4, "lowering": "xla"},
             "lowering='xla' is not supported; choose one of ('auto', 'eager', 'inductor', "
-            "'torchair')",
+            "'npugraph_ex', 'torchair')",
         ),
         (
             {"tp": 4, "ep": 8, "ep_dispatch": "exact", "lowering": "torchair"},
@@ -357,7 +357,7 @@ def test_bad_options(options, message):
             {"tp": 4, "dump_after": ["insert", "lower"]},
             "dump_after names no pass: ['lower']; the passes are ('token_sizes', 'annotate', "
             "'token_shifts', 'entry_cut', 'insert', 'localize', 'expert_parallel', 'tables', "
-            "'quantised_transport', 'coalesce', 'graph_mode', 'verify')",
+            "'quantised_transport', 'coalesce', 'graph_mode', 'npu_ops', 'capture_check', 'verify')",
         ),
         (
             {"tp": 4, "layout": "replicated"},
@@ -371,9 +371,9 @@ def test_options_checked_against_the_pipeline_and_the_model_family(options, mess
 
 
 GENERIC_OPTIONS = (
-    "['check_inputs', 'checkpoint', 'device', 'dump_after', 'dump_dir', 'ep', 'ep_dispatch', "
-    "'ep_rows', 'extra_weight_bytes', 'layout', 'lowering', 'rows_per_step', 'share_compile', "
-    "'skip_unimplemented_parts', 'tp']"
+    "['capture_tokens', 'check_inputs', 'checkpoint', 'device', 'dump_after', 'dump_dir', 'ep', "
+    "'ep_dispatch', 'ep_rows', 'extra_weight_bytes', 'layout', 'lowering', 'rows_per_step', "
+    "'share_compile', 'skip_unimplemented_parts', 'tp']"
 )
 
 
@@ -451,18 +451,18 @@ def test_a_split_shared_expert_needs_the_sp_layout_and_fp32_activations():
 
 
 def test_auto_lowering_on_npu_tensors_refuses_the_exact_dispatch():
-    """lowering="auto" resolves to torchair on NPU tensors, which cannot run the exact EP
-    lowering: the same refusal as lowering="torchair", naming the choice "auto" made."""
+    """lowering="auto" resolves to npugraph_ex on NPU tensors, which cannot run the exact EP
+    lowering: the same refusal as lowering="npugraph_ex", naming the choice "auto" made."""
     with pytest.raises(ValueError) as info:
         BackendOptions(tp=4, ep=8, ep_dispatch="exact").target("npu")
     assert str(info.value) == (
-        "lowering='auto' chose torchair (NPU tensors) needs ep_dispatch='padded' with ep > 1: "
-        "the exact EP lowering reads the assignment counts on the host (data-dependent sizes), "
-        "which torchair's GE graphs cannot run"
+        "lowering='auto' chose npugraph_ex (NPU tensors) needs ep_dispatch='padded' with "
+        "ep > 1: the exact EP lowering reads the assignment counts on the host (data-dependent "
+        "sizes), which a captured ACL graph cannot run"
     )
-    assert BackendOptions(tp=4, ep=8, ep_dispatch="padded").target("npu") == "torchair"
-    # the default, "auto", takes the padded dispatch for torchair (expert_parallel)
-    assert BackendOptions(tp=4, ep=8).target("npu") == "torchair"
+    assert BackendOptions(tp=4, ep=8, ep_dispatch="padded").target("npu") == "npugraph_ex"
+    # the default, "auto", takes the padded dispatch for npugraph_ex (expert_parallel)
+    assert BackendOptions(tp=4, ep=8).target("npu") == "npugraph_ex"
 
 
 def test_compiling_past_the_recompile_limit_is_refused():

@@ -10,14 +10,18 @@ RUN on any machine yet (written on a CPU-only machine, where only the linter rea
    (row groups given as counts, 3-D weight, one output; `targets/graph_mode.py`) against
    per-group matmuls on the host -- the assumption the CPU stand-in
    (`testing.torchair_standin.register_npu_ops`) encodes.
-3. The tiny model compiled with `dsv41_sp` (tp=4, ep=8, padded EP dispatch,
-   lowering="torchair") against the single-device model in eager on the same NPU, through the
-   SP issue's serving steps (prefill, decode, multi-token decode, longer prefill).
+3. The tiny model compiled with `dsv41_sp` (tp=4, ep=8, padded EP dispatch) against the
+   single-device model in eager on the same NPU, through the SP issue's serving steps
+   (prefill, decode, multi-token decode, longer prefill), in each NPU lowering:
+   `lowering="npugraph_ex"` (each step of at most `capture_tokens` tokens captured as an ACL
+   graph; the steps run twice, the second time on a new cache, so that each size is captured
+   and then replayed) and `lowering="torchair"` (GE graph mode).
 
 Prints a pass / fail table on rank 0; exit status 1 when any check fails on any rank. What the
-CPU already checks (tools/torchair_coverage.py: every op has a torchair converter; the tests run
-the graph torchair would get on CPU) leaves what only hardware shows: GE conversion, HCCL,
-torch_npu's kernels, the symbolic token count under GE.
+CPU already checks (tools/torchair_coverage.py: every op has a torchair converter, and with
+`--lowering npugraph_ex` an NPU kernel in torch_npu's registration; the tests run the graphs
+torchair and npugraph_ex would get on CPU) leaves what only hardware shows: GE conversion, ACL
+graph capture and replay, HCCL, torch_npu's kernels, the symbolic token count under GE.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ def check_grouped_matmul(device: torch.device) -> list[tuple[str, bool, str]]:
     return [("npu_grouped_matmul (counts, 3-D weight)", ok, f"shape {tuple(got.shape)}")]
 
 
-def check_model(rank: int, device: torch.device) -> list[tuple[str, bool, str]]:
+def check_model(rank: int, device: torch.device, lowering: str) -> list[tuple[str, bool, str]]:
     import copy
 
     import dsv41_compile
@@ -100,19 +104,20 @@ def check_model(rank: int, device: torch.device) -> list[tuple[str, bool, str]]:
     torch.manual_seed(0)
     model = DeepseekV41(ModelConfig.from_name("tiny")).to(device)
     reference = copy.deepcopy(model)
-    options = {"tp": TP, "ep": EP, "ep_dispatch": "padded", "lowering": "torchair"}
+    options = {"tp": TP, "ep": EP, "ep_dispatch": "padded", "lowering": lowering}
+    torch._dynamo.reset()
     compiled = torch.compile(model, backend="dsv41_sp", options=options, fullgraph=True)
-    cache, ref_cache = model.new_cache(4, 32), reference.new_cache(4, 32)
     results = []
-    for name, step in zip(SERVING_STEP_NAMES, SERVING_STEPS):
-        ids, positions, slots = (t.to(device) for t in pack(step[rank // TP]))
-        dsv41_compile.mark_token_dim(ids, positions, slots)
-        got = compiled(ids, positions, slots, cache)
-        want = reference(ids, positions, slots, ref_cache)
-        ok = torch.allclose(got, want, atol=ATOL, rtol=RTOL)
-        results.append(
-            (f"tiny torchair: {name}", ok, f"max |diff| {float((got - want).abs().max()):.2e}")
-        )
+    for round in range(2 if lowering == "npugraph_ex" else 1):  # captures, then replays
+        cache, ref_cache = model.new_cache(4, 32), reference.new_cache(4, 32)
+        for name, step in zip(SERVING_STEP_NAMES, SERVING_STEPS):
+            ids, positions, slots = (t.to(device) for t in pack(step[rank // TP]))
+            dsv41_compile.mark_token_dim(ids, positions, slots)
+            got = compiled(ids, positions, slots, cache)
+            want = reference(ids, positions, slots, ref_cache)
+            ok = torch.allclose(got, want, atol=ATOL, rtol=RTOL)
+            diff = f"max |diff| {float((got - want).abs().max()):.2e}"
+            results.append((f"tiny {lowering} {round}: {name}", ok, diff))
     return results
 
 
@@ -132,7 +137,8 @@ def main() -> None:
     stages = (
         ("collectives", lambda: check_collectives(rank, world, device)),
         ("grouped matmul", lambda: check_grouped_matmul(device)),
-        ("tiny model", lambda: check_model(rank, device)),
+        ("tiny model npugraph_ex", lambda: check_model(rank, device, "npugraph_ex")),
+        ("tiny model torchair", lambda: check_model(rank, device, "torchair")),
     )
     results = []
     for stage, check in stages:

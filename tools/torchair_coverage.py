@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,8 @@ from typing import Any
 TORCH_NPU = "torch-npu==2.13.0"
 CACHE = Path.home() / ".cache" / "dsv41_compile" / "torch_npu-2.13.0"
 TORCHAIR = "torch_npu/dynamo/torchair/"
+KERNELS = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
+"""torch_npu's registration of its NPU kernels (generated from its op plugin's yaml)."""
 STRUCTURAL = {"operator.getitem"}  # tuple unpacking: the FX interpreter's, not an op
 
 
@@ -55,9 +58,10 @@ class RegistryUnreachable(RuntimeError):
 
 
 def fetch_torchair(cache: Path = CACHE) -> Path:
-    """torchair's source directory, downloading and unpacking the wheel once."""
+    """torchair's source directory, downloading and unpacking the wheel once (with the
+    registration of torch_npu's kernels, `KERNELS`, beside it)."""
     root = cache / TORCHAIR
-    if root.is_dir():
+    if root.is_dir() and (cache / KERNELS).is_file():
         return root
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", TORCH_NPU, "-d", tmp, "-q"]
@@ -69,7 +73,7 @@ def fetch_torchair(cache: Path = CACHE) -> Path:
             )
         with zipfile.ZipFile(wheels[0]) as wheel:
             members = [m for m in wheel.namelist() if m.startswith(TORCHAIR) and m.endswith(".py")]
-            wheel.extractall(cache, members)
+            wheel.extractall(cache, [*members, KERNELS])
     return root
 
 
@@ -169,6 +173,42 @@ def _is_stub(fn: ast.FunctionDef) -> bool:
     return "NotImplementedError" in text or "not implemented" in text or "not support" in text
 
 
+@dataclass(frozen=True)
+class NpuKernels:
+    """The ops torch_npu has an NPU kernel of its own for (`KERNELS`), read without importing
+    it: aten ops by name (a bare name stands for every overload) or name.overload, and torch_npu's
+    own (`torch.ops.npu.*`). An op without one may still run on NPU tensors through a
+    composite kernel: `targets.npugraph_ex.npu_kernel_gaps` follows those."""
+
+    aten: frozenset[str]
+    npu: frozenset[str]
+
+    def has_kernel(self, op: Any) -> bool:
+        """Whether torch_npu registers an NPU kernel of `op` (an `OpOverload`)."""
+        names = (op.name().split("::")[-1], str(op).split(".")[1])  # name(.overload), name
+        listed = {"aten": self.aten, "npu": self.npu}.get(op.namespace, frozenset())
+        return any(name in listed for name in names)
+
+
+def scan_kernels(path: Path) -> NpuKernels:
+    """`NpuKernels` of torch_npu's registration file."""
+    aten: set[str] = set()
+    npu: set[str] = set()
+    section = ""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line and not line.startswith((" ", "-")):
+            section = line.rstrip(":")
+            continue
+        found = re.match(r"^(?:- |  )(?:func: )?([A-Za-z_][\w.]*)(?:\(|$)", line)
+        if found is None or (line.startswith("  ") and "func:" not in line):
+            continue
+        if section in ("supported", "autograd", "symint", "quant"):
+            aten.add(found.group(1))
+        elif section == "custom":
+            npu.add(found.group(1))
+    return NpuKernels(frozenset(aten), frozenset(npu))
+
+
 def unsupported(ops: Counter[str], registry: Registry) -> dict[str, tuple[int, str]]:
     """The ops of `ops` (name -> count) torchair cannot lower: op -> (count, why)."""
     return {
@@ -187,21 +227,31 @@ CONFIGS = {
 
 
 def check(
-    models: dict[str, Any], registry: Registry, configs: list[str] | None = None
+    models: dict[str, Any],
+    registry: Registry | NpuKernels,
+    configs: list[str] | None = None,
 ) -> dict[str, dict[str, tuple[int, str]]]:
     """Per graph ("model config"): unsupported op -> (count, why). `models`: name ->
-    `ModelConfig`."""
+    `ModelConfig`. The graphs are `lowering="torchair"`'s, or with `NpuKernels`
+    `lowering="npugraph_ex"`'s."""
     from dsv41_compile.planning import plan_rank
+    from dsv41_compile.targets.npugraph_ex import npu_kernel_gaps
     from dsv41_compile.testing.torchair_standin import aot_graph, graph_ops, register_npu_ops
 
     register_npu_ops()  # torch_npu's npu_grouped_matmul, which graph mode emits
+    lowering = "npugraph_ex" if isinstance(registry, NpuKernels) else "torchair"
     report = {}
     for model, cfg in models.items():
         for name in configs or CONFIGS:
-            options = {"tp": 4, "lowering": "torchair", **CONFIGS[name]}
+            options = {"tp": 4, "lowering": lowering, **CONFIGS[name]}
             gm, ctx, _ = plan_rank(cfg, options, world_size=8)
-            ops = graph_ops(aot_graph(gm, ctx.local_inputs(gm)))
-            report[f"{model} {name}"] = unsupported(ops, registry)
+            aot = aot_graph(gm, ctx.local_inputs(gm))
+            if isinstance(registry, NpuKernels):
+                gaps = npu_kernel_gaps(aot, registry.has_kernel)
+                why = "no NPU kernel in torch_npu"
+                report[f"{model} {name}"] = {op: (len(n), why) for op, n in sorted(gaps.items())}
+            else:
+                report[f"{model} {name}"] = unsupported(graph_ops(aot), registry)
     return report
 
 
@@ -226,19 +276,34 @@ def main() -> None:
     parser.add_argument("--config", action="append", choices=tuple(CONFIGS), help="repeatable")
     parser.add_argument("--torchair", type=Path, help="an unpacked torchair directory to read")
     parser.add_argument(
+        "--lowering",
+        choices=("torchair", "npugraph_ex"),
+        default="torchair",
+        help="torchair: GE converters; npugraph_ex: torch_npu's NPU kernels",
+    )
+    parser.add_argument(
         "--released",
         action="store_true",
         help="the models as released: FP8 / FP4 weights and the official numerics",
     )
     args = parser.parse_args()
     root = args.torchair or fetch_torchair()
-    registry = scan(root)
-    real = sum(registry.converters.values())
-    print(
-        f"torchair at {root}: {len(registry.converters)} ops registered, {real} with a real "
-        f"converter; AOT decompositions: {', '.join(sorted(registry.decomposed))}"
-    )
-    print("not checked: ep_dispatch='exact' (host reads; lowering='torchair' refuses it)")
+    registry: Registry | NpuKernels
+    if args.lowering == "npugraph_ex":
+        path = root.parents[2] / KERNELS
+        registry = scan_kernels(path)
+        print(
+            f"torch_npu's kernels at {path}: {len(registry.aten)} aten entries, "
+            f"{len(registry.npu)} torch.ops.npu ops"
+        )
+    else:
+        registry = scan(root)
+        real = sum(registry.converters.values())
+        print(
+            f"torchair at {root}: {len(registry.converters)} ops registered, {real} with a "
+            f"real converter; AOT decompositions: {', '.join(sorted(registry.decomposed))}"
+        )
+    print(f"not checked: ep_dispatch='exact' (host reads; lowering='{args.lowering}' refuses it)")
     missing = 0
     for preset in args.preset or ["tiny", "flash"]:
         for config in args.config or CONFIGS:  # one graph at a time: flash plans take minutes

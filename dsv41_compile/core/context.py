@@ -34,7 +34,7 @@ class CompileContext:
     adapter: ModelAdapter
     plan: ShardingPlan
     target: str
-    """The resolved lowering: "eager", "inductor" or "torchair"."""
+    """The resolved lowering: "eager", "inductor", "npugraph_ex" or "torchair"."""
     param_fqns: dict[str, str]
     """Placeholder name -> parameter or buffer FQN (`layers.0.attn.wq_b.weight`)."""
     buffers: frozenset[str]

@@ -42,6 +42,9 @@ class Hooks:
     torchair: Any = None
     """A module to use as `torch_npu.dynamo.torchair` (`testing.torchair_standin` on a machine
     without NPUs: the graph torchair would get then runs on CPU)."""
+    npugraph_ex: Any = None
+    """A module to use as torch_npu's `npugraph_ex` (`testing.npugraph_ex_standin` on a machine
+    without NPUs: the graph npugraph_ex would get then runs on CPU)."""
 
 
 _ACTIVE: list[Hooks] = []

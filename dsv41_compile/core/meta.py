@@ -13,6 +13,7 @@ from torch.fx import Node
 from dsv41_compile.core.torch_private import sym_expr
 
 __all__ = [
+    "CAPTURE_FIX",
     "COALESCED",
     "EP_SOURCE",
     "EP_TOKENS",
@@ -46,6 +47,7 @@ SYMBOL = "dsv41_symbol"  # str: the name a size node prints as ("T", "Tl_max"); 
 NAMED = "dsv41_named"  # bool: a pass chose the node's name (`Emitter.named`); printers keep it
 TABLE = "dsv41_table"  # bool: a collective of a column-split table's exchange (`tables`)
 REAL_ROWS = "dsv41_real_rows"  # bool: a token shard whose padding rows hold a reduction's identity
+CAPTURE_FIX = "dsv41_capture_fix"  # str: on a node a captured graph cannot run (a host read), the option that avoids it
 # tuple[(name, dtype, columns), ...]: the gathers an AllGather stands for (`spmd.coalesce`)
 COALESCED = "dsv41_coalesced"
 EP_SOURCE = (

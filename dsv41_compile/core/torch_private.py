@@ -51,6 +51,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.fx._graph_pickler import GraphPickler
 from torch.fx._graph_pickler import Options as GraphPicklerOptions
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 from torch.utils._sympy.functions import FloorDiv
 from torch.utils._sympy.functions import Max as SympyMax
@@ -73,11 +74,13 @@ __all__ = [
     "TensorMeta",
     "TensorifyScalarRestartAnalysis",
     "TensorifyState",
+    "TorchDispatchMode",
     "TracingContext",
     "add_guard",
     "aot_module_simplified",
     "auto_functionalized_v2",
     "backed_values",
+    "call_kernel_for",
     "compile_fx",
     "custom_op_overload",
     "destroy_library",
@@ -85,6 +88,7 @@ __all__ = [
     "dynamo_counters",
     "enable_python_dispatcher",
     "equalities",
+    "has_kernel_for",
     "shape_env_guards",
     "inductor_cache_dir",
     "inherit_timeout",
@@ -226,6 +230,18 @@ def op_short_name(op: OpOverload) -> str:
 def overload_name(op: OpOverload) -> str:
     """An op overload's name (`default`, `Tensor`)."""
     return op._overloadname
+
+
+def has_kernel_for(op: OpOverload, dispatch_key: str) -> bool:
+    """Whether the dispatcher holds a kernel of `op` for `dispatch_key` ("PrivateUse1": a
+    device backend's, torch_npu's on NPUs; "CompositeExplicitAutograd": one written in other
+    ops)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), dispatch_key)
+
+
+def call_kernel_for(op: OpOverload, dispatch_key: str, *args: Any, **kwargs: Any) -> Any:
+    """`op`'s kernel for `dispatch_key` called directly (the ops it calls dispatch as usual)."""
+    return op._op_dk(getattr(torch._C.DispatchKey, dispatch_key), *args, **kwargs)
 
 
 def custom_op_overload(op: Any) -> OpOverload:

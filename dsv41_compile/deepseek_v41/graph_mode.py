@@ -117,7 +117,7 @@ def npu_op(name: str) -> Any:
     if not hasattr(torch.ops.npu, name):
         raise ValueError(
             f"graph mode computes with torch_npu's {name}, which is not registered: import "
-            "torch_npu first (lowering='torchair' does), or on CPU call "
+            "torch_npu first (lowering='npugraph_ex' and 'torchair' do), or on CPU call "
             "dsv41_compile.testing.torchair_standin.register_npu_ops()"
         )
     return getattr(torch.ops.npu, name).default

@@ -54,6 +54,7 @@ from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.emitter import Emitter, cast
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import (
+    CAPTURE_FIX,
     EP_SOURCE,
     GLOBAL_VAL,
     IN,
@@ -200,8 +201,8 @@ def _choose_dispatch(
     option = ctx.options.ep_dispatch
     if option != "auto" or not targets:
         return ("exact" if option == "auto" else option), ""
-    if ctx.target == "torchair":
-        return "padded", "ep_dispatch='auto': padded (torchair reads no size on the host)"
+    if ctx.target in ("torchair", "npugraph_ex"):  # a graph run on the device as a whole
+        return "padded", f"ep_dispatch='auto': padded ({ctx.target} reads no size on the host)"
     node, spec = targets[0]
     device = ctx.options.device_model(node.args[0].meta[GLOBAL_VAL].device.type)
     rows = -(-ctx.options.rows_per_step // ctx.mesh.tp)
@@ -553,6 +554,10 @@ def _exact_splits(
 def _host_count(emit: _Emitter, count: Proxy, i: int, ep: int) -> Proxy:
     name = f"ep_send_{i}" if i < ep else f"ep_recv_{i - ep}"
     value = emit.named(aten._local_scalar_dense.default(count), name)  # host read
+    value.node.meta[CAPTURE_FIX] = (
+        "ep_dispatch='padded' (the exact EP lowering reads each peer's row count on the host "
+        "to size its all-to-all; the padded one sends Tl_max rows to every peer, static sizes)"
+    )
     aten.sym_constrain_range_for_size.default(value)
     return value
 

@@ -2,8 +2,11 @@
 
 `eager` runs the FX graph as Python; `inductor` re-traces it with inductor's decompositions
 (`compile_fx`), which schedules the functional collectives like any other op, under the host's
-compile lock (`targets.inductor`); `torchair` hands it to torchair's backend for graph-mode NPU
-execution (`targets.torchair`), after its own pass, `graph_mode`, has rewritten it.
+compile lock (`targets.inductor`); `npugraph_ex` hands it to torch_npu's npugraph_ex, which
+captures each step as an ACL graph on Ascend NPUs (`targets.npugraph_ex`), after the model's
+rewrites to torch_npu's kernels (`npu_ops`) and a check that a capture can replay it
+(`capture_check`); `torchair` hands it to torchair's GE graph mode (`targets.torchair`), after
+its own pass, `graph_mode`, has rewritten it.
 
 A target needs the graph, fake values of its inputs (local shapes) and which inputs are
 weights: a `Handoff`, from the program's signature (`core.signature`) where the pipeline ran or
@@ -19,8 +22,10 @@ from torch.fx import GraphModule
 
 from dsv41_compile.core.passes import Pass
 from dsv41_compile.targets.base import Handoff, Target
-from dsv41_compile.targets.graph_mode import graph_mode
+from dsv41_compile.targets.capture import capture_check
+from dsv41_compile.targets.graph_mode import graph_mode, npu_ops
 from dsv41_compile.targets.inductor import compile_inductor
+from dsv41_compile.targets.npugraph_ex import lower_npugraph_ex
 from dsv41_compile.targets.torchair import lower_torchair
 
 __all__ = ["TARGETS", "Handoff", "Target"]
@@ -38,5 +43,10 @@ TARGETS: dict[str, Target] = {
     "eager": Target("eager", _eager),
     "inductor": Target("inductor", _inductor),
     "torchair": Target("torchair", lower_torchair, passes=(Pass("graph_mode", graph_mode),)),
+    "npugraph_ex": Target(
+        "npugraph_ex",
+        lower_npugraph_ex,
+        passes=(Pass("npu_ops", npu_ops), Pass("capture_check", capture_check)),
+    ),
 }
 """The lowerings `BackendOptions.target` resolves to."""

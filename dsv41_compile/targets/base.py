@@ -27,6 +27,8 @@ class Handoff:
     fake_mode: Any
     options: BackendOptions
     rank: int
+    token_index: int
+    """The position of the first token input (its dim 0 is the call's token count)."""
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from dsv41_compile.core.torch_private import (
     enable_python_dispatcher,
 )
 
-__all__ = ["graph_mode", "rewrite_for_graph_mode"]
+__all__ = ["NPU_KERNEL_GAPS", "graph_mode", "npu_ops", "rewrite_for_graph_mode"]
 
 aten = torch.ops.aten
 DROPPED = (
@@ -69,20 +69,44 @@ DROPPED = (
 
 
 def graph_mode(gm: GraphModule, *, ctx: CompileContext) -> None:
+    _local_values(gm, ctx)
+    rewrite_for_graph_mode(gm, ctx.adapter.graph_mode_rewrites)
+
+
+def npu_ops(gm: GraphModule, *, ctx: CompileContext) -> None:
+    """The model's own rewrites (`lowering="npugraph_ex"`): its custom ops as torch_npu's
+    kernels; the rewrites above of the ATen ops torch_npu has no kernel for
+    (`NPU_KERNEL_GAPS`: `frexp`, `copysign`); and the runtime asserts of sizes dropped
+    (`_assert_async` has no NPU kernel either). The other ATen rewrites stand in for GE
+    converters torchair lacks; npugraph_ex runs torch_npu's kernels, which the ops they
+    replace have (`tools/torchair_coverage.py --lowering npugraph_ex`)."""
+    _local_values(gm, ctx)
+    gaps = {op: _REWRITES[op] for op in NPU_KERNEL_GAPS}
+    rewrites = {**gaps, **ctx.adapter.graph_mode_rewrites}
+    why = "npugraph_ex: {op} as ops torch_npu has NPU kernels for"
+    rewrite_for_graph_mode(gm, rewrites, aten_rewrites=False, why=why)
+
+
+def _local_values(gm: GraphModule, ctx: CompileContext) -> None:
     # Local values for every node (expert_parallel's nodes have none yet): the rewrites read
     # shapes and dtypes.
     with enable_python_dispatcher():  # the decompositions that take symbolic sizes
         FakeTensorProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*ctx.local_inputs(gm))
-    rewrite_for_graph_mode(gm, ctx.adapter.graph_mode_rewrites)
 
 
 def rewrite_for_graph_mode(
-    gm: GraphModule, model_rewrites: Mapping[Any, Any] | None = None
+    gm: GraphModule,
+    model_rewrites: Mapping[Any, Any] | None = None,
+    *,
+    aten_rewrites: bool = True,
+    why: str = "graph mode: {op} has no torchair converter",
 ) -> None:
-    """The rewrites of the table above and `model_rewrites` (op -> rewrite), on a graph whose
-    nodes carry `meta["val"]`. The nodes a rewrite adds get their values too (fake tensors, in
-    the graph's fake mode), so that a later rewrite reads the shapes of an earlier one's output."""
-    rewrites = {**_REWRITES, **(model_rewrites or {})}
+    """The rewrites of the table above (with `aten_rewrites`; the asserts are dropped either
+    way) and `model_rewrites` (op -> rewrite), on a graph whose nodes carry `meta["val"]`. The
+    nodes a rewrite adds get their values too (fake tensors, in the graph's fake mode), so that
+    a later rewrite reads the shapes of an earlier one's output; and `why` (with the op) as
+    their reason."""
+    rewrites = {**(_REWRITES if aten_rewrites else {}), **(model_rewrites or {})}
     graph = gm.graph
     fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes])
     for node in list(graph.nodes):
@@ -93,7 +117,7 @@ def rewrite_for_graph_mode(
             continue
         rewrite = rewrites.get(node.target)
         if rewrite is not None:
-            _replace(graph, node, rewrite, fake_mode)
+            _replace(graph, node, rewrite, fake_mode, why)
     graph.eliminate_dead_code()  # the symbolic arithmetic only the asserts read
     graph.lint()
     gm.recompile()
@@ -104,6 +128,7 @@ def _replace(
     node: Node,
     rewrite: Callable[..., Proxy | tuple[Proxy | None, ...] | None],
     fake_mode: FakeTensorMode | None,
+    why: str,
 ) -> None:
     emit = Emitter(graph)
     with emit.inserting_before(node) as added:
@@ -114,7 +139,7 @@ def _replace(
         return
     if fake_mode is not None:
         _values(added, fake_mode)
-    reason = f"graph mode: {node.target} has no torchair converter"
+    reason = why.format(op=node.target)
     if not isinstance(out, tuple):
         replace_node(node, out.node, added, reason)
         return
@@ -405,3 +430,7 @@ _REWRITES: dict[Any, Callable[..., Proxy]] = {
     aten.bitwise_xor.Tensor: _bitwise_xor,
     aten.copysign.Tensor: _copysign,
 }
+NPU_KERNEL_GAPS = (aten.frexp.Tensor, aten.copysign.Tensor)
+"""The ATen ops of our graphs torch_npu 2.13.0 has no NPU kernel for (their composite kernels
+call `frexp.Tensor_out` and `copysign.out`, which it does not register:
+`tools/torchair_coverage.py --lowering npugraph_ex`): `npu_ops` makes their rewrites above."""

@@ -81,7 +81,7 @@ class TorchairStandIn:
     def get_npu_backend(self, *, compiler_config: Any) -> Any:
         def backend(gm: GraphModule, example_inputs: list[Any]) -> Any:
             self.handed.append((gm, example_inputs, compiler_config))
-            graph = _aot_graph_for_host(gm, example_inputs)
+            graph = aot_graph_for_host(gm, example_inputs)
             self.aot_graphs.append(graph)
             return graph.forward
 
@@ -121,7 +121,7 @@ def aot_graph(gm: GraphModule, example_inputs: list[Any]) -> GraphModule:
     return graph
 
 
-def _aot_graph_for_host(gm: GraphModule, example_inputs: list[Any]) -> GraphModule:
+def aot_graph_for_host(gm: GraphModule, example_inputs: list[Any]) -> GraphModule:
     """`aot_graph(gm, example_inputs)`, made by the first rank of the host that needs it and
     loaded by the others. The graph keeps the cache writes (`keep_inference_input_mutations`)
     and aliases no input, so it runs on the handed inputs as they are, like the AOT step's

@@ -33,9 +33,11 @@ Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPo
 - one window-only layer under the official numerics (bf16), the weights held as released
   (FP8 linears with their block scales, each rank its heads' and output groups' blocks; FP4
   routed experts with theirs, each rank its own experts'), one EP row per assignment, the
-  exit all-to-all (no re-associating sum): ep=8 exact, eager; ep=8 padded as handed to torchair (the FP8 linears as MXFP8 quantised matmuls,
-  the FP8 rows of the quantised transport made and read by torch_npu's MX ops:
-  `deepseek_v41/graph_mode.py`);
+  exit all-to-all (no re-associating sum): ep=8 exact, eager; ep=8 padded as handed to
+  npugraph_ex (the model's rewrites to torch_npu's kernels: the FP8 linears as MXFP8 quantised
+  matmuls, the FP8 rows of the quantised transport made and read by torch_npu's MX ops,
+  `deepseek_v41/graph_mode.py`; npugraph_ex's AOT step, each call captured, replayed or, past
+  `capture_tokens`, uncaptured: `testing.npugraph_ex_standin`);
 - on one rank: the five every-mode layers as released (the official numerics) as handed to
   torchair.
 These call the model with `mark_token_dim`; tests/distributed/test_front_door.py calls it the
@@ -115,7 +117,7 @@ def spec(preset: str, *, capture: bool = False, overrides=(), **options) -> Case
         capture=capture_points(cfg) if capture else (),
         max_len=32,
         dump=options.get("ep", 1) > 1,
-        torchair_standin=options.get("lowering") == "torchair",
+        npu_standin=options.get("lowering") in ("torchair", "npugraph_ex"),
     )
 
 
@@ -161,9 +163,9 @@ RUNS = {
     ),
     # the official numerics (bf16): FP8 / FP4 roundings, bf16 probabilities, the fp32 head;
     # each rank holds its experts' FP4 codes and scales (`weight_format="released"`): the exact
-    # EP lowering eager, the padded one in graph mode (the released weights and the official
-    # quantisations through torch_npu's MX ops, `deepseek_v41/graph_mode.py`, run by
-    # the CPU stand-in)
+    # EP lowering eager, the padded one captured by npugraph_ex (the released weights and the
+    # official quantisations through torch_npu's MX ops, `deepseek_v41/graph_mode.py`, run by
+    # the CPU stand-in), steps of more than 8 tokens uncaptured
     **{
         f"tiny-swa-official-ep-{dispatch}-{lowering}": spec(
             "tiny-swa",
@@ -173,12 +175,17 @@ RUNS = {
             ep_rows="per_assignment",
             attn_exit="all_to_all",
             lowering=lowering,
+            **({"capture_tokens": 8} if lowering == "npugraph_ex" else {}),
         )
-        for dispatch, lowering in (("exact", "eager"), ("padded", "torchair"))
+        for dispatch, lowering in (("exact", "eager"), ("padded", "npugraph_ex"))
     },
 }
 EP_RUNS = sorted(name for name, case in RUNS.items() if dict(case.options).get("ep", 1) > 1)
-TORCHAIR_RUNS = sorted(name for name, case in RUNS.items() if case.torchair_standin)
+TORCHAIR_RUNS = sorted(
+    name for name, case in RUNS.items() if dict(case.options).get("lowering") == "torchair"
+)
+
+NPUGRAPH_EX_RUN = "tiny-swa-official-ep-padded-npugraph_ex"
 
 ONE_RANK = "tiny-every-mode-one-rank-torchair"
 ONE_RANK_TORCHAIR = CaseSpec(
@@ -187,7 +194,7 @@ ONE_RANK_TORCHAIR = CaseSpec(
     # the released model: its every attention mode through graph mode's MX ops
     overrides=(*SINKHORN_3, *EVERY_MODE_5, *AS_RELEASED),
     options=(("tp", 1), ("lowering", "torchair")),
-    torchair_standin=True,
+    npu_standin=True,
 )
 
 _RESULTS: dict[str, list | RuntimeError] = {}
@@ -330,23 +337,39 @@ def test_every_op_torchair_would_see_has_a_converter(name, torchair_registry):
     torchair's converters (tools/torchair_coverage.py's registry)."""
     tool, registry = torchair_registry
     for result in results_of(name):
-        assert tool.unsupported(result["torchair_ops"], registry) == {}
+        assert tool.unsupported(result["npu_ops"], registry) == {}
 
 
 def test_graph_mode_runs_the_released_formats_through_torch_npus_mx_ops():
-    """Under the official numerics with the weights as released, the graph torchair gets holds
-    none of the model's quantisation ops: each FP8 linear whose input is quantised is one MXFP8
-    `npu_quant_matmul`, each other quantisation an `npu_dynamic_mx_quant`, each decode an
+    """Under the official numerics with the weights as released, the graph npugraph_ex gets
+    holds none of the model's quantisation ops: each FP8 linear whose input is quantised is one
+    MXFP8 `npu_quant_matmul`, each other quantisation an `npu_dynamic_mx_quant`, each decode an
     `npu_anti_mx_quant` (the experts' FP4 weights, the FP8 rows moved by the quantised
     transport); the logits match the single-device model (test above)."""
-    for result in results_of("tiny-swa-official-ep-padded-torchair"):
-        ops = result["torchair_ops"]
+    for result in results_of(NPUGRAPH_EX_RUN):
+        ops = result["npu_ops"]
         assert not [op for op in ops if op.startswith("torch.ops.dsv41.")], ops
         # tiny-swa's FP8 linears whose input the official numerics quantise: wq_a, wkv,
         # wq_b and wo_b (its rows moved as FP8) -- the shared expert's are bf16
         assert ops["torch.ops.npu.npu_quant_matmul.default"] == 4
         assert ops["torch.ops.npu.npu_dynamic_mx_quant.default"] >= 4
         assert ops["torch.ops.npu.npu_anti_mx_quant.default"] >= 3  # w1, w2, w3 of the experts
+
+
+def test_npugraph_ex_captures_each_decode_size_once_and_runs_prefill_uncaptured():
+    """capture_tokens=8: each step of at most 8 tokens captured on the first call of its size
+    and replayed after, the longer ones (16, 21) uncaptured; every rank the same way (the DP
+    groups' steps have the same sizes here)."""
+    for result in results_of(NPUGRAPH_EX_RUN):
+        captured: set[int] = set()
+        want = []
+        for T in result["T"]:
+            if T > 8:
+                want.append(("uncaptured", T))
+            else:
+                want.append(("replay" if T in captured else "capture", T))
+                captured.add(T)
+        assert result["npu_calls"] == want
 
 
 def valid_tokens(step) -> int:

@@ -14,7 +14,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from dsv41_compile.core.torch_private import FakeTensorMode
 from dsv41_compile.deepseek_v41.testing.presets import ONE_LAYER, compile_config
+from dsv41_compile.targets.npugraph_ex import npu_kernel_gaps
+from dsv41_compile.testing.torchair_standin import register_npu_ops
 
 
 def test_scan_tells_real_converters_from_stubs(torchair_registry):
@@ -58,3 +64,31 @@ def test_tool_checks_the_model_as_released(torchair_registry):
     )
     assert (cfg.weight_format, cfg.numerics) == ("released", "official")
     assert tool.check({"tiny-swa": cfg}, registry, ["sp ep=1"]) == {"tiny-swa sp ep=1": {}}
+
+
+def test_npu_kernels_are_read_from_torch_npus_registration(torchair_registry):
+    """`--lowering npugraph_ex`: torch_npu's own NPU kernels (its registration file in the
+    wheel); an op without one runs where the ops of its composite kernel run
+    (`targets.npugraph_ex.npu_kernel_gaps`): `frexp` does not (torch_npu has no `frexp.out`),
+    `ldexp` does (a pow and a mul); a custom op of ours has no kernel."""
+    tool, _ = torchair_registry
+    kernels = tool.scan_kernels(tool.CACHE / tool.KERNELS)
+    aten = torch.ops.aten
+    for op in (aten.mm.default, aten.index_put.default, aten.scatter_reduce.two, aten.pow.Scalar):
+        assert kernels.has_kernel(op), op
+    register_npu_ops()  # what importing torch_npu does
+    assert kernels.has_kernel(torch.ops.npu.npu_grouped_matmul.default)
+    assert not kernels.has_kernel(aten.frexp.Tensor)
+    assert not kernels.has_kernel(aten.ldexp.Tensor)
+
+    def edited(x, e):
+        mantissa, exponent = torch.frexp(x)
+        return torch.ldexp(mantissa, e), exponent
+
+    with FakeTensorMode():
+        gm = make_fx(edited)(torch.randn(4), torch.ones(4, dtype=torch.int32))
+    assert npu_kernel_gaps(gm, kernels.has_kernel) == {
+        "aten.frexp.Tensor -> aten.frexp.Tensor_out": ["frexp"]
+    }
+    models = {"tiny-swa": compile_config("tiny-swa", ONE_LAYER)}
+    assert tool.check(models, kernels, ["sp ep=1"]) == {"tiny-swa sp ep=1": {}}

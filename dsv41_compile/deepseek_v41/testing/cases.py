@@ -105,9 +105,10 @@ class CaseSpec:
     dump: bool = False
     """Compile with a temporary `dump_dir` and return this rank's `comm.json` (with the EP
     traffic of every call in `ep_steps`), first mode only."""
-    torchair_standin: bool = False
-    """With `lowering="torchair"`: torchair replaced by `testing.torchair_standin` (its AOT
-    step, then the graph run eagerly), so the graph torchair would get runs on CPU."""
+    npu_standin: bool = False
+    """With `lowering="torchair"` or `"npugraph_ex"`: torch_npu's backend replaced by its
+    stand-in (`testing.torchair_standin`, `testing.npugraph_ex_standin`: its AOT step, then the
+    graph run eagerly), so the graph the backend would get runs on CPU."""
     checkpoint: str | None = None
     """A checkpoint directory in the released format (tools/make_checkpoint.py). The compiled
     side is `DeepseekV41.without_weights` compiled with the `checkpoint` option (each rank
@@ -135,8 +136,9 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     program compiled], "outside_layers": [the sorted collectives of each program outside its
     layers], "compiles": programs compiled, "cache_diff": max |cache - ref cache|}},
     "captures": {module: (compiled values, ref values)}, "comm": comm.json or None,
-    "torchair_ops": with the torchair stand-in, the ops after torchair's AOT step (name ->
-    count), "host_cache": this process's shared compiles (`runtime.host_cache.STATS`),
+    "npu_ops": with an NPU backend's stand-in, the ops after the backend's AOT step (name ->
+    count), "npu_calls": with npugraph_ex's, how it ran each call (captured, replayed,
+    uncaptured), "host_cache": this process's shared compiles (`runtime.host_cache.STATS`),
     "inductor": inductor's FX graph cache hits and misses in this process, "checkpoint_read":
     the bytes the compiled side read per checkpoint tensor in this case, "reference_read": the
     bytes the single-device side read}`."""
@@ -165,9 +167,14 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     with capture_reference(reference, spec.capture) as ref_store:
         logits = (reference(*batch, ref_cache) for batch in batches)
         out["ref"] = [ref if r is None else ref[r] for ref, r in zip(logits, rows)]
-    standin = None
+    standin: Any = None
     stack = contextlib.ExitStack()
-    if spec.torchair_standin:
+    if spec.npu_standin and options.get("lowering") == "npugraph_ex":
+        from dsv41_compile.testing.npugraph_ex_standin import NpugraphExStandIn
+
+        standin = NpugraphExStandIn()
+        stack.enter_context(installed(Hooks(npugraph_ex=standin)))
+    elif spec.npu_standin:
         from dsv41_compile.testing.torchair_standin import TorchairStandIn
 
         standin = TorchairStandIn()
@@ -193,11 +200,12 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     if dump_dir is not None:
         out["comm"] = json.loads((Path(dump_dir) / f"rank{rank}" / "comm.json").read_text())
         shutil.rmtree(dump_dir)
-    out["torchair_ops"] = None
-    if standin is not None:  # what torchair's converters would see, op name -> count
+    out["npu_ops"] = out["npu_calls"] = None
+    if standin is not None:  # what the backend's own passes would see, op name -> count
         from dsv41_compile.testing.torchair_standin import graph_ops
 
-        out["torchair_ops"] = sum((graph_ops(gm) for gm in standin.aot_graphs), Counter())
+        out["npu_ops"] = sum((graph_ops(gm) for gm in standin.aot_graphs), Counter())
+        out["npu_calls"] = getattr(standin, "calls", None)
     out["checkpoint_read"] = {
         name: n - read_before.get(name, 0)
         for name, n in weights.READ.items()
