@@ -2,7 +2,8 @@
 replaced by `testing.npugraph_ex_standin` (records what `get_npu_backend` is handed and how each
 call would run, runs npugraph_ex's AOT step, then the graph eagerly); and the capture check
 (`targets.capture`) on graphs a capture cannot replay. Nothing here runs torch_npu or an NPU;
-8 gloo ranks through the stand-in: tests/distributed/test_numerics.py."""
+8 gloo ranks through the stand-in, with each call captured, replayed or (past `capture_tokens`)
+uncaptured: tests/distributed/test_numerics.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from dsv41_compile.core.hooks import Hooks, installed
 from dsv41_compile.deepseek_v41.graph_mode import grouped_matmul
-from dsv41_compile.deepseek_v41.testing.batches import Request, pack
 from dsv41_compile.deepseek_v41.testing.fake_rank import compile_on_fake_rank
 from dsv41_compile.deepseek_v41.testing.presets import AS_RELEASED, ONE_LAYER, compile_config
 from dsv41_compile.options import BackendOptions
@@ -25,7 +25,6 @@ from dsv41_compile.targets.graph_mode import npu_ops
 from dsv41_compile.targets.npugraph_ex import npu_kernel_gaps
 from dsv41_compile.testing.capture import capture_programs
 from dsv41_compile.testing.npugraph_ex_standin import NpugraphExStandIn
-from dsv41_compile.testing.torch_shims import fake_process_group
 from dsv41_compile.testing.torchair_standin import register_npu_ops
 
 aten = torch.ops.aten
@@ -86,29 +85,6 @@ def test_every_op_npugraph_ex_would_run_has_an_npu_kernel(handed, torchair_regis
     kernels = tool.scan_kernels(tool.CACHE / tool.KERNELS)
     (aot,) = standin.aot_graphs
     assert npu_kernel_gaps(aot, kernels.has_kernel) == {}
-
-
-def test_a_step_past_capture_tokens_runs_uncaptured():
-    """T <= capture_tokens: captured on the first call of its size, replayed after; longer
-    steps uncaptured (a prefill)."""
-    standin = NpugraphExStandIn()
-    torch.manual_seed(0)
-    from dsv41_compile.deepseek_v41.model import DeepseekV41
-
-    model = DeepseekV41(compile_config("tiny-swa", ONE_LAYER))
-    cache = model.new_cache(4, 32)
-    steps = [[Request(0, [1, 2, 3], 0)], [Request(0, [4], 3)], [Request(1, [5], 0)]]
-    steps.append([Request(1, list(range(6, 12)), 1)])
-    torch.compiler.reset()
-    with installed(Hooks(npugraph_ex=standin)), fake_process_group(world_size=4, rank=1):
-        compiled = torch.compile(
-            model, backend="dsv41_sp", options={"tp": 4, "lowering": "npugraph_ex",
-                                                "capture_tokens": 3},
-            dynamic=True, fullgraph=True,
-        )  # fmt: skip
-        for step in steps:
-            compiled(*pack(step), cache)
-    assert standin.calls == [("capture", 3), ("capture", 1), ("replay", 1), ("uncaptured", 6)]
 
 
 def test_the_capture_check_refuses_the_exact_ep_lowerings_host_reads():
