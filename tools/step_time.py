@@ -13,7 +13,11 @@ which the routed experts see), with the cache planned at `--context` positions p
 - prefill-2x2048: two requests of 2048 tokens, spread over the DP groups.
 
 Two configurations side by side, as `tools/comm_report.py` names them: `sp` (the cuts the
-options' "auto" picks, and any `--option`) and `seed` (the seed's layout exactly).
+options' "auto" picks, and any `--option`) and `seed` (the seed's layout exactly); with
+`--lowering npugraph_ex` (or `torchair`), `sp` also as that NPU lowering hands it over:
+torch_npu's ops in place of the model's (the routed experts' FP4 weights decoded on every call,
+then a grouped matmul; the FP8 linears as MXFP8 quantised matmuls), costed against the eager
+plan's floors.
 
     .venv/bin/python tools/step_time.py --preset flash --tp 4 --ep 8 --device 950dt
 """
@@ -21,6 +25,7 @@ options' "auto" picks, and any `--option`) and `seed` (the seed's layout exactly
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -34,6 +39,7 @@ from dsv41_compile.devices import DEVICES, LATENCIES, device_named, latency_labe
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.provenance import provenance
 from dsv41_compile.report.step_time import Scenario, StepCosts, StepTime, step_costs, step_time
+from dsv41_compile.testing.torchair_standin import register_npu_ops
 
 REQUESTS = (
     ("decode-1", 1, 1),
@@ -67,11 +73,24 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:8.3f}"
 
 
-def report(costs: StepCosts, device_name: str, scenario: Scenario, top: int) -> dict[str, Any]:
-    """The scenario's prediction at both latencies, printed; returned as a JSON record."""
+def report(
+    costs: StepCosts,
+    device_name: str,
+    scenario: Scenario,
+    top: int,
+    floors: StepCosts | None = None,
+) -> dict[str, Any]:
+    """The scenario's prediction at both latencies, printed; returned as a JSON record. The
+    floors are `floors`' where given (an NPU lowering's program is costed against the floors
+    of the same layout's eager plan: they do not depend on how the ops are lowered)."""
     device = device_named(device_name)
     times = [step_time(costs, device.with_latency(latency), scenario) for latency in LATENCIES]
     first: StepTime = times[0]
+    if floors is not None:
+        floor = step_time(floors, device, scenario)
+        first = dataclasses.replace(
+            first, layout_floor=floor.layout_floor, physical_floor=floor.physical_floor
+        )
     per_layer = first.layer_collectives / max(costs.layers, 1)
     print(
         f"{scenario.name:<15} T={scenario.rows:<5} "
@@ -125,6 +144,11 @@ def main() -> None:
         "--option", action="append", default=[], metavar="KEY=VALUE",
         help="a backend option (attn_exit=reduce_scatter, ...); repeatable",
     )  # fmt: skip
+    parser.add_argument(
+        "--lowering", action="append", default=[], choices=("npugraph_ex", "torchair"),
+        help="also cost the sp program as this NPU lowering hands it over (torch_npu's ops; "
+        "the floors stay the eager plan's); repeatable",
+    )  # fmt: skip
     parser.add_argument("--top", type=int, default=3, help="ops and collectives listed")
     parser.add_argument("--json", type=Path, help="write the predictions here")
     args = parser.parse_args()
@@ -138,16 +162,22 @@ def main() -> None:
         "sp": {**base, **dict(_option(item) for item in args.option)},
         "seed": {**base, **SEED_LAYOUT},
     }
+    for lowering in args.lowering:
+        register_npu_ops()  # the torch_npu ops the NPU lowerings emit, on CPU
+        configs[f"sp {lowering}"] = {**configs["sp"], "lowering": lowering}
     results: dict[str, list[dict[str, Any]]] = {}
+    planned: dict[str, StepCosts] = {}
     for name, options in configs.items():
         print(f"planning rank 0 of {args.preset} ({name}) on meta tensors ...", flush=True)
         costs, seconds = plan_costs(cfg, options, world_size=args.world, context=args.context)
+        planned[name] = costs
         print(
             f"{name}: {args.preset} ({args.weights}), {options}, world {args.world}, context "
             f"{args.context}, on {args.device} (planned in {seconds:.0f} s)"
         )
+        floors = planned["sp"] if options["lowering"] != "eager" else None
         results[name] = [
-            report(costs, args.device, scenario, args.top)
+            report(costs, args.device, scenario, args.top, floors)
             for scenario in scenarios(args.world // args.tp)
         ]
     low, high = (latency_label(latency) for latency in LATENCIES)

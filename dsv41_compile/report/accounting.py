@@ -194,9 +194,11 @@ def per_layer_formulas(costs: list[Cost]) -> dict[str, str]:
 
 
 def node_flops(node: Node, ctx: CompileContext) -> sympy.Expr:
-    """The FLOPs of a matmul-like node (`mm`, `addmm`, `bmm`, `baddbmm`, a routed-experts op),
-    in the graph's own symbols (see the module docstring)."""
-    shape = [symbolic_size(s) for s in node.meta["val"].shape]
+    """The FLOPs of a matmul-like node (`mm`, `addmm`, `bmm`, `baddbmm`, a routed-experts op,
+    torch_npu's grouped and quantised matmuls), in the graph's own symbols (see the module
+    docstring). A grouped matmul's rows are all its input's, each through one group."""
+    val = node.meta["val"]
+    shape = [symbolic_size(s) for s in (val[0] if isinstance(val, list) else val).shape]
     spec = ctx.adapter.routed_experts_op(node.target)
     if spec is not None:
         x, topk_idx = node.args[:2]
@@ -213,6 +215,13 @@ def node_flops(node: Node, ctx: CompileContext) -> sympy.Expr:
             for i in spec.matrix_args()
         )
         return 2 * rows * routes * per_expert
+    if str(node.target) == "npu.npu_grouped_matmul.default":  # x [R, K], weight [G, K, N]
+        (x,), (w,) = node.args[:2]
+        k, n = (symbolic_size(s) for s in w.meta["val"].shape[1:])
+        return 2 * symbolic_size(x.meta["val"].shape[0]) * k * n
+    if str(node.target) == "npu.npu_quant_matmul.default":  # x1 [M, K] @ x2 [K, N]
+        k = symbolic_size(node.args[0].meta["val"].shape[1])
+        return 2 * shape[0] * shape[1] * k
     if node.target in (aten.mm.default, aten.addmm.default):
         a = node.args[-2].meta["val"]
         return 2 * shape[0] * shape[1] * symbolic_size(a.shape[1])

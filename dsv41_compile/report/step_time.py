@@ -54,12 +54,21 @@ from dsv41_compile.report.accounting import (
 )
 from dsv41_compile.report.comm import collective_bytes
 
-__all__ = ["OpCost", "Scenario", "StepCosts", "StepTime", "step_costs", "step_time"]
+__all__ = [
+    "NPU_MATMULS",
+    "OpCost",
+    "Scenario",
+    "StepCosts",
+    "StepTime",
+    "step_costs",
+    "step_time",
+]
 
 aten = torch.ops.aten
 
 _VIEWS = {
     aten.view.default,
+    aten.view.dtype,  # the same bytes read as another dtype (FP4 codes as uint8, FP8 rows)
     aten._unsafe_view.default,
     aten.reshape.default,
     aten.slice.Tensor,
@@ -92,6 +101,10 @@ _GATHERS = {
 _FREE = {torch.ops._c10d_functional.wait_tensor.default, aten.sym_size.int, aten.sym_numel.default}
 """Nodes that are no kernel: a collective's wait (the collective is costed), size reads."""
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+NPU_MATMULS = ("npu.npu_grouped_matmul.default", "npu.npu_quant_matmul.default")
+"""torch_npu's matmuls the NPU lowerings emit (by name: torch_npu registers them), costed as
+matmuls: the grouped matmul of the routed experts (one output, `split_item=3`) and the MXFP8
+quantised matmul of the FP8 linears (`deepseek_v41/graph_mode.py`)."""
 
 
 @dataclass(frozen=True)
@@ -239,6 +252,8 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
             if node.all_input_nodes:
                 origin[node] = root(node.all_input_nodes[0])
             continue
+        if str(node.target) == NPU_MATMULS[0]:
+            (val,) = val  # the grouped matmul's one output, in a list
         if not isinstance(val, torch.Tensor):  # a size, a scalar read on the host
             continue
         spec = ctx.adapter.routed_experts_op(node.target)
@@ -294,7 +309,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
             kind_name = "pointwise"
             if node.users and set(node.users) <= pointwise and node not in returned:
                 written = zero
-        elif node.target in _MATMULS:
+        elif node.target in _MATMULS or str(node.target) in NPU_MATMULS:
             kind_name = "matmul"
         else:
             kind_name = "other"

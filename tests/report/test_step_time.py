@@ -1,6 +1,7 @@
 """The step-time model (`report.step_time`) against hand-computed cases: a matmul, fused
 elementwise ops and a collective of the toy family's program (tp=2), then one layer of tiny-swa
-(tp=4, ep=8) and its floors against a calculation from the model alone."""
+(tp=4, ep=8) and its floors against a calculation from the model alone; and that layer as
+released, as the npugraph_ex lowering hands it over (torch_npu's ops)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import torch
 from dsv41_compile.core.symbols import T
 from dsv41_compile.core.torch_private import FloorDiv
 from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
+from dsv41_compile.deepseek_v41.testing.presets import AS_RELEASED, ONE_LAYER, SINKHORN_3
 from dsv41_compile.devices import DEVICES, Device, device_named
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.step_time import Scenario, step_costs, step_time
+from dsv41_compile.testing.torchair_standin import register_npu_ops
 from dsv41_compile.testing.toy import ToyConfig, toy_family
 
 # A device of round numbers: 1 GB/s of memory, 1 GFLOP/s, 1 GB/s of link, 10 us per collective.
@@ -173,3 +176,40 @@ def test_the_physical_floor_does_not_depend_on_the_layout(tiny, plan_once):
     ours, theirs = (step_time(c, DEVICES["950dt"], scenario) for c in (costs, step_costs(gm, ctx)))
     assert theirs.physical_floor == pytest.approx(ours.physical_floor, rel=1e-12)
     assert theirs.layout_floor != pytest.approx(ours.layout_floor)  # the layouts do differ
+
+
+def test_the_npu_lowering_is_costed_with_torch_npus_ops(plan_once):
+    """tiny-swa as released, handed to npugraph_ex: the routed experts' FP4 weights decoded to
+    bf16 on every call (`npu_anti_mx_quant`: the packed codes and scales read as weights, the
+    decoded copy written) and read again by the grouped matmul, costed as a matmul of every
+    row through one group (2 R K N FLOPs); the FP8 linears as MXFP8 `npu_quant_matmul`s on
+    the fp8 rate."""
+    register_npu_ops()
+    cfg = ModelConfig.from_name("tiny-swa", **dict((*SINKHORN_3, *ONE_LAYER, *AS_RELEASED)))
+    options = {"tp": 4, "ep": 8, "lowering": "npugraph_ex"}
+    gm, ctx = plan_once(cfg, options, world_size=8)[:2]
+    ops = {op.node: op for op in step_costs(gm, ctx).ops}
+    e_local, inter, dim = cfg.n_routed_experts // 8, cfg.moe_inter_dim, cfg.dim
+    grouped = [n for n in gm.graph.nodes if str(n.target) == "npu.npu_grouped_matmul.default"]
+    assert len(grouped) == 3
+    for node in grouped:
+        op = ops[node.name]
+        (x,), (weight,) = node.args[:2]
+        decode = weight.args[0]  # the transpose of the decoded weight
+        assert str(decode.target) == "npu.npu_anti_mx_quant.default"
+        # the decode reads the expert weight's FP4 codes (half a byte a value) and its scales
+        # (a byte per 32 values; as weights, or where an op pairs them as torch_npu takes them)
+        packed, scales = e_local * inter * dim // 2, e_local * inter * dim // 32
+        assert packed <= ops[decode.name].weight_bytes <= packed + scales
+        # (a row of one 32-block has its scale padded to a pair: twice the bytes)
+        assert packed + scales <= ops[decode.name].read <= packed + 2 * scales
+        assert ops[decode.name].written == e_local * inter * dim * 2  # bf16, every call
+        # the grouped matmul reads that copy, its group counts (int64) and its rows x [R, K]
+        # (bf16), and does 2 R K N FLOPs: its row bytes times N
+        assert op.kind == "matmul" and op.weight_bytes == 0
+        x_bytes = op.read - ops[decode.name].written - 8 * e_local
+        assert x_bytes.free_symbols == {T}
+        n = weight.meta["val"].shape[2]
+        assert sympy.simplify(op.flops - x_bytes * n) == 0
+    quant = [op for name, op in ops.items() if name.startswith("npu_quant_matmul")]
+    assert quant and all(op.kind == "matmul" and op.operand == "fp8" for op in quant)
