@@ -216,7 +216,7 @@ def node_flops(node: Node, ctx: CompileContext) -> sympy.Expr:
         )
         return 2 * rows * routes * per_expert
     if str(node.target) == "npu.npu_grouped_matmul.default":  # x [R, K], weight [G, K, N]
-        (x,), (w,) = node.args[:2]
+        x, w = (cast(list, node.args[i])[0] for i in (0, 1))
         k, n = (symbolic_size(s) for s in w.meta["val"].shape[1:])
         return 2 * symbolic_size(x.meta["val"].shape[0]) * k * n
     if str(node.target) == "npu.npu_quant_matmul.default":  # x1 [M, K] @ x2 [K, N]

@@ -108,9 +108,9 @@ def npu_kernel_gaps(
     """The ops of `gm` that cannot run on NPU tensors, each with the nodes that call it.
     `has_kernel(op)`: torch_npu holds a kernel of its own for `op`. An op without one whose
     kernel is a composite (`COMPOSITE`: written in other ops, as most functional forms of an
-    `out=` op are) runs where the ops it calls run: the kernel is run once on the node's fake
-    values and each op it calls is checked the same way; a gap is then named through it
-    (`aten.frexp.Tensor -> aten.frexp.Tensor_out`)."""
+    `out=` op are) runs where the ops it calls run: the kernel is run once on meta tensors of
+    the node's sizes and each op it calls is checked the same way; a gap is then named through
+    it (`aten.frexp.Tensor -> aten.frexp.Tensor_out`). A view needs no kernel."""
     gaps: dict[str, list[str]] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, OpOverload):
