@@ -17,9 +17,10 @@ every op whose size it then sets. The fix is the one the pass that made the node
 (`meta.CAPTURE_FIX`: the exact EP lowering's host reads name `ep_dispatch='padded'`), else the
 general one, with the model's source line where the node has one.
 
-An op without an NPU kernel is the lowering's check (`targets.npugraph_ex.npu_kernel_gaps`:
-torch_npu's dispatcher where it is installed, its registration file in
-`tools/torchair_coverage.py --lowering npugraph_ex`).
+Where torch_npu is in use, it also refuses an op without an NPU kernel
+(`targets.npugraph_ex.check_npu_kernels`, from torch_npu's dispatcher; on CPU the same check
+reads its registration file: `tools/torchair_coverage.py --lowering npugraph_ex`). It runs on
+the rank that compiles; the host's other ranks load the checked program.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import CAPTURE_FIX, describe
+from dsv41_compile.targets.npugraph_ex import check_npu_kernels, torch_npu_in_use
 
 __all__ = ["CaptureProblem", "capture_check", "capture_problems"]
 
@@ -91,6 +93,8 @@ def capture_problems(gm: GraphModule, device: torch.device) -> list[CaptureProbl
 
 
 def capture_check(gm: GraphModule, *, ctx: CompileContext) -> None:
+    if torch_npu_in_use():  # the ops' NPU kernels, from torch_npu's dispatcher
+        check_npu_kernels(gm)
     token = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == ctx.token_input)
     problems = capture_problems(gm, token.meta["val"].device)
     if problems:

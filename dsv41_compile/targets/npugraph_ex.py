@@ -25,8 +25,9 @@ What this target sets, and why:
 Before the hand-off this target's passes have run: the model's own rewrites to torch_npu's
 kernels (`npu_ops`: DeepSeek V4.1's routed experts through the grouped matmul, its FP8 / FP4
 formats through the MX ops) and the capture check (`targets.capture`): no host read, no
-data-dependent size, one device. Where torch_npu is installed, every op of the graph is
-checked for an NPU kernel before npugraph_ex sees it (`npu_kernel_gaps`). Status: checked on
+data-dependent size, one device; and, where torch_npu is in use, every op with an NPU kernel
+(`check_npu_kernels`, on the rank that compiles: a program another rank of the host compiled is
+loaded without its nodes' values, and was checked there). Status: checked on
 CPU only, through `testing.npugraph_ex_standin`; nothing here has run on an NPU
 (`tools/npu_smoke.py --lowering npugraph_ex` is the hardware check).
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -57,10 +59,12 @@ from dsv41_compile.targets.base import Handoff
 __all__ = [
     "ANY_DEVICE",
     "COMPOSITE",
+    "check_npu_kernels",
     "compiler_config",
     "import_npugraph_ex",
     "lower_npugraph_ex",
     "npu_kernel_gaps",
+    "torch_npu_in_use",
 ]
 
 INSTALL = (
@@ -116,7 +120,7 @@ def npu_kernel_gaps(
         if node.op != "call_function" or not isinstance(node.target, OpOverload):
             continue
         args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-        for missing in _missing(node.target, args, kwargs, has_kernel, depth=0):
+        for missing in dict.fromkeys(_missing(node.target, args, kwargs, has_kernel, depth=0)):
             gaps.setdefault(missing, []).append(node.name)
     return gaps
 
@@ -169,7 +173,15 @@ def _dispatcher_has_npu_kernel(op: OpOverload) -> bool:
     return has_kernel_for(op, "PrivateUse1")
 
 
-def _check_kernels(gm: GraphModule) -> None:
+def torch_npu_in_use() -> bool:
+    """Whether the ops run on torch_npu itself: it is imported, and no stand-in replaces
+    npugraph_ex (`testing.npugraph_ex_standin`)."""
+    return "torch_npu" in sys.modules and not any(h.npugraph_ex is not None for h in active())
+
+
+def check_npu_kernels(gm: GraphModule) -> None:
+    """A ValueError naming the ops of `gm` (each node carrying its value) torch_npu's dispatcher
+    has no NPU kernel for (`npu_kernel_gaps`)."""
     gaps = npu_kernel_gaps(gm, _dispatcher_has_npu_kernel)
     if gaps:
         listed = "; ".join(f"{op} ({', '.join(nodes[:3])})" for op, nodes in sorted(gaps.items()))
@@ -185,8 +197,6 @@ def lower_npugraph_ex(gm: GraphModule, handoff: Handoff) -> Callable[..., Any]:
     `capture_tokens` tokens) and uncaptured (longer steps); each call takes the one its token
     count selects."""
     npugraph_ex = import_npugraph_ex()
-    if not any(h.npugraph_ex is not None for h in active()):  # the real one: NPU kernels
-        _check_kernels(gm)
     inputs = list(handoff.example_inputs)
     with handoff.fake_mode:  # weights as nn.Parameter: static inputs of the captures
         for index in handoff.param_indices:

@@ -15,6 +15,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dsv41_compile.core.hooks import Hooks, installed
+from dsv41_compile.core.torch_private import FakeTensorMode
 from dsv41_compile.deepseek_v41.graph_mode import grouped_matmul
 from dsv41_compile.deepseek_v41.testing.fake_rank import compile_on_fake_rank
 from dsv41_compile.deepseek_v41.testing.presets import AS_RELEASED, ONE_LAYER, compile_config
@@ -22,7 +23,7 @@ from dsv41_compile.options import BackendOptions
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.targets.capture import capture_problems
 from dsv41_compile.targets.graph_mode import npu_ops
-from dsv41_compile.targets.npugraph_ex import npu_kernel_gaps
+from dsv41_compile.targets.npugraph_ex import check_npu_kernels, npu_kernel_gaps, torch_npu_in_use
 from dsv41_compile.testing.capture import capture_programs
 from dsv41_compile.testing.npugraph_ex_standin import NpugraphExStandIn
 from dsv41_compile.testing.torchair_standin import register_npu_ops
@@ -143,3 +144,28 @@ def test_without_torch_npu_npugraph_ex_is_an_error_that_says_what_to_install():
     one_layer = compile_config("tiny-swa", ONE_LAYER)
     with pytest.raises(Exception, match=r"lowering='npugraph_ex' needs torch_npu"):
         compile_on_fake_rank(1, {"tp": 4, "lowering": "npugraph_ex"}, cfg=one_layer)
+
+
+def test_the_kernel_check_names_each_op_without_an_npu_kernel():
+    """`check_npu_kernels` (run by the capture check where torch_npu is in use) against the
+    dispatcher: here, without torch_npu, no op has a PrivateUse1 kernel, so every op that is
+    not a view is named, a composite (`frexp`; `mul`'s functional form, written over its
+    `out=` form) through the ops its kernel calls, each node once; a view passes."""
+    assert not torch_npu_in_use()
+
+    def edited(x):
+        mantissa, _ = torch.frexp(x)
+        return (mantissa * 2).view(-1)
+
+    with FakeTensorMode():
+        gm = make_fx(edited)(torch.randn(2, 3))
+    with pytest.raises(ValueError) as info:
+        check_npu_kernels(gm)
+    assert str(info.value) == (
+        "lowering='npugraph_ex': torch_npu has no NPU kernel for aten.frexp.Tensor -> "
+        "aten.empty_like.default -> aten.empty_strided.default (frexp); aten.frexp.Tensor -> "
+        "aten.frexp.Tensor_out (frexp); aten.mul.Tensor -> aten.empty.memory_format (mul); "
+        "aten.mul.Tensor -> aten.mul.out (mul). Change the model so it does not call them, or "
+        "use lowering='eager' to run elsewhere; tools/torchair_coverage.py --lowering "
+        "npugraph_ex lists them for any preset"
+    )
