@@ -45,6 +45,8 @@ from dsv41_compile.moe.stats import EpLayer, ep_layers
 from dsv41_compile.report.comm import collective_bytes
 
 __all__ = [
+    "NPU_GROUPED_MATMUL",
+    "NPU_QUANT_MATMUL",
     "PARTS",
     "Cost",
     "ep_layer_of",
@@ -193,6 +195,13 @@ def per_layer_formulas(costs: list[Cost]) -> dict[str, str]:
     return {k: str(sympy.simplify(v / n_layers)) for k, v in sorted(sums.items())}
 
 
+NPU_GROUPED_MATMUL = "npu.npu_grouped_matmul.default"
+NPU_QUANT_MATMUL = "npu.npu_quant_matmul.default"
+"""torch_npu's matmuls the NPU lowerings emit, by name (torch_npu registers them): the grouped
+matmul of the routed experts (one output, `split_item=3`) and the MXFP8 quantised matmul of the
+FP8 linears (`deepseek_v41/graph_mode.py`)."""
+
+
 def node_flops(node: Node, ctx: CompileContext) -> sympy.Expr:
     """The FLOPs of a matmul-like node (`mm`, `addmm`, `bmm`, `baddbmm`, a routed-experts op,
     torch_npu's grouped and quantised matmuls), in the graph's own symbols (see the module
@@ -215,11 +224,11 @@ def node_flops(node: Node, ctx: CompileContext) -> sympy.Expr:
             for i in spec.matrix_args()
         )
         return 2 * rows * routes * per_expert
-    if str(node.target) == "npu.npu_grouped_matmul.default":  # x [R, K], weight [G, K, N]
+    if str(node.target) == NPU_GROUPED_MATMUL:  # x [R, K], weight [G, K, N]
         x, w = (cast(list, node.args[i])[0] for i in (0, 1))
         k, n = (symbolic_size(s) for s in w.meta["val"].shape[1:])
         return 2 * symbolic_size(x.meta["val"].shape[0]) * k * n
-    if str(node.target) == "npu.npu_quant_matmul.default":  # x1 [M, K] @ x2 [K, N]
+    if str(node.target) == NPU_QUANT_MATMUL:  # x1 [M, K] @ x2 [K, N]
         k = symbolic_size(node.args[0].meta["val"].shape[1])
         return 2 * shape[0] * shape[1] * k
     if node.target in (aten.mm.default, aten.addmm.default):

@@ -46,6 +46,8 @@ from dsv41_compile.core.meta import GLOBAL_VAL, module_paths
 from dsv41_compile.core.symbols import T
 from dsv41_compile.devices import Device
 from dsv41_compile.report.accounting import (
+    NPU_GROUPED_MATMUL,
+    NPU_QUANT_MATMUL,
     ep_layer_of,
     in_t,
     node_flops,
@@ -54,15 +56,7 @@ from dsv41_compile.report.accounting import (
 )
 from dsv41_compile.report.comm import collective_bytes
 
-__all__ = [
-    "NPU_MATMULS",
-    "OpCost",
-    "Scenario",
-    "StepCosts",
-    "StepTime",
-    "step_costs",
-    "step_time",
-]
+__all__ = ["OpCost", "Scenario", "StepCosts", "StepTime", "step_costs", "step_time"]
 
 aten = torch.ops.aten
 
@@ -101,10 +95,7 @@ _GATHERS = {
 _FREE = {torch.ops._c10d_functional.wait_tensor.default, aten.sym_size.int, aten.sym_numel.default}
 """Nodes that are no kernel: a collective's wait (the collective is costed), size reads."""
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-NPU_MATMULS = ("npu.npu_grouped_matmul.default", "npu.npu_quant_matmul.default")
-"""torch_npu's matmuls the NPU lowerings emit (by name: torch_npu registers them), costed as
-matmuls: the grouped matmul of the routed experts (one output, `split_item=3`) and the MXFP8
-quantised matmul of the FP8 linears (`deepseek_v41/graph_mode.py`)."""
+_NPU_MATMULS = (NPU_GROUPED_MATMUL, NPU_QUANT_MATMUL)  # costed as matmuls, by name
 
 
 @dataclass(frozen=True)
@@ -252,7 +243,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
             if node.all_input_nodes:
                 origin[node] = root(node.all_input_nodes[0])
             continue
-        if str(node.target) == NPU_MATMULS[0]:
+        if str(node.target) == NPU_GROUPED_MATMUL:
             (val,) = val  # the grouped matmul's one output, in a list
         if not isinstance(val, torch.Tensor):  # a size, a scalar read on the host
             continue
@@ -309,7 +300,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
             kind_name = "pointwise"
             if node.users and set(node.users) <= pointwise and node not in returned:
                 written = zero
-        elif node.target in _MATMULS or str(node.target) in NPU_MATMULS:
+        elif node.target in _MATMULS or str(node.target) in _NPU_MATMULS:
             kind_name = "matmul"
         else:
             kind_name = "other"

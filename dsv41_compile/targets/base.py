@@ -12,7 +12,7 @@ from torch.fx import GraphModule
 from dsv41_compile.core.passes import Pass
 from dsv41_compile.options import BackendOptions
 
-__all__ = ["Handoff", "Target"]
+__all__ = ["Handoff", "Target", "needs_torch_npu"]
 
 
 @dataclass(frozen=True)
@@ -39,3 +39,13 @@ class Target:
     passes: tuple[Pass, ...] = ()
     """What this target needs done to the per-rank graph: run after the pipeline's rewrites,
     before verify checks the result (`pipeline.passes`)."""
+
+
+def needs_torch_npu(lowering: str, where: str) -> str:
+    """The message of an NPU lowering whose torch_npu is missing: what to install, where (not
+    without CANN), and what to use instead. `where`: how the lowering's backend ships in it."""
+    return (
+        f"lowering='{lowering}' needs torch_npu ({where}): on a machine with the Ascend CANN "
+        "toolkit, `pip install 'dsv41-compile[npu]'` (torch_npu==2.13.*). Without CANN, "
+        "installing torch_npu breaks `import torch`; use lowering='eager' or 'inductor' there"
+    )

@@ -54,7 +54,7 @@ from dsv41_compile.core.torch_private import (
     tree_map,
 )
 from dsv41_compile.options import BackendOptions
-from dsv41_compile.targets.base import Handoff
+from dsv41_compile.targets.base import Handoff, needs_torch_npu
 
 __all__ = [
     "ANY_DEVICE",
@@ -67,11 +67,8 @@ __all__ = [
     "torch_npu_in_use",
 ]
 
-INSTALL = (
-    "lowering='npugraph_ex' needs torch_npu (npugraph_ex ships in it, importable as "
-    "`npugraph_ex` once torch_npu is imported): on a machine with the Ascend CANN toolkit, "
-    "`pip install 'dsv41-compile[npu]'` (torch_npu==2.13.*). Without CANN, installing "
-    "torch_npu breaks `import torch`; use lowering='eager' or 'inductor' there"
+INSTALL = needs_torch_npu(
+    "npugraph_ex", "npugraph_ex ships in it, importable as `npugraph_ex` once torch_npu is imported"
 )
 COMPOSITE = ("CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
 """The dispatch keys of kernels written in other ops: such an op runs on NPU tensors when the

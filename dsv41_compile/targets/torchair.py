@@ -27,16 +27,11 @@ from torch.fx import GraphModule
 
 from dsv41_compile.core.hooks import active
 from dsv41_compile.options import BackendOptions
-from dsv41_compile.targets.base import Handoff
+from dsv41_compile.targets.base import Handoff, needs_torch_npu
 
 __all__ = ["compiler_config", "import_torchair", "lower_torchair"]
 
-INSTALL = (
-    "lowering='torchair' needs torch_npu (torchair ships in it as torch_npu.dynamo.torchair): on "
-    "a machine with the Ascend CANN toolkit, `pip install 'dsv41-compile[npu]'` "
-    "(torch_npu==2.13.*). Without CANN, installing torch_npu breaks `import torch`; use "
-    "lowering='eager' or 'inductor' there"
-)
+INSTALL = needs_torch_npu("torchair", "torchair ships in it as torch_npu.dynamo.torchair")
 
 
 def import_torchair() -> Any:

@@ -96,11 +96,13 @@ def test_config_carries_our_options(handed):
 @pytest.mark.skipif(
     importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed"
 )
-def test_without_torch_npu_torchair_is_an_error_that_says_what_to_install():
+@pytest.mark.parametrize("lowering", ["torchair", "npugraph_ex"])
+def test_without_torch_npu_an_npu_lowering_is_an_error_that_says_what_to_install(lowering):
     # the error is the lowering's, not the model's: one layer is enough
     one_layer = compile_config("tiny-swa", ONE_LAYER)
-    with pytest.raises(Exception, match=r"pip install 'dsv41-compile\[npu\]'"):
-        compile_on_fake_rank(1, {"tp": 4, "lowering": "torchair"}, cfg=one_layer)
+    needs = rf"lowering='{lowering}' needs torch_npu .*pip install 'dsv41-compile\[npu\]'"
+    with pytest.raises(Exception, match=needs):
+        compile_on_fake_rank(1, {"tp": 4, "lowering": lowering}, cfg=one_layer)
 
 
 def test_every_op_torchair_would_see_has_a_converter(handed, torchair_registry):
