@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: venv demo test lint bench
+.PHONY: venv demo test test-wide lint bench
 
 venv: $(STAMP)
 
@@ -34,6 +34,11 @@ lint: $(STAMP)
 # its tests share are kept.
 test: lint
 	$(PY) -m pytest -n 2 --dist loadfile
+
+# The runs of 16 gloo ranks (tests marked `wide`), which `make test` skips: about a minute on
+# two cores, beyond the suite's budget.
+test-wide: $(STAMP)
+	$(PY) -m pytest --wide -m wide
 
 demo: $(STAMP)
 	$(PY) tools/demo.py

@@ -77,6 +77,9 @@ class Device:
     """One rank's bandwidth to the other ranks of its node, one way."""
     node_link_bytes_per_s: float
     """One rank's bandwidth to ranks of other nodes, one way."""
+    ranks_per_node: int = 8
+    """The ranks that share a node's link (a server's accelerators; consecutive ranks): a
+    collective over more ranks than this crosses nodes (`collective_seconds`)."""
     collective_latency: float = LATENCIES[0]
     """Seconds one collective takes before its bytes move (assumed: `LATENCIES`)."""
 
@@ -93,6 +96,8 @@ class Device:
             )
         if self.collective_latency < 0:
             raise ValueError(f"Device {self.name!r}: collective_latency must be >= 0")
+        if self.ranks_per_node < 1:
+            raise ValueError(f"Device {self.name!r}: ranks_per_node must be >= 1")
 
     def __hash__(self) -> int:  # a frozen value with a dict field: options hold it in keys
         return hash((self.name, self.hbm_bytes_per_s, tuple(sorted(self.flops.items()))))
@@ -110,10 +115,25 @@ class Device:
         rate of `operand` (`matmul_flops`)."""
         return max(bytes_read / self.hbm_bytes_per_s, flops / self.matmul_flops(operand))
 
-    def collective_seconds(self, bytes_out: float, count: int = 1) -> float:
-        """`count` collectives in a row: a latency each and `bytes_out` in all leaving the rank
-        over the node's link."""
-        return count * self.collective_latency + bytes_out / self.link_bytes_per_s
+    def collective_seconds(
+        self, bytes_out: float, count: int = 1, *, group: int = 1, all_to_all: bool = False
+    ) -> float:
+        """`count` collectives in a row over groups of `group` consecutive ranks: a latency
+        each and `bytes_out` in all leaving the rank. Within a node (`group <=
+        ranks_per_node`) the bytes take the node's link. A group across nodes: an all-to-all
+        sends the share of its bytes that goes to other nodes' ranks, `(group -
+        ranks_per_node) / (group - 1)` (even splits), over the link between nodes, the rest
+        over the node's, both at once; a ring collective (all-gather, reduce-scatter,
+        all-reduce) moves all of its bytes through a hop between nodes."""
+        latency = count * self.collective_latency
+        if group <= self.ranks_per_node:
+            return latency + bytes_out / self.link_bytes_per_s
+        if not all_to_all:
+            return latency + bytes_out / min(self.link_bytes_per_s, self.node_link_bytes_per_s)
+        away = bytes_out * (group - self.ranks_per_node) / (group - 1)
+        return latency + max(
+            away / self.node_link_bytes_per_s, (bytes_out - away) / self.link_bytes_per_s
+        )
 
     def with_latency(self, seconds: float) -> Device:
         return dataclasses.replace(self, collective_latency=seconds)
@@ -150,6 +170,7 @@ DEVICES: dict[str, Device] = {
             flops={"bf16": 376 * _T / 1e3},
             link_bytes_per_s=196 * _G,
             node_link_bytes_per_s=196 * _G,
+            ranks_per_node=16,
         ),
         # Atlas A2: an Ascend 910B, 8 per server (HCCS), RoCE between servers
         Device(

@@ -16,6 +16,7 @@ from dsv41_compile.spmd.coalesce import coalesce_gathers
 from dsv41_compile.spmd.entry_cut import entry_cut
 from dsv41_compile.spmd.insert import insert_collectives
 from dsv41_compile.spmd.localize import localize
+from dsv41_compile.spmd.one_rank import drop_one_rank_collectives
 from dsv41_compile.spmd.quantised_transport import quantised_transport
 from dsv41_compile.spmd.token_shifts import token_shifts
 from dsv41_compile.spmd.token_sizes import token_sizes
@@ -37,6 +38,8 @@ REWRITES: tuple[Pass, ...] = (
     # a TP collective of what the activation quantisation makes or only feeds: quantised rows
     Pass("quantised_transport", quantised_transport),
     Pass("coalesce", coalesce_gathers),  # a layer's entry gathers as one AllGather
+    # tp=1: the TP collectives over a group of one rank removed
+    Pass("one_rank", drop_one_rank_collectives, enabled=lambda ctx: ctx.mesh.tp == 1),
 )
 VERIFY = Pass("verify", verify)  # fake re-propagation, local shapes, the layout's invariants
 

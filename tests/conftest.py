@@ -56,6 +56,8 @@ SHARED_COMPILES = {
     "tests/distributed/test_front_door.py": "gloo-ranks",
     "tests/distributed/test_dspark.py": "gloo-ranks",
     "tests/distributed/test_failures.py": "gloo-ranks",
+    "tests/distributed/test_nodes.py": "gloo-ranks",
+    "tests/distributed/test_wide.py": "gloo-ranks",
 }
 
 
@@ -93,8 +95,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return SharedCompiles(config, log)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--wide", action="store_true", help="run the tests marked wide (16 ranks and more)"
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test that reads torchair's source needs the package registry (`torchair_registry`
+    """A test marked `wide` (16 gloo ranks and more: minutes on two cores) is skipped unless
+    pytest runs with `--wide`. A test that reads torchair's source needs the package registry (`torchair_registry`
     downloads the torch_npu wheel once): marked `registry`, and skipped, with pip's reason,
     where the registry cannot be reached. The items are ordered by unit, `LONGEST_FIRST` first
     (a stable sort: within a unit, and among the other units, the collection's order)."""
@@ -103,6 +112,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "torchair_registry" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.registry)
+        if "wide" in item.keywords and not config.getoption("--wide"):
+            item.add_marker(pytest.mark.skip(reason="16 ranks and more: `make test-wide`"))
 
 
 def _load_tool(name: str) -> Any:

@@ -357,7 +357,7 @@ def test_bad_options(options, message):
             {"tp": 4, "dump_after": ["insert", "lower"]},
             "dump_after names no pass: ['lower']; the passes are ('token_sizes', 'annotate', "
             "'token_shifts', 'entry_cut', 'insert', 'localize', 'expert_parallel', 'tables', "
-            "'quantised_transport', 'coalesce', 'graph_mode', 'npu_ops', 'capture_check', 'verify')",
+            "'quantised_transport', 'coalesce', 'one_rank', 'graph_mode', 'npu_ops', 'capture_check', 'verify')",
         ),
         (
             {"tp": 4, "layout": "replicated"},

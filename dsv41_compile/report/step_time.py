@@ -18,7 +18,9 @@ The model, a roofline per kernel of the program as lowered (not of an ideal one)
   - a routed-experts op reads the experts the step's rows touch: of the `E_local` it holds,
     `E_local * (1 - (1 - K/E)^R)` under uniform routing, `R` the rows of the whole world.
 - A collective takes a latency (an assumption: `devices.LATENCIES`) plus the larger of the bytes
-  it sends and receives over one rank's link (`report.comm.collective_bytes`).
+  it sends and receives over one rank's link (`report.comm.collective_bytes`): the node's link
+  within a node, the link between nodes for the share that crosses them
+  (`Device.collective_seconds`; a node is `Device.ranks_per_node` consecutive ranks).
 - The step is the sum: the program runs one op after another (no overlap is modelled).
 
 The floors, in HBM time at the same bandwidth:
@@ -116,6 +118,8 @@ class OpCost:
     """The matmul rate this op's FLOPs run at (`devices.MATMUL_DTYPES`)."""
     wire: sympy.Expr = sympy.Integer(0)
     """A collective's bytes over the link: the larger of sent and received."""
+    group: int = 1
+    """A collective's group size (consecutive ranks: the TP group, or the world for EP)."""
     expert_bytes: sympy.Expr = sympy.Integer(0)
     weight_bytes: sympy.Expr = sympy.Integer(0)
     """Of `read`, the bytes of weights (read once per step, here)."""
@@ -235,9 +239,13 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
         layer = ctx.adapter.innermost_site(module_paths(node)).layer
         kind = collective_kind(node)
         if kind is not None:
-            axis, _, sent, received = collective_bytes(node, ctx)
+            axis, group, sent, received = collective_bytes(node, ctx)
             wire = sympy.Max(in_t(sent, names, node), in_t(received, names, node))
-            ops.append(OpCost(node.name, layer, f"{kind}({axis})", zero, zero, zero, wire=wire))
+            ops.append(
+                OpCost(
+                    node.name, layer, f"{kind}({axis})", zero, zero, zero, wire=wire, group=group
+                )
+            )
             continue
         if node.target in _VIEWS or node.target is operator.getitem or node.target in _FREE:
             if node.all_input_nodes:
@@ -356,7 +364,9 @@ def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:
     timed: list[tuple[float, OpCost]] = []
     for op in costs.ops:
         if op.collective:
-            t = device.collective_seconds(value(op.wire))
+            t = device.collective_seconds(
+                value(op.wire), group=op.group, all_to_all=op.kind.startswith("all_to_all")
+            )
             comm += t
             count += 1
             in_layers += op.layer is not None

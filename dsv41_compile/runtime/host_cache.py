@@ -16,6 +16,12 @@ passes, the op rules and transitions in force (those registered at run time by t
 (`TORCHINDUCTOR_CACHE_DIR` moves both), so it also serves the next start of the same job (a warm
 start).
 
+Programs are kept per node (`node_id`: the host's name, and under torchrun the node's rank in the
+job, `GROUP_RANK`): on several nodes, each node's first rank compiles for that node's ranks, and
+no rank waits on a lock held by another node, even where the nodes share the cache's filesystem
+(file locks over a network filesystem are not to be relied on). Inductor's kernels stay in its
+own cache, shared by whatever shares its directory.
+
 A compile that makes Dynamo restart its trace (AOTAutograd's scalar tensorification under
 `dynamic=True`) is saved as such: the other ranks restart the same way without compiling.
 
@@ -40,6 +46,7 @@ import hashlib
 import io
 import os
 import pickle
+import socket
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
@@ -79,6 +86,7 @@ __all__ = [
     "claim",
     "host_lock",
     "load_graph",
+    "node_id",
     "program_key",
     "restart_like",
     "restart_requested",
@@ -94,6 +102,21 @@ STATS: Counter[str] = Counter()
 def cache_dir() -> Path:
     """`<inductor's cache directory>/dsv41_compile` (TORCHINDUCTOR_CACHE_DIR moves both)."""
     path = Path(inductor_cache_dir()) / "dsv41_compile"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def node_id() -> str:
+    """This process's node: the host's name, with torchrun's node rank (`GROUP_RANK`) where it
+    is set, so that two nodes started on one host (or sharing the cache's filesystem) are two."""
+    group = os.environ.get("GROUP_RANK")
+    host = socket.gethostname()
+    return host if group is None else f"{host}.node{group}"
+
+
+def _programs(folder: str) -> Path:
+    """This node's entries of `folder` in the cache."""
+    path = cache_dir() / folder / node_id()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -255,8 +278,7 @@ def shared(key: str, folder: str = "programs") -> Iterator[_Slot]:
     """The entry of `key` in `folder` (programs: an `Artifact`; any picklable value elsewhere),
     with the key's host-wide lock held: a rank that finds no artifact makes and stores one
     before the next rank looks."""
-    path = cache_dir() / folder
-    path.mkdir(exist_ok=True)
+    path = _programs(folder)
     with FileLock(str(path / f"{key}.lock")):
         yield _Slot(path / f"{key}.pkl")
 
@@ -319,8 +341,7 @@ def claim(key: str | None, fakes: list[Any]) -> Claim:
     names = canonical_symbols(fakes) if key is not None else None
     if key is None or names is None:
         return Claim()
-    path = cache_dir() / "programs"
-    path.mkdir(exist_ok=True)
+    path = _programs("programs")
     lock = FileLock(str(path / f"{key}.lock"))
     lock.acquire()
     slot = _Slot(path / f"{key}.pkl")

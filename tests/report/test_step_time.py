@@ -5,6 +5,7 @@ released, as the npugraph_ex lowering hands it over (torch_npu's ops)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -140,6 +141,38 @@ def test_the_physical_floor_is_the_models_weights_read_once_across_the_world(tin
     gathered = sum(float(op.weight_bytes.subs(T, 48)) for op in costs.ops if op.kind == "gather")
     expected = (dense + experts * touched) / 8 + cache / 4 + gathered
     assert predicted.physical_floor * 4e12 == pytest.approx(expected, rel=1e-9)
+
+
+def test_collectives_across_nodes_take_the_link_between_nodes(tiny):
+    """Nodes of 4 ranks (tp=4 within one, ep=8 across two), the link between nodes 10x slower:
+    a TP collective takes the node's link; an EP all-to-all sends 4 of its 7 peers' shares
+    over the slower link, the other 3 over the node's, at once; a ring collective over nodes
+    moves all of its bytes at the slower link's rate."""
+    _, costs = tiny
+    nodes = Device(
+        name="nodes", hbm_bytes=1e9, hbm_bytes_per_s=1e9, flops={"bf16": 1e9},
+        link_bytes_per_s=1e9, node_link_bytes_per_s=1e8, ranks_per_node=4,
+        collective_latency=10e-6,
+    )  # fmt: skip
+    scenario = Scenario("t8", 8, 16)
+    times = {op.node: (s, op) for s, op in step_time(costs, nodes, scenario).ops}
+    kinds = {op.kind for _, op in times.values() if op.collective}
+    assert kinds == {"all_gather(tp)", "all_to_all(ep)", "reduce_scatter(tp)"}
+    for seconds, op in times.values():
+        if not op.collective:
+            continue
+        wire = float(op.wire.subs(T, 8))
+        if op.kind.endswith("(tp)"):
+            assert op.group == 4 and seconds == pytest.approx(10e-6 + wire / 1e9)
+        else:
+            assert op.group == 8
+            assert seconds == pytest.approx(10e-6 + max(wire * 4 / 7 / 1e8, wire * 3 / 7 / 1e9))
+    assert nodes.collective_seconds(1e3, group=8) == pytest.approx(10e-6 + 1e3 / 1e8)
+    assert nodes.collective_seconds(1e3, group=8, all_to_all=True) == pytest.approx(
+        10e-6 + 1e3 * 4 / 7 / 1e8
+    )
+    with pytest.raises(ValueError, match="ranks_per_node must be >= 1"):
+        dataclasses.replace(nodes, ranks_per_node=0)
 
 
 def test_a_device_of_ones_own_and_the_errors_that_name_the_fix():

@@ -82,3 +82,18 @@ def test_a_rule_registered_at_run_time_is_not_served_a_program_planned_without_i
             assert compile_and_call(2, model, tokens) == {"compiled": 2}
             assert compile_and_call(3, model, tokens) == {"loaded": 2}
         assert compile_and_call(4, model, tokens) == {"loaded": 2}
+
+
+def test_each_node_compiles_for_its_own_ranks(tmp_path, monkeypatch):
+    """Programs are kept per node (torchrun's `GROUP_RANK`): a rank of node 1 compiles though
+    node 0 compiled the same program in the same cache directory, and loads it once node 1
+    has it (tests/distributed/test_nodes.py launches two nodes)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = ToyLM()
+    tokens = torch.arange(8)
+    with toy_family():
+        monkeypatch.setenv("GROUP_RANK", "0")
+        assert compile_and_call(1, model, tokens) == {"compiled": 2}
+        monkeypatch.setenv("GROUP_RANK", "1")
+        assert compile_and_call(5, model, tokens) == {"compiled": 2}
+        assert compile_and_call(6, model, tokens) == {"loaded": 2}

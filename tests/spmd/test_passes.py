@@ -120,3 +120,25 @@ def test_a_size_read_is_refused_only_along_the_split_dim():
     ):
         with pytest.raises(NotImplementedError, match="reads a size of a S\\(1\\) tensor"):
             _check_no_size_of_shard(read, [x])
+
+
+def test_one_rank_removes_the_collectives_of_a_tp_group_of_one_rank():
+    """tp=1 in a world of 4 (four DP groups of one rank): the plan still places the toy's MLPs
+    on the TP axis and `insert` gathers and reduces over the group of one; `one_rank` removes
+    each of those collectives, and the program, now with none, computes what the eager toy
+    computes (a fake group moves no data, so only a program without collectives can be right
+    on it)."""
+    collectives = []
+
+    def watch(name, gm, ctx):
+        collectives.append((name, sorted(filter(None, map(collective_kind, gm.graph.nodes)))))
+
+    model = ToyLM()
+    with toy_family(), installed(Hooks(after_pass=watch)):
+        gm, ctx, out = compile_model_on_fake_rank(
+            model, (TOKENS,), {"tp": 1}, rank=2, world_size=4, token_inputs=(TOKENS,)
+        )
+    kinds = dict(collectives)
+    assert "all_gather" in kinds["coalesce"] and "reduce_scatter" in kinds["coalesce"]
+    assert kinds["one_rank"] == [] and ctx.comm == []
+    torch.testing.assert_close(out, model(TOKENS))

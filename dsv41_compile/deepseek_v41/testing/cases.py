@@ -49,6 +49,7 @@ __all__ = [
     "SERVING_STEPS",
     "SERVING_STEP_NAMES",
     "CaseSpec",
+    "serving_steps",
     "compare_on_rank",
     "model_config",
 ]
@@ -85,6 +86,32 @@ SERVING_STEPS: tuple[Step, ...] = (
 )
 SERVING_STEP_NAMES = ("prefill", "decode", "multi-token decode", "prefill + decode", "idle group")
 MODES = ("marked", "unmarked", "dynamic", "static")
+
+
+def serving_steps(dp: int) -> tuple[Step, ...]:
+    """Three steps through the cache for `dp` DP groups, each group with its own tokens: a
+    prefill of 5 to 8 tokens (group g: requests of 3 + g % 4 and 2 tokens), a decode of one
+    to three requests (1 + g % 3: a T below tp = 4 leaves a rank without a token), then group 0
+    idle (T = 0) while the others decode one token of request 0."""
+
+    def ids(g: int, step: int, n: int) -> list[int]:
+        return [(97 * g + 31 * step + 7 * i) % 500 + 1 for i in range(n)]
+
+    lengths = [(3 + g % 4, 2) for g in range(dp)]
+    prefill = tuple(
+        (Request(0, ids(g, 0, a), 0), Request(1, ids(g, 1, b), 0))
+        for g, (a, b) in enumerate(lengths)
+    )
+    decode = tuple(
+        tuple(
+            Request(slot, ids(g, 2 + slot, 1), lengths[g][slot] if slot < 2 else 0)
+            for slot in range(1 + g % 3)
+        )
+        for g in range(dp)
+    )
+    held = [(a + 1, b + (g % 3 >= 1)) for g, (a, b) in enumerate(lengths)]
+    idle = ((),) + tuple((Request(0, ids(g, 5, 1), held[g][0]),) for g in range(1, dp))
+    return (prefill, decode, idle)
 
 
 @dataclass(frozen=True)
