@@ -20,6 +20,13 @@ then a grouped matmul; the FP8 linears as MXFP8 quantised matmuls), costed again
 plan's floors.
 
     .venv/bin/python tools/step_time.py --preset flash --tp 4 --ep 8 --device 950dt
+
+`--layouts 8x4,8x1,16x4,32x8` compares layouts instead: each `WORLDxTP` planned with the experts
+over the world (ep = WORLD) and the options' cuts, one table of every scenario's predicted step
+at both latencies, the collectives per layer, the weights a rank holds and the requests of
+`--context` positions whose cache fits beside them on the device (`StepCosts.requests_that_fit`:
+activations not counted). A world beyond the device's `ranks_per_node` costs the collectives
+that cross nodes at the link between nodes.
 """
 
 from __future__ import annotations
@@ -127,6 +134,69 @@ def report(
     }
 
 
+def compare_layouts(
+    cfg: ModelConfig, layouts: list[tuple[int, int]], options: dict[str, Any], args: Any
+) -> dict[str, Any]:
+    """Each `(world, tp)` of `layouts` planned once (ep = world) and costed for every scenario
+    on each device of `args.devices`; the comparison tables printed, returned as a JSON
+    record."""
+    low, high = (latency_label(latency) for latency in LATENCIES)
+    planned = []
+    for world, tp in layouts:
+        layout = {**options, "tp": tp, "ep": world}
+        print(f"planning rank 0 of {args.preset}, {world} ranks, tp={tp} ...", flush=True)
+        costs, seconds = plan_costs(cfg, layout, world_size=world, context=args.context)
+        print(f"    planned in {seconds:.0f} s", flush=True)
+        planned.append((world, tp, costs, seconds))
+    rows: list[dict[str, Any]] = []
+    for name in args.devices:
+        device = device_named(name)
+        print(
+            f"\n{args.preset} on {name} ({device.ranks_per_node} ranks per node), context "
+            f"{args.context}, {options}\n\n| layout | scenario | T | predicted, {low} | "
+            f"predicted, {high} | collectives per layer | weights per rank | KV per request | "
+            "requests per rank |\n|---|---|---|---|---|---|---|---|---|"
+        )
+        for world, tp, costs, seconds in planned:
+            fit = costs.requests_that_fit(device.hbm_bytes)
+            for scenario in scenarios(world // tp):
+                times = [step_time(costs, device.with_latency(x), scenario) for x in LATENCIES]
+                r = {
+                    "device": name,
+                    "layout": f"TP{tp}/DP{world // tp}/EP{world}",
+                    "world": world,
+                    "tp": tp,
+                    "planned_seconds": seconds,
+                    "scenario": scenario.name,
+                    "rows": scenario.rows,
+                    "seconds": {
+                        latency_label(t.device.collective_latency): t.seconds for t in times
+                    },
+                    "collectives_per_layer": times[0].layer_collectives / max(costs.layers, 1),
+                    "held_weight_bytes": costs.held_weight_bytes,
+                    "cache_bytes_per_request": costs.cache_bytes_per_request,
+                    "requests_per_rank": fit,
+                }
+                rows.append(r)
+                print(
+                    f"| {r['layout']} | {r['scenario']} | {r['rows']} | "
+                    f"{r['seconds'][low] * 1e3:.2f} ms | {r['seconds'][high] * 1e3:.2f} ms | "
+                    f"{r['collectives_per_layer']:.2f} | {r['held_weight_bytes'] / 1e9:.1f} GB | "
+                    f"{r['cache_bytes_per_request'] / 1e6:.1f} MB | {fit} |"
+                )
+    return {"context": args.context, "options": options, "rows": rows}
+
+
+def _layouts(text: str) -> list[tuple[int, int]]:
+    layouts = []
+    for item in text.split(","):
+        world, sep, tp = item.partition("x")
+        if not (sep and world.isdigit() and tp.isdigit()):
+            raise SystemExit(f"--layouts {text!r}: write each layout as WORLDxTP, e.g. 16x4")
+        layouts.append((int(world), int(tp)))
+    return layouts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="flash")
@@ -150,6 +220,14 @@ def main() -> None:
         "the floors stay the eager plan's); repeatable",
     )  # fmt: skip
     parser.add_argument("--top", type=int, default=3, help="ops and collectives listed")
+    parser.add_argument(
+        "--layouts", type=_layouts, metavar="WORLDxTP,...",
+        help="compare these layouts (ep = world) instead of sp and seed at --world / --tp",
+    )  # fmt: skip
+    parser.add_argument(
+        "--devices", type=lambda text: text.split(","), metavar="NAME,...",
+        help="with --layouts: the devices to cost each plan on (default: --device)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the predictions here")
     args = parser.parse_args()
     print(provenance(), flush=True)
@@ -157,6 +235,15 @@ def main() -> None:
     if args.weights == "released":
         overrides.update(numerics="official", dtype="bfloat16")
     cfg = ModelConfig.from_name(args.preset, **overrides)
+    if args.layouts:
+        args.devices = args.devices or [args.device]
+        for name in args.devices:
+            device_named(name)  # an unknown name fails before any plan
+        chosen = {"lowering": "eager", **dict(_option(item) for item in args.option)}
+        record = compare_layouts(cfg, args.layouts, chosen, args)
+        if args.json:
+            args.json.write_text(json.dumps(record, indent=2))
+        return
     base: dict[str, Any] = {"tp": args.tp, "ep": args.ep, "lowering": "eager"}
     configs = {
         "sp": {**base, **dict(_option(item) for item in args.option)},

@@ -147,6 +147,19 @@ class StepCosts:
     """Of `global_weight_bytes`, the routed experts'."""
     layers: int
     """The decoder layers the ops belong to."""
+    held_weight_bytes: int = 0
+    """The weights this rank holds in device memory (its shards, the replicated ones whole;
+    not the tables it keeps in host memory)."""
+    cache_bytes_per_request: float = 0.0
+    """One request's cache on this rank (one slot of every cache tensor), at the cache length
+    the graph was planned with."""
+
+    def requests_that_fit(self, hbm_bytes: float) -> int:
+        """The requests whose cache fits in `hbm_bytes` beside the held weights (activations
+        and the runtime's own memory not counted)."""
+        if not self.cache_bytes_per_request:
+            return 0
+        return max(0, int((hbm_bytes - self.held_weight_bytes) // self.cache_bytes_per_request))
 
     def touched(self, world_rows: int) -> float:
         """The expected fraction of a layer's experts the world's rows touch (uniform routing,
@@ -327,6 +340,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
             )
         )
 
+    held, per_request = _held_bytes(gm, ctx)
     global_bytes = global_experts = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node in paid:
@@ -344,7 +358,26 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
         int(global_bytes),
         int(global_experts),
         len({op.layer for op in ops if op.layer is not None}),
+        held,
+        per_request,
     )
+
+
+def _held_bytes(gm: GraphModule, ctx: CompileContext) -> tuple[int, float]:
+    """(the weights this rank holds in device memory, one slot of its cache tensors)."""
+    held, slot = 0, 0.0
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for index, node in enumerate(placeholders):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        size = value.numel() * value.element_size()
+        if node.name in ctx.param_fqns:
+            shard = ctx.signature.param_shards.get(index)
+            held += 0 if shard is not None and shard.host else size
+        elif ctx.input_sources.get(node.name, "").startswith("cache.") and value.dim() >= 2:
+            slot += size / value.shape[0]  # dim 0: the slots (the requests' and a scratch one)
+    return int(held), slot
 
 
 def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:

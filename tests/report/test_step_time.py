@@ -118,6 +118,28 @@ def test_one_layer_of_tiny_costs_what_its_weights_and_rows_say(tiny):
     assert experts.expert_bytes == per_expert * cfg.n_routed_experts // 8
 
 
+def test_the_requests_that_fit_beside_the_weights_a_rank_holds(tiny):
+    """One request's cache on a rank of tiny-swa at tp=4 is one slot of the single-device
+    model's cache (its one KV head's window ring, replicated over the TP group); the weights a
+    rank holds are the model's with the routed experts split over 8 ranks and the tp-sharded
+    ones over 4, so fewer than the whole model's and more than an eighth of them; the requests
+    that fit are what is left of the device's memory, in whole caches."""
+    cfg, costs = tiny
+    with torch.device("meta"):
+        model = DeepseekV41(cfg)
+    slot = sum(
+        t.numel() * t.element_size() / t.shape[0]
+        for t in model.new_cache(4, 64).tensors()
+        if t.dim() >= 2
+    )
+    assert costs.cache_bytes_per_request == pytest.approx(slot)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert whole / 8 < costs.held_weight_bytes < whole
+    hbm = costs.held_weight_bytes + 10.5 * costs.cache_bytes_per_request
+    assert costs.requests_that_fit(hbm) == 10
+    assert costs.requests_that_fit(costs.held_weight_bytes / 2) == 0
+
+
 def test_the_physical_floor_is_the_models_weights_read_once_across_the_world(tiny):
     """From the model alone: every weight and buffer the step reads, once over the 8 ranks (the
     routed experts at the touched fraction; the embedding's rows, not its table), plus the cache
