@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+from pathlib import Path
 
 import pytest
 import sympy
@@ -208,6 +210,34 @@ def test_a_device_of_ones_own_and_the_errors_that_name_the_fix():
     assert DEVICES["a3"].matmul_flops("fp4") == DEVICES["a3"].flops["bf16"]
     assert DEVICES["h200"].matmul_flops("fp4") == DEVICES["h200"].flops["fp8"]
     assert math.isclose(DEVICES["950dt"].matmul_flops("fp4"), 2e15)
+
+
+_UNITS = {"GB": 1e9, "TB/s": 1e12, "GB/s": 1e9, "PFLOP/s": 1e15, "TFLOP/s": 1e12, "": 1}
+_COLUMNS = (
+    "hbm_bytes", "hbm_bytes_per_s", "bf16", "fp8", "fp4", "link_bytes_per_s",
+    "node_link_bytes_per_s", "ranks_per_node",
+)  # fmt: skip
+
+
+def test_every_named_device_is_the_figures_docs_devices_md_gives():
+    """Each row of docs/devices.md's table against `DEVICES`: the page is where a figure's
+    source is given, so the two must say the same (a rate once read 376 GFLOP/s for the
+    table's 376 TFLOP/s)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "devices.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert {re.match(r"\| `([^`]+)`", row)[1] for row in rows} == set(DEVICES)
+    for row in rows:
+        name, *cells = [c.strip() for c in row.strip("|").split("|")]
+        device = DEVICES[name.split("`")[1]]
+        for column, cell in zip(_COLUMNS, cells, strict=True):
+            figure = re.match(r"(-|[\d.]+) ?([A-Za-z/]*)", cell)
+            assert figure is not None, (name, column, cell)
+            if column in ("bf16", "fp8", "fp4"):
+                want = device.flops.get(column)
+            else:
+                want = getattr(device, column)
+            got = None if figure[1] == "-" else float(figure[1]) * _UNITS[figure[2]]
+            assert got == pytest.approx(want), (name, column, cell, want)
 
 
 def test_the_tools_scenarios_spread_the_requests_over_the_dp_groups(load_tool):
