@@ -57,6 +57,7 @@ SHARED_COMPILES = {
     "tests/distributed/test_dspark.py": "gloo-ranks",
     "tests/distributed/test_failures.py": "gloo-ranks",
     "tests/distributed/test_nodes.py": "gloo-ranks",
+    "tests/distributed/test_split.py": "gloo-ranks",
     "tests/distributed/test_wide.py": "gloo-ranks",
 }
 

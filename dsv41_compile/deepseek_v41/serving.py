@@ -24,6 +24,15 @@ A speculative step, for every unfinished request at once (one packed call each):
 `generate` drives eager modules or compiled ones (`backbone=`, `drafter=`: the programs
 `torch.compile` returns, run on every rank alike); the cache rollback and the Markov chain
 run eagerly on `model` itself (every rank holds the same caches).
+
+Prefill and decode in different layouts (`split=Split(decode, prefill_tp, decode_tp)`, plain
+decoding): the prompts go through `backbone` (compiled with `tp=prefill_tp`), then each rank
+keeps the requests its decode DP group serves (`Split.share`) and decodes them through
+`decode` (compiled with `tp=decode_tp`, a divisor of `prefill_tp`). The hand-over
+(`hand_over`) copies those requests' cache rows into a cache of their own: V4.1's attention has
+one KV head, which tp does not split, so every rank of a prefill DP group holds the whole cache
+of the group's requests, and a decode group inside it already holds the rows it will read --
+no cache row crosses ranks. The tokens are gathered from the ranks that decoded them.
 """
 
 from __future__ import annotations
@@ -40,8 +49,9 @@ from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.torch_private import mark_unbacked
 from dsv41_compile.deepseek_v41.model import DeepseekV41
 from dsv41_compile.deepseek_v41.model.batches import Request, pack
+from dsv41_compile.deepseek_v41.model.cache import KVCache
 
-__all__ = ["Decoded", "accept_sampled", "generate", "propose", "sample"]
+__all__ = ["Decoded", "Split", "accept_sampled", "generate", "hand_over", "propose", "sample"]
 
 
 @dataclass
@@ -142,6 +152,47 @@ def _accept(
     return kept, int(logits_RV[kept].argmax())
 
 
+@dataclass(frozen=True)
+class Split:
+    """Decode in another layout than the prefill's, on the same ranks: `decode` is the model
+    compiled with `tp=decode_tp`; `generate`'s `backbone` the one compiled with
+    `tp=prefill_tp`."""
+
+    decode: Callable[..., Any]
+    prefill_tp: int
+    decode_tp: int
+
+    def __post_init__(self) -> None:
+        if min(self.prefill_tp, self.decode_tp) < 1 or self.prefill_tp % self.decode_tp:
+            raise ValueError(
+                f"Split(prefill_tp={self.prefill_tp}, decode_tp={self.decode_tp}): decode_tp "
+                "must divide prefill_tp, so that each decode DP group lies inside the prefill "
+                "group that holds its requests' cache (a hand-over across prefill groups would "
+                "move cache rows between ranks, which is not built)"
+            )
+
+    def share(self, rank: int, requests: int) -> list[int]:
+        """The requests (0 .. `requests` - 1, those of `rank`'s prefill DP group) that `rank`'s
+        decode DP group serves: the prefill group's `prefill_tp / decode_tp` decode groups take
+        them in turn."""
+        groups = self.prefill_tp // self.decode_tp
+        mine = (rank % self.prefill_tp) // self.decode_tp
+        return [i for i in range(requests) if i % groups == mine]
+
+
+def hand_over(cache: KVCache, slots: Sequence[int], into: KVCache) -> None:
+    """Copy requests `slots` of `cache` into slots 0 .. len(slots) - 1 of `into` (every cache
+    tensor: lengths, window rings, compressed and indexer entries, pair states, n-gram ids)."""
+    if len(slots) > into.num_slots or cache.max_len != into.max_len:
+        raise ValueError(
+            f"hand_over: {len(slots)} requests of max_len {cache.max_len} into a cache of "
+            f"{into.num_slots} slots of max_len {into.max_len}"
+        )
+    index = torch.tensor(list(slots), dtype=torch.int64)
+    for source, target in zip(cache.tensors(), into.tensors(), strict=True):
+        target[: len(slots)] = source[index]
+
+
 def generate(
     model: DeepseekV41,
     prompts: Sequence[Sequence[int]],
@@ -154,6 +205,7 @@ def generate(
     drafter: Callable[..., Any] | None = None,
     max_len: int | None = None,
     on_step: Callable[[int], None] | None = None,
+    split: Split | None = None,
 ) -> Decoded:
     """Decode `max_new_tokens` after each prompt, all requests packed into each call.
 
@@ -161,7 +213,9 @@ def generate(
     decoding otherwise. `temperature` 0 is greedy. `backbone` / `drafter`: what to call for
     `model` and `model.mtp` (their compiled programs; the modules by default). `max_len`: the
     cache's positions per request (default: the longest prompt plus what it may need).
-    `on_step(n)` is called after each step with the tokens it added (a progress bar)."""
+    `on_step(n)` is called after each step with the tokens it added (a progress bar).
+    `split`: decode in another layout than the prefill (module docstring; needs a process
+    group and `speculative=False`); every rank returns every request's tokens."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each of at least one token")
     if max_new_tokens <= 0:
@@ -179,6 +233,11 @@ def generate(
         raise ValueError(
             f"a verify call feeds up to {block + 2} positions per request, more than the window "
             f"of {cfg.window_size}: its cache could not be cut back (DeepseekV41.save_rows)"
+        )
+    if split is not None and speculative:
+        raise ValueError(
+            "split= decodes plainly: pass speculative=False (the drafter's cache is not handed "
+            "over)"
         )
     backbone = model if backbone is None else backbone
     if drafter is None and speculative:
@@ -208,6 +267,10 @@ def generate(
         out.step_requests.append(len(requests))
         if on_step:
             on_step(len(requests))
+        if split is not None:
+            return _decode_split(
+                model, split, requests, cache, max_new_tokens, temperature, generator, out
+            )
 
         while active := [r for r in requests if r.generated < max_new_tokens]:
             saved = {
@@ -240,6 +303,50 @@ def generate(
                 on_step(kept_total + len(active))
     for r in requests:
         out.tokens[r.slot] = r.tokens[r.prompt :]
+    return out
+
+
+def _decode_split(
+    model: DeepseekV41,
+    split: Split,
+    requests: list[_Request],
+    cache: KVCache,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None,
+    out: Decoded,
+) -> Decoded:
+    """`generate`'s decode steps in `split.decode`'s layout: this rank's share of the requests
+    handed over to a cache of their own, one token per step for each (a rank whose group has
+    no request still joins every step with none: the EP exchange needs every rank); then every
+    prefill group's tokens gathered."""
+    import torch.distributed as dist
+
+    mine = split.share(dist.get_rank(), len(requests))
+    own = model.new_cache(max(1, len(mine)), cache.max_len)
+    hand_over(cache, mine, own)
+    local = [
+        _Request(i, requests[slot].tokens, requests[slot].prompt, held=requests[slot].held)
+        for i, slot in enumerate(mine)
+    ]
+    for _ in range(max_new_tokens - 1):
+        verified = _call_backbone(split.decode, local, own, False, out)
+        for r in local:
+            first, _ = verified.logit_rows[r.slot]
+            r.held = len(r.tokens)
+            r.tokens.append(sample(verified.logits[first], temperature, generator))
+        out.step_tokens.append(len(local))
+        out.step_requests.append(len(local))
+    from dsv41_compile.core.mesh import build_mesh
+
+    # the prefill DP group's ranks: the requests' decode groups are among them
+    group = build_mesh(tp=split.prefill_tp, ep=1, device_type=cache.lengths.device.type)
+    decoded: list[Any] = [None] * split.prefill_tp
+    mine_tokens = {slot: r.tokens for slot, r in zip(mine, local)}
+    dist.all_gather_object(decoded, mine_tokens, group=group.tp_mesh.get_group())
+    for tokens_of in decoded:
+        for slot, tokens in tokens_of.items():
+            out.tokens[slot] = tokens[requests[slot].prompt :]
     return out
 
 
