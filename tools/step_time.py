@@ -21,12 +21,16 @@ plan's floors.
 
     .venv/bin/python tools/step_time.py --preset flash --tp 4 --ep 8 --device 950dt
 
-`--layouts 8x4,8x1,16x4,32x8` compares layouts instead: each `WORLDxTP` planned with the experts
-over the world (ep = WORLD) and the options' cuts, one table of every scenario's predicted step
-at both latencies, the collectives per layer, the weights a rank holds and the requests of
-`--context` positions whose cache fits beside them on the device (`StepCosts.requests_that_fit`:
-activations not counted). A world beyond the device's `ranks_per_node` costs the collectives
-that cross nodes at the link between nodes.
+`--layouts 8x4,8x1,16x4,32x8,8x4/8x1` compares layouts instead: each `WORLDxTP` planned with
+the experts over the world (ep = WORLD) and the options' cuts, one table of every scenario's
+predicted step at both latencies, the collectives per layer, the weights a rank holds and the
+requests of `--context` positions whose cache fits beside them on the device
+(`StepCosts.requests_that_fit`: activations not counted). `PREFILLxTP/DECODExTP` is a split
+(`serving.Split`): the prefill scenario in the first layout, the others in the second, both
+programs' weights counted as held (an upper bound: shards sliced from the same tensors share
+memory), and the hand-over of a request (a copy of its cache rows in device
+memory; no byte between ranks). A world beyond the device's `ranks_per_node` costs the
+collectives that cross nodes at the link between nodes.
 """
 
 from __future__ import annotations
@@ -134,20 +138,29 @@ def report(
     }
 
 
+Layout = tuple[tuple[int, int], tuple[int, int] | None]
+"""((world, tp), None) for one layout; ((world, prefill tp), (world, decode tp)) for a split."""
+
+
 def compare_layouts(
-    cfg: ModelConfig, layouts: list[tuple[int, int]], options: dict[str, Any], args: Any
+    cfg: ModelConfig, layouts: list[Layout], options: dict[str, Any], args: Any
 ) -> dict[str, Any]:
-    """Each `(world, tp)` of `layouts` planned once (ep = world) and costed for every scenario
-    on each device of `args.devices`; the comparison tables printed, returned as a JSON
-    record."""
+    """Each layout of `layouts` planned once (ep = world) and costed for every scenario on each
+    device of `args.devices`; the comparison tables printed, returned as a JSON record. A split
+    (`serving.Split`) takes the prefill scenario from its prefill layout and the others from
+    its decode layout, counts both programs' weights as held (an upper bound: the same model
+    compiled twice, whose shards may share memory) and the decode layout's cache, and hands a request over by copying its cache rows in device memory (no
+    byte between ranks: `hand_over`)."""
     low, high = (latency_label(latency) for latency in LATENCIES)
-    planned = []
-    for world, tp in layouts:
-        layout = {**options, "tp": tp, "ep": world}
-        print(f"planning rank 0 of {args.preset}, {world} ranks, tp={tp} ...", flush=True)
-        costs, seconds = plan_costs(cfg, layout, world_size=world, context=args.context)
-        print(f"    planned in {seconds:.0f} s", flush=True)
-        planned.append((world, tp, costs, seconds))
+    planned: dict[tuple[int, int], tuple[StepCosts, float]] = {}
+    for pair in layouts:
+        for world, tp in filter(None, pair):
+            if (world, tp) in planned:
+                continue
+            layout = {**options, "tp": tp, "ep": world}
+            print(f"planning rank 0 of {args.preset}, {world} ranks, tp={tp} ...", flush=True)
+            planned[world, tp] = plan_costs(cfg, layout, world_size=world, context=args.context)
+            print(f"    planned in {planned[world, tp][1]:.0f} s", flush=True)
     rows: list[dict[str, Any]] = []
     for name in args.devices:
         device = device_named(name)
@@ -155,17 +168,30 @@ def compare_layouts(
             f"\n{args.preset} on {name} ({device.ranks_per_node} ranks per node), context "
             f"{args.context}, {options}\n\n| layout | scenario | T | predicted, {low} | "
             f"predicted, {high} | collectives per layer | weights per rank | KV per request | "
-            "requests per rank |\n|---|---|---|---|---|---|---|---|---|"
+            "requests per rank | hand-over per request |\n|---|---|---|---|---|---|---|---|---|---|"
         )
-        for world, tp, costs, seconds in planned:
-            fit = costs.requests_that_fit(device.hbm_bytes)
-            for scenario in scenarios(world // tp):
+        for (world, tp), decode in layouts:
+            prefill_costs, seconds = planned[world, tp]
+            decode_costs = planned[decode][0] if decode else prefill_costs
+            held = prefill_costs.held_weight_bytes
+            label = f"TP{tp}/DP{world // tp}/EP{world}"
+            handover: float | None = None
+            if decode:
+                held += decode_costs.held_weight_bytes
+                label = f"prefill {label}, decode TP{decode[1]}/DP{world // decode[1]}/EP{world}"
+                handover = 2 * decode_costs.cache_bytes_per_request / device.hbm_bytes_per_s
+            fit = max(0, int((device.hbm_bytes - held) // decode_costs.cache_bytes_per_request))
+            for i, scenario in enumerate(scenarios(world // (decode or (world, tp))[1])):
+                costs = prefill_costs if scenario.name.startswith("prefill") else decode_costs
+                if scenario.name.startswith("prefill"):
+                    scenario = scenarios(world // tp)[i]
                 times = [step_time(costs, device.with_latency(x), scenario) for x in LATENCIES]
                 r = {
                     "device": name,
-                    "layout": f"TP{tp}/DP{world // tp}/EP{world}",
+                    "layout": label,
                     "world": world,
                     "tp": tp,
+                    "decode_tp": decode[1] if decode else tp,
                     "planned_seconds": seconds,
                     "scenario": scenario.name,
                     "rows": scenario.rows,
@@ -173,27 +199,42 @@ def compare_layouts(
                         latency_label(t.device.collective_latency): t.seconds for t in times
                     },
                     "collectives_per_layer": times[0].layer_collectives / max(costs.layers, 1),
-                    "held_weight_bytes": costs.held_weight_bytes,
-                    "cache_bytes_per_request": costs.cache_bytes_per_request,
+                    "held_weight_bytes": held,
+                    "cache_bytes_per_request": decode_costs.cache_bytes_per_request,
                     "requests_per_rank": fit,
+                    "handover_seconds": handover,
                 }
                 rows.append(r)
+                moved = "-" if handover is None else f"0 B between ranks, {handover * 1e6:.1f} us"
                 print(
-                    f"| {r['layout']} | {r['scenario']} | {r['rows']} | "
+                    f"| {label} | {r['scenario']} | {r['rows']} | "
                     f"{r['seconds'][low] * 1e3:.2f} ms | {r['seconds'][high] * 1e3:.2f} ms | "
-                    f"{r['collectives_per_layer']:.2f} | {r['held_weight_bytes'] / 1e9:.1f} GB | "
-                    f"{r['cache_bytes_per_request'] / 1e6:.1f} MB | {fit} |"
+                    f"{r['collectives_per_layer']:.2f} | {held / 1e9:.1f} GB | "
+                    f"{r['cache_bytes_per_request'] / 1e6:.1f} MB | {fit} | {moved} |"
                 )
     return {"context": args.context, "options": options, "rows": rows}
 
 
-def _layouts(text: str) -> list[tuple[int, int]]:
-    layouts = []
-    for item in text.split(","):
+def _layouts(text: str) -> list[Layout]:
+    def one(item: str) -> tuple[int, int]:
         world, sep, tp = item.partition("x")
         if not (sep and world.isdigit() and tp.isdigit()):
-            raise SystemExit(f"--layouts {text!r}: write each layout as WORLDxTP, e.g. 16x4")
-        layouts.append((int(world), int(tp)))
+            raise SystemExit(
+                f"--layouts {text!r}: write each layout as WORLDxTP (16x4), a split as "
+                "WORLDxTP/WORLDxTP (prefill / decode: 8x4/8x1)"
+            )
+        return int(world), int(tp)
+
+    layouts: list[Layout] = []
+    for item in text.split(","):
+        prefill, sep, decode = item.partition("/")
+        pair = (one(prefill), one(decode) if sep else None)
+        if pair[1] is not None and (pair[1][0] != pair[0][0] or pair[0][1] % pair[1][1]):
+            raise SystemExit(
+                f"--layouts {item!r}: a split runs both layouts on the same ranks, its decode "
+                "tp dividing its prefill tp (serving.Split)"
+            )
+        layouts.append(pair)
     return layouts
 
 

@@ -250,6 +250,21 @@ def test_the_tools_scenarios_spread_the_requests_over_the_dp_groups(load_tool):
     ]
 
 
+def test_the_tools_layouts_and_splits_and_the_errors_that_name_the_form(load_tool):
+    tool = load_tool("step_time")
+    assert tool._layouts("8x4,16x1,8x4/8x1") == [
+        ((8, 4), None),
+        ((16, 1), None),
+        ((8, 4), (8, 1)),
+    ]
+    with pytest.raises(SystemExit, match=r"write each layout as WORLDxTP \(16x4\), a split as"):
+        tool._layouts("8:4")
+    with pytest.raises(SystemExit, match="its decode tp dividing its prefill tp"):
+        tool._layouts("8x2/8x4")
+    with pytest.raises(SystemExit, match="a split runs both layouts on the same ranks"):
+        tool._layouts("8x4/16x1")
+
+
 def test_the_physical_floor_does_not_depend_on_the_layout(tiny, plan_once):
     """Another layout: wo_b whole on every rank, one EP row per assignment (each local
     routed-experts call sees one route per row); the experts a token touches are still the
