@@ -27,8 +27,8 @@ predicted step at both latencies, the collectives per layer, the weights a rank 
 requests of `--context` positions whose cache fits beside them on the device
 (`StepCosts.requests_that_fit`: activations not counted). `PREFILLxTP/DECODExTP` is a split
 (`serving.Split`): the prefill scenario in the first layout, the others in the second, both
-programs' weights counted as held (an upper bound: shards sliced from the same tensors share
-memory), and the hand-over of a request (a copy of its cache rows in device
+programs' weights held (what they hold alike, once: `StepCosts.held_weights`), and the
+hand-over of a request (a copy of its cache rows in device
 memory; no byte between ranks). A world beyond the device's `ranks_per_node` costs the
 collectives that cross nodes at the link between nodes.
 """
@@ -148,8 +148,8 @@ def compare_layouts(
     """Each layout of `layouts` planned once (ep = world) and costed for every scenario on each
     device of `args.devices`; the comparison tables printed, returned as a JSON record. A split
     (`serving.Split`) takes the prefill scenario from its prefill layout and the others from
-    its decode layout, counts both programs' weights as held (an upper bound: the same model
-    compiled twice, whose shards may share memory) and the decode layout's cache, and hands a request over by copying its cache rows in device memory (no
+    its decode layout, holds both programs' weights (what they hold alike, such as the
+    experts, once: `StepCosts.held_weights`) and the decode layout's cache, and hands a request over by copying its cache rows in device memory (no
     byte between ranks: `hand_over`)."""
     low, high = (latency_label(latency) for latency in LATENCIES)
     planned: dict[tuple[int, int], tuple[StepCosts, float]] = {}
@@ -176,8 +176,8 @@ def compare_layouts(
             held = prefill_costs.held_weight_bytes
             label = f"TP{tp}/DP{world // tp}/EP{world}"
             handover: float | None = None
-            if decode:
-                held += decode_costs.held_weight_bytes
+            if decode:  # what the two programs hold alike (the experts, ...) is held once
+                held = sum({**prefill_costs.held_weights, **decode_costs.held_weights}.values())
                 label = f"prefill {label}, decode TP{decode[1]}/DP{world // decode[1]}/EP{world}"
                 handover = 2 * decode_costs.cache_bytes_per_request / device.hbm_bytes_per_s
             fit = max(0, int((device.hbm_bytes - held) // decode_costs.cache_bytes_per_request))

@@ -153,6 +153,10 @@ class StepCosts:
     cache_bytes_per_request: float = 0.0
     """One request's cache on this rank (one slot of every cache tensor), at the cache length
     the graph was planned with."""
+    held_weights: dict[str, int] = field(default_factory=dict)
+    """`held_weight_bytes` per held tensor, keyed by the parameter and the part of it held
+    (`"<fqn>"` whole, `"<fqn>[dim/parts...]"` a shard): two programs of one rank that hold the
+    same key share it where they read their weights from one checkpoint (`runtime.weights`)."""
 
     def requests_that_fit(self, hbm_bytes: float) -> int:
         """The requests whose cache fits in `hbm_bytes` beside the held weights (activations
@@ -358,14 +362,17 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
         int(global_bytes),
         int(global_experts),
         len({op.layer for op in ops if op.layer is not None}),
-        held,
+        sum(held.values()),
         per_request,
+        held,
     )
 
 
-def _held_bytes(gm: GraphModule, ctx: CompileContext) -> tuple[int, float]:
-    """(the weights this rank holds in device memory, one slot of its cache tensors)."""
-    held, slot = 0, 0.0
+def _held_bytes(gm: GraphModule, ctx: CompileContext) -> tuple[dict[str, int], float]:
+    """(the weights this rank holds in device memory, by `StepCosts.held_weights`' keys; one
+    slot of its cache tensors)."""
+    held: dict[str, int] = {}
+    slot = 0.0
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for index, node in enumerate(placeholders):
         value = node.meta.get("val")
@@ -374,10 +381,15 @@ def _held_bytes(gm: GraphModule, ctx: CompileContext) -> tuple[int, float]:
         size = value.numel() * value.element_size()
         if node.name in ctx.param_fqns:
             shard = ctx.signature.param_shards.get(index)
-            held += 0 if shard is not None and shard.host else size
+            key = ctx.param_fqns[node.name]
+            if shard is not None and shard.host:
+                continue
+            if shard is not None and shard.parts > 1:
+                key += f"[{shard.dim}/{shard.parts}{shard.ranges or ''}{shard.dtype or ''}]"
+            held[key] = held.get(key, 0) + size
         elif ctx.input_sources.get(node.name, "").startswith("cache.") and value.dim() >= 2:
             slot += size / value.shape[0]  # dim 0: the slots (the requests' and a scratch one)
-    return int(held), slot
+    return held, slot
 
 
 def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:

@@ -137,6 +137,10 @@ def test_the_requests_that_fit_beside_the_weights_a_rank_holds(tiny):
     assert costs.cache_bytes_per_request == pytest.approx(slot)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     assert whole / 8 < costs.held_weight_bytes < whole
+    # by tensor held: the routed experts a shard of 8 parts, the embedding whole
+    assert sum(costs.held_weights.values()) == costs.held_weight_bytes
+    assert "layers.0.ffn.experts.w1[0/8]" in costs.held_weights
+    assert "embed.weight" in costs.held_weights
     hbm = costs.held_weight_bytes + 10.5 * costs.cache_bytes_per_request
     assert costs.requests_that_fit(hbm) == 10
     assert costs.requests_that_fit(costs.held_weight_bytes / 2) == 0
