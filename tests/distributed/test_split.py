@@ -42,6 +42,9 @@ def test_generate_split_gives_the_greedy_tokens_of_one_device(results):
         assert len(r["tokens"]) == SPEC.requests[rank // 4]
         assert all(len(t) == SPEC.max_new_tokens for t in r["tokens"])
         assert r["tokens"] == r["greedy"], rank
+        # the prefill's program and the decode's, each compiled once (generate runs the
+        # programs of the checked calls: the same token marks and rows asked for)
+        assert r["programs"] == 2, (rank, r["programs"])
 
 
 def test_a_decode_layout_that_crosses_prefill_groups_is_refused():

@@ -18,9 +18,11 @@ from typing import Any
 import torch
 
 from dsv41_compile.backend import mark_token_dim
+from dsv41_compile.core.torch_private import mark_unbacked
 from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
 from dsv41_compile.deepseek_v41.model.batches import Request, pack
 from dsv41_compile.deepseek_v41.serving import Split, generate, hand_over
+from dsv41_compile.runtime.host_cache import STATS
 
 __all__ = ["SplitSpec", "split_on_rank"]
 
@@ -50,7 +52,8 @@ def split_on_rank(rank: int, world: int, spec: SplitSpec) -> dict[str, Any]:
     """Returns `{"mine": the requests this rank decodes, "prefill": max |logit diff| of the
     prefill, "cache": max |diff| of the handed-over cache against the single-device cache's
     rows, "decode": max |logit diff| per decode step, "tokens": generate's tokens (every
-    request of the group), "greedy": the single-device model's greedy tokens}`."""
+    request of the group), "greedy": the single-device model's greedy tokens, "programs": the
+    programs this process compiled or loaded (`generate` runs those of the calls before it)}`."""
     torch.manual_seed(0)
     model = DeepseekV41(ModelConfig.from_name(spec.preset, **dict(spec.overrides)))
     reference = copy.deepcopy(model)
@@ -64,16 +67,21 @@ def split_on_rank(rank: int, world: int, spec: SplitSpec) -> dict[str, Any]:
     mine = split.share(rank, n)
     out: dict[str, Any] = {"mine": mine, "decode": []}
 
-    def marked(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        batch = tuple(t.clone() for t in batch)
-        mark_token_dim(*batch)
-        return batch
+    def marked(batch: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The call's arguments as `generate` passes them (every row asked for), so that its
+        calls below run the programs these calls compile."""
+        ids, positions, slots = (t.clone() for t in batch)
+        mark_token_dim(ids, positions, slots)
+        rows = torch.arange(ids.shape[0])
+        mark_unbacked(rows, 0)
+        return (ids, positions, slots), rows
 
     with torch.no_grad():
         cache = model.new_cache(n, spec.max_len)
         ref_cache = reference.new_cache(n, spec.max_len)
         batch = pack([Request(i, p, 0) for i, p in enumerate(prompts)])
-        got, want = prefill(*marked(batch), cache), reference(*batch, ref_cache)
+        args, rows = marked(batch)
+        got, want = prefill(*args, cache, logit_rows=rows), reference(*batch, ref_cache)
         out["prefill"] = float((got - want).abs().max())
         own = model.new_cache(max(1, len(mine)), spec.max_len)
         hand_over(cache, mine, own)
@@ -87,7 +95,8 @@ def split_on_rank(rank: int, world: int, spec: SplitSpec) -> dict[str, Any]:
             every = pack([Request(i, [token[i]], held[i]) for i in range(n)])
             want = reference(*every, ref_cache)[mine]
             own_batch = pack([Request(j, [token[i]], held[i]) for j, i in enumerate(mine)])
-            got = decode(*marked(own_batch), own)
+            args, rows = marked(own_batch)
+            got = decode(*args, own, logit_rows=rows)
             out["decode"].append(float((got - want).abs().max()) if mine else 0.0)
             held = [h + 1 for h in held]
         out["tokens"] = generate(
@@ -97,4 +106,5 @@ def split_on_rank(rank: int, world: int, spec: SplitSpec) -> dict[str, Any]:
         out["greedy"] = generate(
             reference, prompts, spec.max_new_tokens, speculative=False, max_len=spec.max_len
         ).tokens
+    out["programs"] = sum(STATS.values())  # compiled or loaded by this process
     return out
