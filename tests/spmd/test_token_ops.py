@@ -314,13 +314,18 @@ def test_a_roll_of_a_replicated_value_indexes_its_rows_without_an_exchange():
             aten.flip.default,
             "tokens gathered (DTensor's rule for aten.flip.default moves the token shards of ",
         ),
+        (  # a count per key: an output sized by the keys' values, no DTensor rule
+            lambda h: h * torch.bincount(_keys(h), minlength=2)[_keys(h)][:, None],
+            aten.bincount.default,
+            "tokens gathered (DTensor has no rule for aten.bincount.default",
+        ),
         (  # token shards side by side along the tokens: not a token shard of the result
             lambda h: torch.cat([h, 2 * h]).unflatten(0, (2, -1)).sum(0),
             aten.cat.default,
             "dsv41 (R, R) -> R",
         ),
     ],
-    ids=["flip", "cat-of-shards"],
+    ids=["flip", "bincount", "cat-of-shards"],
 )
 def test_an_op_with_no_rule_on_token_shards_gathers_them(mix, op, rule):
     placed, block, _ = compiled(mix)
