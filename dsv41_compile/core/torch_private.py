@@ -61,6 +61,7 @@ __all__ = [
     "CHECKED_WITH",
     "DTensorSpec",
     "DynamoCompileContext",
+    "drop_pending_unbacked_symbols",
     "FakeProcessGroup",
     "FakeTensor",
     "FakeTensorMode",
@@ -312,3 +313,11 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
+
+
+def drop_pending_unbacked_symbols(mode: FakeTensorMode) -> None:
+    """Forget the unbacked symbols `mode`'s shape env made that no traced output has claimed
+    yet (`ShapeEnv.pending_fresh_unbacked_symbols`, which fake propagation checks after each
+    node)."""
+    if mode.shape_env is not None:
+        mode.shape_env.pending_fresh_unbacked_symbols.clear()

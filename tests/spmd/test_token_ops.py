@@ -319,20 +319,39 @@ def test_a_roll_of_a_replicated_value_indexes_its_rows_without_an_exchange():
             aten.bincount.default,
             "tokens gathered (DTensor has no rule for aten.bincount.default",
         ),
+        (  # the tokens a mask keeps: how many is the values' business (an unbacked size)
+            lambda h: h + h[torch.nonzero(h[:, 0] > 0).squeeze(1)].sum(0),
+            aten.nonzero.default,
+            "tokens gathered (DTensor has no rule for aten.nonzero.default",
+        ),
+        (
+            lambda h: h + torch.masked_select(h[:, 0], h[:, 0] > 0).sum(),
+            aten.masked_select.default,
+            "tokens gathered (DTensor has no rule for aten.masked_select.default",
+        ),
+        (  # a boolean mask as an index (once an unbacked size left pending broke verify)
+            lambda h: h + h[h[:, 0] > 0].sum(0),
+            aten.index.Tensor,
+            "tokens gathered (DTensor's rule for aten.index.Tensor refuses (S(0), S(0))",
+        ),
         (  # token shards side by side along the tokens: not a token shard of the result
             lambda h: torch.cat([h, 2 * h]).unflatten(0, (2, -1)).sum(0),
             aten.cat.default,
             "dsv41 (R, R) -> R",
         ),
     ],
-    ids=["flip", "bincount", "cat-of-shards"],
+    ids=["flip", "bincount", "nonzero", "masked_select", "bool-mask", "cat-of-shards"],
 )
 def test_an_op_with_no_rule_on_token_shards_gathers_them(mix, op, rule):
     placed, block, _ = compiled(mix)
     ((given, made, why),) = nodes_of(placed, op)
     assert made == R and all(p == R for p in given) and why.startswith(rule), why
     assert block and all(kind == "all_gather" for kind, _ in block), block
-    assert all(reason.startswith(f"S(0) -> R: {op.__name__.split('.')[0]}") for _, reason in block)
+    # the op's gathers (and for `nonzero`, the rows it picks read from the gathered rows)
+    name = op.__name__.split(".")[0]
+    assert any(reason.startswith(f"S(0) -> R: {name} ") for _, reason in block), block
+    readers = (f"S(0) -> R: {name} ", "S(0) -> R: index ")
+    assert all(reason.startswith(readers) for _, reason in block), block
 
 
 def test_graph_py_lists_the_exchanges_beyond_the_layout_with_the_op_that_needs_them():
