@@ -25,7 +25,8 @@ plan's floors.
 the experts over the world (ep = WORLD) and the options' cuts, one table of every scenario's
 predicted step at both latencies, the collectives per layer, the weights a rank holds and the
 requests of `--context` positions whose cache fits beside them on the device
-(`StepCosts.requests_that_fit`: activations not counted). `PREFILLxTP/DECODExTP` is a split
+(`StepCosts.requests_that_fit`: activations not counted) and in the world (a DP group's ranks
+hold the same requests: V4.1's one KV head is not split by tp). `PREFILLxTP/DECODExTP` is a split
 (`serving.Split`): the prefill scenario in the first layout, the others in the second, both
 programs' weights held (what they hold alike, once: `StepCosts.held_weights`), and the
 hand-over of a request (a copy of its cache rows in device
@@ -168,7 +169,8 @@ def compare_layouts(
             f"\n{args.preset} on {name} ({device.ranks_per_node} ranks per node), context "
             f"{args.context}, {options}\n\n| layout | scenario | T | predicted, {low} | "
             f"predicted, {high} | collectives per layer | weights per rank | KV per request | "
-            "requests per rank | hand-over per request |\n|---|---|---|---|---|---|---|---|---|---|"
+            "requests per rank | requests in the world | hand-over per request |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|"
         )
         for (world, tp), decode in layouts:
             prefill_costs, seconds = planned[world, tp]
@@ -202,6 +204,8 @@ def compare_layouts(
                     "held_weight_bytes": held,
                     "cache_bytes_per_request": decode_costs.cache_bytes_per_request,
                     "requests_per_rank": fit,
+                    # each decode DP group holds its own requests (its ranks the same ones)
+                    "requests_in_world": fit * (world // (decode or (world, tp))[1]),
                     "handover_seconds": handover,
                 }
                 rows.append(r)
@@ -210,7 +214,8 @@ def compare_layouts(
                     f"| {label} | {r['scenario']} | {r['rows']} | "
                     f"{r['seconds'][low] * 1e3:.2f} ms | {r['seconds'][high] * 1e3:.2f} ms | "
                     f"{r['collectives_per_layer']:.2f} | {held / 1e9:.1f} GB | "
-                    f"{r['cache_bytes_per_request'] / 1e6:.1f} MB | {fit} | {moved} |"
+                    f"{r['cache_bytes_per_request'] / 1e6:.1f} MB | {fit} | "
+                    f"{r['requests_in_world']} | {moved} |"
                 )
     return {"context": args.context, "options": options, "rows": rows}
 
