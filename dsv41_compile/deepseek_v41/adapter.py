@@ -181,7 +181,7 @@ def _resolve_head(
     gather = rows * vocab * 4
     seconds = {
         "replicated": matmul(1),
-        "vocab_sharded": matmul(tp) + device.collective_seconds((tp - 1) / tp * gather),
+        "vocab_sharded": matmul(tp) + device.collective_seconds((tp - 1) / tp * gather, group=tp),
     }
     chosen = min(seconds, key=seconds.__getitem__) if given == "auto" else given
     why = timed_choice("head", given, chosen, seconds, "step", 1, device.name, rows) + (
@@ -223,7 +223,7 @@ def _resolve_engram(
     # all-to-alls, each rank's tokens' ids out and rows back for every table
     device = options.device_model(next(iter(tables.values())).device.type)
     per_rank = -(-options.rows_per_step // options.tp) * exchange * len(tables)
-    seconds = device.collective_seconds(per_rank, count=2)
+    seconds = device.collective_seconds(per_rank, count=2, group=world, all_to_all=True)
     timed = (
         f"{seconds * 1e6:.1f} us per step for the exchange on {device.name} at "
         f"{options.rows_per_step} rows per step"
@@ -297,7 +297,7 @@ def _resolve_shared_expert(
     seconds = {
         "whole": device.roofline_seconds(weight, 6 * -(-rows // tp) * dim * hidden, operand),
         "split": device.roofline_seconds(weight / tp, 6 * rows * dim * hidden / tp, operand)
-        + device.collective_seconds(2 * moved, count=2),
+        + device.collective_seconds(2 * moved, count=2, group=tp),
     }
     chosen = min(seconds, key=seconds.__getitem__) if given == "auto" else given
     why = timed_choice("shared_expert", given, chosen, seconds, "layer", 1, device.name, rows) + (
@@ -405,7 +405,12 @@ class DeepseekV41Adapter(ModelAdapter):
         layer_extra = wo_b[0].numel() * wo_b[0].element_size() * (tp - 1) // tp
         device = options.device_model(wo_b[0].device.type)
         rows = options.rows_per_step
-        seconds = {cut: device.collective_seconds(rows * wire[cut]) for cut in wire}
+        seconds = {
+            cut: device.collective_seconds(
+                rows * wire[cut], group=tp, all_to_all=cut != "reduce_scatter"
+            )
+            for cut in wire
+        }
         seconds["all_to_all"] += layer_extra / device.hbm_bytes_per_s
         extra = layer_extra * len(wo_b)
         budget = options.extra_weight_bytes

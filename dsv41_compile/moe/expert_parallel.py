@@ -210,7 +210,9 @@ def _choose_dispatch(
     seconds = {}
     for dispatch, waits in (("exact", ALL_TO_ALLS["exact"] + 1), ("padded", ALL_TO_ALLS["padded"])):
         info = _layer(node, spec, ctx, dispatch)
-        seconds[dispatch] = device.collective_seconds(rows * info.bytes_per_token(), waits)
+        seconds[dispatch] = device.collective_seconds(
+            rows * info.bytes_per_token(), waits, group=ctx.mesh.ep, all_to_all=True
+        )
     seconds["padded"] += latency / len(targets)
     chosen = min(seconds, key=seconds.__getitem__)
     why = timed_choice(

@@ -345,3 +345,19 @@ def test_ep_dispatch_auto_flips_with_the_link_and_the_rows():
                and n.args[-1] == ctx.mesh.ep_group_name]  # fmt: skip
         assert len(a2a) == {"padded": 2, "exact": 3}[layer.dispatch]
     assert chosen == {"950dt": "padded", "slow-link": "exact"}
+
+
+def test_ep_dispatch_auto_weighs_the_link_between_nodes_when_the_world_spans_nodes():
+    """The same choice at 4096 rows per step on one device, with nodes of 8 ranks (the EP
+    group of 8 within one: the fast link) and of 4 (it spans two nodes, whose link is 10000x
+    slower): the slow link's share of the all-to-all's bytes turns the choice to the dispatch
+    that sends fewer (`Device.collective_seconds`)."""
+    fast = dataclasses.replace(SLOW_LINK, name="nodes", link_bytes_per_s=1e12)
+    chosen = {}
+    for per_node in (8, 4):
+        device = dataclasses.replace(fast, ranks_per_node=per_node)
+        options = {"tp": 4, "ep": 8, "device": device, "rows_per_step": 4096}
+        _, ctx, _ = compile_on_fake_rank(2, options, cfg=ONE_LAYER_SWA)
+        (layer,) = ep_layers(ctx)
+        chosen[per_node] = layer.dispatch
+    assert chosen == {8: "padded", 4: "exact"}
