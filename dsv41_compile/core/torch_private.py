@@ -61,6 +61,7 @@ __all__ = [
     "CHECKED_WITH",
     "DTensorSpec",
     "DynamoCompileContext",
+    "dynamo_config",
     "drop_pending_unbacked_symbols",
     "FakeProcessGroup",
     "FakeTensor",
@@ -321,3 +322,8 @@ def drop_pending_unbacked_symbols(mode: FakeTensorMode) -> None:
     node)."""
     if mode.shape_env is not None:
         mode.shape_env.pending_fresh_unbacked_symbols.clear()
+
+
+def dynamo_config(**settings: Any) -> Any:
+    """A context in which Dynamo's config has `settings` (`torch._dynamo.config.patch`)."""
+    return torch._dynamo.config.patch(**settings)

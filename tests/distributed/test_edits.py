@@ -123,6 +123,7 @@ RUNS = {
         layers=(
             ("request_max_scatter_reduce", "request_mean_index_add"),
             ("top_token_boost", "request_mean_scatter_reduce"),
+            ("masked_token_mean",),
         ),
         modes=("marked", "unmarked"),
     ),
@@ -163,6 +164,10 @@ EXTRA = {
     # the second, x[first] and x[top] before the third); writes there: each rank writes the
     # rows it holds (no exchange); the argmax over the tokens gathers its scores
     "top_token_boost": ["all_gather(tp)"] + ["all_reduce(tp)"] * 5,
+    # ops whose output size the values decide gather their token-sharded inputs (the rows,
+    # the mask, its first channel, the slots); the kept tokens' count, a sum, is a partial
+    # all-reduced
+    "masked_token_mean": ["all_gather(tp)"] * 4 + ["all_reduce(tp)"],
     # a softmax across the heads, which tp shards: the per-head weights [T, H/tp] gathered
     # whole on the head dim
     "q_head_softmax": ["all_gather(tp)"],
@@ -351,7 +356,7 @@ def test_edit_gets_the_layouts_collectives_and_what_its_ops_need(name):
                 assert set(gathers) == {"all_gather(tp)"}, (name, layer, program[layer])
                 assert len(program[layer]) <= len(expected), (name, layer, program[layer])
             else:
-                assert program[layer] == expected, (name, mode, i, layer)
+                assert program[layer] == expected, f"{name} {mode} {i}: {program[layer]}"
 
 
 def _compare_with_a_planted_rule(rank: int, world_size: int, spec: CaseSpec) -> dict:

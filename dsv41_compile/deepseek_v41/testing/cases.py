@@ -34,6 +34,7 @@ import torch
 
 from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.hooks import Hooks, installed
+from dsv41_compile.core.torch_private import dynamo_config
 from dsv41_compile.core.torch_private import dynamo_counters as counters
 from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig, load_checkpoint
 from dsv41_compile.deepseek_v41.model.validate import validate_batch
@@ -267,12 +268,13 @@ def _run_mode(
         raise ValueError(f"unknown compile mode {mode!r}; the modes are {MODES}")
     start = time.perf_counter()
     torch.compiler.reset()  # each mode compiles afresh (and Dynamo's recompile limit is per mode)
+    settings = dict(kv for name, _ in spec.edits for kv in EDITS[name].dynamo_config)
     dynamic = {"dynamic": True, "static": False}.get(mode)
     compiled = torch.compile(model, backend="dsv41_sp", options=options, dynamic=dynamic)
     cache = model.new_cache(spec.num_slots, spec.max_len)
     programs: list[Any] = []
     logits = []
-    with installed(Hooks(on_program=programs.append)):
+    with installed(Hooks(on_program=programs.append)), dynamo_config(**settings):
         for (ids, positions, slots), asked in zip(batches, rows):
             ids, positions, slots = ids.clone(), positions.clone(), slots.clone()
             validate_batch(

@@ -59,6 +59,10 @@ class Edit:
     """Whether the edit mixes the rows of different tokens (a statistic, a shift, a scan)."""
     in_layers: bool = True
     """Whether the edit is made in decoder layers (else in the modules around them)."""
+    dynamo_config: tuple[tuple[str, Any], ...] = ()
+    """Dynamo settings a user sets to trace the edit (`torch._dynamo.config`): an op whose
+    output size its input's values decide (`nonzero`, `masked_select`, `bincount`, `x[mask]`)
+    inside a decoder layer, a compiled region, needs `capture_dynamic_output_shape_ops`."""
 
     def apply(self, model: DeepseekV41, layers: Sequence[int] | None = None) -> DeepseekV41:
         """Make the edit on `model`, in the decoder layers `layers` (all by default)."""
@@ -459,6 +463,23 @@ def _top_token_boost(self, x_TD, cache_slot_T, valid_T):
     return x_TD.index_copy(0, first_1, x_TD[first_1] - self.top_boost * x_TD[top_1])
 
 
+def _masked_token_mean(self, x_TD, cache_slot_T, valid_T, num_slots):
+    """The mean input of the valid tokens whose first channel is positive, added to every
+    token, and each token scaled by its request's count of tokens in the call: the tokens
+    picked by a boolean mask (`x[mask]`), by `nonzero` and by `masked_select` -- outputs whose
+    size the values decide -- and the counts by `bincount` over the slots."""
+    keep_T = valid_T & (x_TD[:, 0] > 0)
+    by_mask_D = x_TD[keep_T].sum(0)
+    by_index_D = x_TD[torch.nonzero(keep_T).squeeze(1)].sum(0)
+    firsts = torch.masked_select(x_TD[:, 0], keep_T).sum()
+    kept = keep_T.sum().clamp(min=1)
+    mean_D = (by_mask_D + by_index_D) / (2 * kept) + firsts / kept
+    slot_T = torch.where(valid_T, cache_slot_T, num_slots)
+    counts_S = torch.bincount(slot_T, minlength=num_slots + 1)
+    scale_T = 1 + self.mask_weight / counts_S[slot_T].clamp(min=1)
+    return x_TD * scale_T[:, None] + self.mask_weight * mean_D
+
+
 # -- Ops along the expert dim ----------------------------------------------------------------
 
 
@@ -581,6 +602,15 @@ _EDITS = (
         "the FFN input plus its request's mean (scatter_reduce mean, include_self=False)",
         _mixing("ffn", _request_mean_scatter_reduce, scatter_mean_weight=()),
         mixes_tokens=True,
+    ),
+    # tokens picked by a mask: outputs sized by the values
+    Edit(
+        "masked_token_mean",
+        "the FFN input plus the mean of the tokens a mask keeps (x[mask], nonzero, "
+        "masked_select), scaled by its request's token count (bincount)",
+        _mixing("ffn", _masked_token_mean, mask_weight=()),
+        mixes_tokens=True,
+        dynamo_config=(("capture_dynamic_output_shape_ops", True),),
     ),
     # reads and writes at computed token indices
     Edit(
