@@ -10,6 +10,12 @@ layer, its largest differences -- and the command exits non-zero where a rank di
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr HOST --master-port 29500 \\
         tools/verify_layout.py --tp 4 --ep 8
 
+With `--decode-tp`, the same model is also compiled at that tp and the check is prefill and
+decode in two layouts (`serving.Split`): each rank prefills its DP group's requests at `--tp`,
+keeps its decode group's share (`serving.hand_over`), decodes them at `--decode-tp` against the
+single-device model, and `generate(..., split=...)` is compared with one device's greedy
+tokens (`deepseek_v41.testing.split`).
+
 The ranks join a gloo group and run on CPU (the comparison's single-device side runs on every
 rank too), so this checks the compiler's program and the launch -- ranks, nodes, the host
 cache's one compile per node -- not a device's kernels. DP group g serves requests of its own
@@ -35,6 +41,7 @@ from dsv41_compile.deepseek_v41.testing.cases import (
     model_config,
     serving_steps,
 )
+from dsv41_compile.deepseek_v41.testing.split import SplitSpec, split_on_rank
 from dsv41_compile.runtime.host_cache import node_id
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
@@ -49,7 +56,7 @@ def rank_summary(rank: int, world: int, spec: CaseSpec) -> dict[str, Any]:
     steps = []
     for got, want in zip(out["logits"], result["ref"]):
         try:
-            torch.testing.assert_close(got, want, **TOLERANCE)
+            torch.testing.assert_close(got, want, atol=TOLERANCE["atol"], rtol=TOLERANCE["rtol"])
             ok = True
         except AssertionError:
             ok = False
@@ -68,17 +75,45 @@ def rank_summary(rank: int, world: int, spec: CaseSpec) -> dict[str, Any]:
     }
 
 
-def spec_of(args: argparse.Namespace, world: int) -> CaseSpec:
-    if world % args.tp:
-        sys.exit(f"--tp {args.tp} does not divide the {world} ranks launched")
+def split_summary(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """This rank's check of the split (`split_on_rank`), reduced as `rank_summary`'s."""
+    groups = world // args.tp
+    spec = SplitSpec(
+        overrides=_overrides(args),
+        prefill_tp=args.tp,
+        decode_tp=args.decode_tp,
+        requests=tuple(args.tp // args.decode_tp + g % 2 for g in range(groups)),
+    )
+    r = split_on_rank(rank, world, spec)
+    errors = [r["prefill"], *r["decode"]]
+    return {
+        "rank": rank,
+        "node": node_id(),
+        "mode": f"prefill tp={args.tp}, decode tp={args.decode_tp}",
+        "steps": [{"rows": 0, "max_abs_err": e, "ok": e <= TOLERANCE["atol"]} for e in errors],
+        "cache_diff": r["cache"],
+        "cache_ok": r["cache"] <= TOLERANCE["atol"] and r["tokens"] == r["greedy"],
+        "programs": r["programs"],
+        "host_cache": {},
+        "layer_collectives": {},
+    }
+
+
+def _overrides(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
     overrides: tuple[tuple[str, Any], ...] = (("n_layers", args.layers),)
     if args.sinkhorn:
         overrides += (("hc_sinkhorn_iters", args.sinkhorn),)
+    return overrides
+
+
+def spec_of(args: argparse.Namespace, world: int) -> CaseSpec:
+    if world % args.tp:
+        sys.exit(f"--tp {args.tp} does not divide the {world} ranks launched")
     options = (("tp", args.tp), ("ep", args.ep), ("lowering", args.lowering))
     return CaseSpec(
         steps=serving_steps(world // args.tp),
         preset=args.preset,
-        overrides=overrides,
+        overrides=_overrides(args),
         options=options,
         modes=(args.mode,),
     )
@@ -88,6 +123,8 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
     for s in summaries:
         cache = s["host_cache"]
         how = f"compiled {cache.get('compiled', 0)}, loaded {cache.get('loaded', 0)}"
+        if not cache:
+            how = f"{s.get('programs', '?')} programs"
         errors = " ".join(f"{step['max_abs_err']:.1e}" for step in s["steps"])
         verdict = "ok" if all(x["ok"] for x in s["steps"]) and s["cache_ok"] else "DIFFERS"
         print(f"rank {s['rank']:3d}  {s['node']:>24}  {how:22}  logits {errors}  {verdict}")
@@ -105,6 +142,9 @@ def main() -> int:
     parser.add_argument("--ep", type=int, default=None, help="1 or the world size (default)")
     parser.add_argument("--lowering", default="eager", choices=("eager", "inductor"))
     parser.add_argument("--mode", default="marked", choices=("marked", "unmarked", "dynamic"))
+    parser.add_argument(
+        "--decode-tp", type=int, help="check prefill at --tp and decode at this tp (a divisor)"
+    )
     parser.add_argument("--json", type=Path, help="rank 0 writes every rank's summary here")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a collective waits")
     args = parser.parse_args()
@@ -120,10 +160,16 @@ def main() -> int:
         cfg = model_config(spec)
         print(
             f"{world} ranks: tp={args.tp}, dp={world // args.tp}, ep={args.ep}; "
-            f"{args.preset}, {cfg.n_layers} layer(s), {args.lowering}, {args.mode}",
+            f"{args.preset}, {cfg.n_layers} layer(s), {args.lowering}, {args.mode}"
+            + (f"; decode at tp={args.decode_tp}" if args.decode_tp else ""),
             flush=True,
         )
-    summary = rank_summary(rank, world, spec)
+    if args.decode_tp is None:
+        summary = rank_summary(rank, world, spec)
+    else:
+        if args.tp % args.decode_tp or args.ep != world or args.preset != "tiny-swa":
+            sys.exit("--decode-tp: a divisor of --tp, with ep the world size and tiny-swa")
+        summary = split_summary(rank, world, args)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, summary)
     dist.destroy_process_group()
