@@ -16,7 +16,6 @@ from dsv41_compile.core.symbols import new_unbacked_symbols
 from dsv41_compile.core.torch_private import (
     FakeTensorMode,
     OpOverload,
-    drop_pending_unbacked_symbols,
     enable_python_dispatcher,
     op_schema,
     tree_map_only,
@@ -27,10 +26,6 @@ __all__ = ["propagate_local_values", "propagate_nodes"]
 
 def propagate_local_values(gm: GraphModule, ctx: CompileContext) -> None:
     """Set every node's `meta["val"]` to its local fake value."""
-    # Unbacked symbols an earlier pass made while it ran an op on fake values to learn its
-    # placement (an index by a boolean mask makes one) belong to no node of this graph: the
-    # propagation would take them for symbols its first node failed to return.
-    drop_pending_unbacked_symbols(ctx.fake_mode)
     with enable_python_dispatcher():  # the decompositions that take symbolic sizes
         _OnceProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*ctx.local_inputs(gm))
 

@@ -18,6 +18,7 @@ shipped test helpers' one private import, torch's own test helpers, is
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import sympy
@@ -62,7 +63,7 @@ __all__ = [
     "DTensorSpec",
     "DynamoCompileContext",
     "dynamo_config",
-    "drop_pending_unbacked_symbols",
+    "new_unbacked_symbols_dropped",
     "FakeProcessGroup",
     "FakeTensor",
     "FakeTensorMode",
@@ -316,12 +317,18 @@ def inductor_cache_dir() -> str:
     return cache_dir()
 
 
-def drop_pending_unbacked_symbols(mode: FakeTensorMode) -> None:
-    """Forget the unbacked symbols `mode`'s shape env made that no traced output has claimed
-    yet (`ShapeEnv.pending_fresh_unbacked_symbols`, which fake propagation checks after each
-    node)."""
-    if mode.shape_env is not None:
-        mode.shape_env.pending_fresh_unbacked_symbols.clear()
+@contextmanager
+def new_unbacked_symbols_dropped() -> Iterator[None]:
+    """Run the block, then forget the unbacked symbols the active fake mode's shape env made in
+    it and no traced output claimed (`ShapeEnv.pending_fresh_unbacked_symbols`, which fake
+    propagation checks after each node): what a question asked on fake values made."""
+    mode = detect_fake_mode()
+    pending = mode.shape_env.pending_fresh_unbacked_symbols if mode and mode.shape_env else []
+    before = len(pending)
+    try:
+        yield
+    finally:
+        del pending[before:]
 
 
 def dynamo_config(**settings: Any) -> Any:

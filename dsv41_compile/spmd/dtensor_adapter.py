@@ -31,6 +31,7 @@ from dsv41_compile.core.torch_private import (
     OpOverload,
     OpSchema,
     TensorMeta,
+    new_unbacked_symbols_dropped,
     sharding_propagator,
     tree_leaves,
     tree_map,
@@ -124,7 +125,13 @@ def _propagate(
     )
     if not any(op in table for table in known):
         raise NotImplementedError(f"DTensor has no sharding rule for {op}")
-    result = propagator.propagate_op_sharding_non_cached(OpSchema(op, schema_args, kwargs or {}))
+    # DTensor runs the op on fake values of these sizes to learn its output's; an output sized
+    # by values (an index by a boolean mask) makes an unbacked symbol that is no node's: left
+    # pending, the fake propagation of `verify` would take it for one its first node lost
+    with new_unbacked_symbols_dropped():
+        result = propagator.propagate_op_sharding_non_cached(
+            OpSchema(op, schema_args, kwargs or {})
+        )
 
     inputs = tuple(a.placement for a in tree_leaves(tuple(args)) if is_placed(a))
     if result.redistribute_schema is not None:
