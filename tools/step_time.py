@@ -150,8 +150,9 @@ def compare_layouts(
     device of `args.devices`; the comparison tables printed, returned as a JSON record. A split
     (`serving.Split`) takes the prefill scenario from its prefill layout and the others from
     its decode layout, holds both programs' weights (what they hold alike, such as the
-    experts, once: `StepCosts.held_weights`) and the decode layout's cache, and hands a request over by copying its cache rows in device memory (no
-    byte between ranks: `hand_over`)."""
+    experts, once: `StepCosts.held_weights`) and the decode layout's cache, and hands a
+    request over by copying its cache rows in device memory (no byte between ranks:
+    `hand_over`)."""
     low, high = (latency_label(latency) for latency in LATENCIES)
     planned: dict[tuple[int, int], tuple[StepCosts, float]] = {}
     for pair in layouts:
@@ -175,25 +176,29 @@ def compare_layouts(
         for (world, tp), decode in layouts:
             prefill_costs, seconds = planned[world, tp]
             decode_costs = planned[decode][0] if decode else prefill_costs
-            held = prefill_costs.held_weight_bytes
+            decode_tp = decode[1] if decode else tp
             label = f"TP{tp}/DP{world // tp}/EP{world}"
+            held = prefill_costs.held_weight_bytes
             handover: float | None = None
             if decode:  # what the two programs hold alike (the experts, ...) is held once
                 held = sum({**prefill_costs.held_weights, **decode_costs.held_weights}.values())
-                label = f"prefill {label}, decode TP{decode[1]}/DP{world // decode[1]}/EP{world}"
+                label = f"prefill {label}, decode TP{decode_tp}/DP{world // decode_tp}/EP{world}"
                 handover = 2 * decode_costs.cache_bytes_per_request / device.hbm_bytes_per_s
-            fit = max(0, int((device.hbm_bytes - held) // decode_costs.cache_bytes_per_request))
-            for i, scenario in enumerate(scenarios(world // (decode or (world, tp))[1])):
-                costs = prefill_costs if scenario.name.startswith("prefill") else decode_costs
+            fit = decode_costs.requests_that_fit(
+                device.hbm_bytes, also_held=held - decode_costs.held_weight_bytes
+            )
+            prefills = {s.name: s for s in scenarios(world // tp)}
+            for scenario in scenarios(world // decode_tp):
+                costs = decode_costs
                 if scenario.name.startswith("prefill"):
-                    scenario = scenarios(world // tp)[i]
+                    costs, scenario = prefill_costs, prefills[scenario.name]
                 times = [step_time(costs, device.with_latency(x), scenario) for x in LATENCIES]
                 r = {
                     "device": name,
                     "layout": label,
                     "world": world,
                     "tp": tp,
-                    "decode_tp": decode[1] if decode else tp,
+                    "decode_tp": decode_tp,
                     "planned_seconds": seconds,
                     "scenario": scenario.name,
                     "rows": scenario.rows,
@@ -205,7 +210,7 @@ def compare_layouts(
                     "cache_bytes_per_request": decode_costs.cache_bytes_per_request,
                     "requests_per_rank": fit,
                     # each decode DP group holds its own requests (its ranks the same ones)
-                    "requests_in_world": fit * (world // (decode or (world, tp))[1]),
+                    "requests_in_world": fit * (world // decode_tp),
                     "handover_seconds": handover,
                 }
                 rows.append(r)

@@ -147,23 +147,28 @@ class StepCosts:
     """Of `global_weight_bytes`, the routed experts'."""
     layers: int
     """The decoder layers the ops belong to."""
-    held_weight_bytes: int = 0
-    """The weights this rank holds in device memory (its shards, the replicated ones whole;
-    not the tables it keeps in host memory)."""
     cache_bytes_per_request: float = 0.0
     """One request's cache on this rank (one slot of every cache tensor), at the cache length
     the graph was planned with."""
     held_weights: dict[str, int] = field(default_factory=dict)
-    """`held_weight_bytes` per held tensor, keyed by the parameter and the part of it held
-    (`"<fqn>"` whole, `"<fqn>[dim/parts...]"` a shard): two programs of one rank that hold the
-    same key share it where they read their weights from one checkpoint (`runtime.weights`)."""
+    """The weights this rank holds in device memory (its shards, the replicated ones whole;
+    not the tables it keeps in host memory), bytes per held tensor, keyed by the parameter and
+    the part of it held (`"<fqn>"` whole, `"<fqn>[dim/parts...]"` a shard): two programs of one
+    rank that hold the same key share it where they read their weights from one checkpoint
+    (`runtime.weights`)."""
 
-    def requests_that_fit(self, hbm_bytes: float) -> int:
-        """The requests whose cache fits in `hbm_bytes` beside the held weights (activations
-        and the runtime's own memory not counted)."""
+    @property
+    def held_weight_bytes(self) -> int:
+        return sum(self.held_weights.values())
+
+    def requests_that_fit(self, hbm_bytes: float, also_held: int = 0) -> int:
+        """The requests whose cache fits in `hbm_bytes` beside the held weights and
+        `also_held` bytes more (another program's weights; activations and the runtime's own
+        memory not counted)."""
         if not self.cache_bytes_per_request:
             return 0
-        return max(0, int((hbm_bytes - self.held_weight_bytes) // self.cache_bytes_per_request))
+        free = hbm_bytes - self.held_weight_bytes - also_held
+        return max(0, int(free // self.cache_bytes_per_request))
 
     def touched(self, world_rows: int) -> float:
         """The expected fraction of a layer's experts the world's rows touch (uniform routing,
@@ -362,7 +367,6 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
         int(global_bytes),
         int(global_experts),
         len({op.layer for op in ops if op.layer is not None}),
-        sum(held.values()),
         per_request,
         held,
     )
