@@ -43,9 +43,11 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from dsv41_compile.backend import mark_token_dim
+from dsv41_compile.core.mesh import build_mesh
 from dsv41_compile.core.torch_private import mark_unbacked
 from dsv41_compile.deepseek_v41.model import DeepseekV41
 from dsv41_compile.deepseek_v41.model.batches import Request, pack
@@ -320,8 +322,6 @@ def _decode_split(
     handed over to a cache of their own, one token per step for each (a rank whose group has
     no request still joins every step with none: the EP exchange needs every rank); then every
     prefill group's tokens gathered."""
-    import torch.distributed as dist
-
     mine = split.share(dist.get_rank(), len(requests))
     own = model.new_cache(max(1, len(mine)), cache.max_len)
     hand_over(cache, mine, own)
@@ -337,8 +337,6 @@ def _decode_split(
             r.tokens.append(sample(verified.logits[first], temperature, generator))
         out.step_tokens.append(len(local))
         out.step_requests.append(len(local))
-    from dsv41_compile.core.mesh import build_mesh
-
     # the prefill DP group's ranks: the requests' decode groups are among them
     group = build_mesh(tp=split.prefill_tp, ep=1, device_type=cache.lengths.device.type)
     decoded: list[Any] = [None] * split.prefill_tp
