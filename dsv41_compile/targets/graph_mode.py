@@ -46,10 +46,10 @@ from typing import Any, cast
 
 import torch
 from torch.fx import Graph, GraphModule, Node, Proxy
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.emitter import Emitter
+from dsv41_compile.core.fake_prop import propagate_local_values
 from dsv41_compile.core.meta import replace_node
 from dsv41_compile.core.torch_private import (
     FakeTensorMode,
@@ -69,7 +69,9 @@ DROPPED = (
 
 
 def graph_mode(gm: GraphModule, *, ctx: CompileContext) -> None:
-    _local_values(gm, ctx)
+    # Local values for every node (expert_parallel's nodes have none yet): the rewrites read
+    # shapes and dtypes.
+    propagate_local_values(gm, ctx)
     rewrite_for_graph_mode(gm, ctx.adapter.graph_mode_rewrites)
 
 
@@ -80,18 +82,11 @@ def npu_ops(gm: GraphModule, *, ctx: CompileContext) -> None:
     (`_assert_async` has no NPU kernel either). The other ATen rewrites stand in for GE
     converters torchair lacks; npugraph_ex runs torch_npu's kernels, which the ops they
     replace have (`tools/torchair_coverage.py --lowering npugraph_ex`)."""
-    _local_values(gm, ctx)
+    propagate_local_values(gm, ctx)
     gaps = {op: _REWRITES[op] for op in NPU_KERNEL_GAPS}
     rewrites = {**gaps, **ctx.adapter.graph_mode_rewrites}
     why = "npugraph_ex: {op} as ops torch_npu has NPU kernels for"
     rewrite_for_graph_mode(gm, rewrites, aten_rewrites=False, why=why)
-
-
-def _local_values(gm: GraphModule, ctx: CompileContext) -> None:
-    # Local values for every node (expert_parallel's nodes have none yet): the rewrites read
-    # shapes and dtypes.
-    with enable_python_dispatcher():  # the decompositions that take symbolic sizes
-        FakeTensorProp(gm, mode=ctx.fake_mode).propagate_dont_convert_inputs(*ctx.local_inputs(gm))
 
 
 def rewrite_for_graph_mode(
