@@ -179,6 +179,10 @@ def main() -> int:
         summary = split_summary(rank, world, args)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, summary)
+    # Every rank past the gather before any closes its connections: a rank that shut its
+    # process group down while a peer was still finishing the gather once died in gloo's
+    # teardown (SIGABRT: "terminate called without an active exception"), under load.
+    dist.barrier()
     dist.destroy_process_group()
     if rank != 0:
         return 0

@@ -15,6 +15,7 @@ from dsv41_compile.core.torch_private import sym_expr
 __all__ = [
     "CAPTURE_FIX",
     "COALESCED",
+    "EP_PADDED",
     "EP_SOURCE",
     "EP_TOKENS",
     "GLOBAL_VAL",
@@ -24,6 +25,7 @@ __all__ = [
     "REAL_ROWS",
     "REASON",
     "REGION",
+    "RIDING",
     "RULE",
     "SYMBOL",
     "describe",
@@ -53,6 +55,13 @@ COALESCED = "dsv41_coalesced"
 EP_SOURCE = (
     "dsv41_ep_source"  # bool: the node reads what the EP dispatch sends (its first argument)
 )
+# tuple[str, int, torch.dtype, int]: on a padded EP lowering's all-to-all, ("dispatch" |
+# "combine", its rows per peer per Tl_max, the rows' dtype, their width): an exchange whose
+# sizes the graph knows, which another exchange over its group can ride (`tables`)
+EP_PADDED = "dsv41_ep_padded"
+# tuple[int, int]: on an all-to-all another rides (`tables`), the bytes per token slot of its
+# own rows and of the rider's (`report.accounting` gives each its share)
+RIDING = "dsv41_riding"
 
 EP_TOKENS = "ep_tokens"
 """The padded EP lowering's extra graph input: the largest token-shard length Tl over the EP group

@@ -55,6 +55,7 @@ from dsv41_compile.core.emitter import Emitter, cast
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import (
     CAPTURE_FIX,
+    EP_PADDED,
     EP_SOURCE,
     GLOBAL_VAL,
     IN,
@@ -62,7 +63,7 @@ from dsv41_compile.core.meta import (
     REGION,
     replace_node,
 )
-from dsv41_compile.core.packing import Column, pack, unpack
+from dsv41_compile.core.packing import Column, pack, packed_dtype, unpack
 from dsv41_compile.core.placements import ExpertShard
 from dsv41_compile.core.torch_private import OpOverload
 from dsv41_compile.devices import timed_choice
@@ -328,7 +329,9 @@ def _padded(emit: _Emitter, op: _Routed, info: EpLayer, ep_tokens: Proxy) -> tup
     )
     local = aten._to_copy.default(aten.remainder.Scalar(expert, per_rank), dtype=torch.float32)
     route = aten.stack.default([local, aten.view.default(op.topk_weight, [-1])], 1)
-    out, routes = _padded_exchange(emit, op, slot, token, route, capacity, ep, _PADDED_WHY)
+    out, routes = _padded_exchange(
+        emit, op, slot, token, route, capacity, info.rows_per_token, ep, _PADDED_WHY
+    )
     filled = aten.ge.Scalar(aten.select.int(routes, 1, 0), 0)
     received = aten.sum.dim_IntList(aten.view.default(filled, [ep, -1]), [1])
     return emit.named(out, "ep_routed_out"), _stats(emit, sent, received)
@@ -356,11 +359,13 @@ def _exchange(
     why: tuple[str, str, str],
     with_routes: bool = False,
     k: int = 1,
+    padded: int | None = None,
 ) -> Any:
     """Dispatch the token rows and routes, run the local experts, combine: the expert outputs
     of the sent rows, back in send order (and the received routes, if asked). A row and its
     routes move side by side in one all-to-all (`core.packing`: one latency, not two), as
-    bytes where their dtypes differ."""
+    bytes where their dtypes differ. `padded`: the padded lowering's rows per peer per Tl_max,
+    marked on both all-to-alls (`meta[EP_PADDED]`), which another exchange can then ride."""
     if op.rows is None:
         payload, column, what = x_send, Column(op.dtype, (op.dim,)), why[0]
     else:  # the quantised rows of the op's input, decoded to it
@@ -372,6 +377,10 @@ def _exchange(
     moved = emit.named(
         emit.a2a(sent, recv_splits, send_splits), "ep_rows", f"{what}; with {why[1]}"
     )
+    if padded is not None:
+        dtype = packed_dtype(columns)
+        width = sum(c.columns * c.itemsize for c in columns) // dtype.itemsize
+        _mark_padded(moved, ("dispatch", padded, dtype, width))
     rows, routes = unpack(_call, moved, columns)
     if op.rows is not None:
         rows = op.rows.decode(rows)
@@ -384,7 +393,14 @@ def _exchange(
         "ep_combined",
         why[2],
     )
+    if padded is not None:
+        _mark_padded(y_back, ("combine", padded, op.dtype, op.dim))
     return (y_back, routes) if with_routes else y_back
+
+
+def _mark_padded(wait: Proxy, mark: tuple[str, int, torch.dtype, int]) -> None:
+    """`meta[EP_PADDED]` on the all-to-all `wait` waits on."""
+    wait.node.args[0].meta[EP_PADDED] = mark  # type: ignore[union-attr]
 
 
 def _call(target: Any, *args: Any) -> Any:
@@ -466,7 +482,16 @@ def _padded_per_rank(
     token = emit.named(aten.repeat.default(emit.arange(tl), [ep]), "ep_token")
     route = aten.view.default(_route_table(op, hit_RTK, local_TK), [-1, 2 * K])
     out, routes = _padded_exchange(
-        emit, op, slot, token, route, capacity, ep, _PADDED_PER_RANK_WHY, k=K
+        emit,
+        op,
+        slot,
+        token,
+        route,
+        capacity,
+        info.rows_per_token,
+        ep,
+        _PADDED_PER_RANK_WHY,
+        k=K,
     )
     routed = aten.ge.Scalar(aten.slice.Tensor(routes, 1, 0, K), 0)  # [n_rows, K]
     per_row = aten.sum.dim_IntList(aten.view.default(routed, [ep, -1, K]), [2])  # [ep, C]
@@ -483,15 +508,16 @@ def _padded_exchange(
     token: Proxy,
     route: Proxy,
     capacity: Any,
+    per_token: int,
     ep: int,
     why: tuple[str, str, str],
     k: int = 1,
 ) -> tuple[Proxy, Proxy]:
     """The padded lowering's exchange, for either kind of row: row i (token `token[i]`, routes
-    `route[i]`) goes to buffer row `slot[i]` (`ep` blocks of `capacity`; the scratch row past
-    the end is never sent; unfilled rows carry routes -1), the buffers are exchanged, each
-    row's output comes back to its slot and is added, in fp32, to its token. Returns the fp32
-    `[Tl, D]` sum and the routes this rank received."""
+    `route[i]`) goes to buffer row `slot[i]` (`ep` blocks of `capacity`, `per_token` rows per
+    Tl_max; the scratch row past the end is never sent; unfilled rows carry routes -1), the
+    buffers are exchanged, each row's output comes back to its slot and is added, in fp32, to
+    its token. Returns the fp32 `[Tl, D]` sum and the routes this rank received."""
     n_rows = capacity * ep
     x_buf = aten.index_put.default(
         aten.new_zeros.default(op.x, [n_rows + 1, op.dim]),
@@ -506,7 +532,9 @@ def _padded_exchange(
     splits = [capacity] * ep
     x_send = aten.split_with_sizes.default(x_buf, [n_rows, 1])[0]
     route_send = aten.split_with_sizes.default(route_buf, [n_rows, 1])[0]
-    y_back, routes = _exchange(emit, op, x_send, route_send, splits, splits, why, True, k=k)
+    y_back, routes = _exchange(
+        emit, op, x_send, route_send, splits, splits, why, True, k=k, padded=per_token
+    )
     y_back = aten.cat.default([y_back, aten.new_zeros.default(y_back, [1, op.dim])])
     contributions = cast(aten.index_select.default(y_back, 0, slot), op.dtype, torch.float32)
     zeros = aten.zeros_like.default(op.x, dtype=torch.float32)

@@ -38,7 +38,7 @@ from dsv41_compile.core.adapter import PARTS
 from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
-from dsv41_compile.core.meta import TABLE, module_paths
+from dsv41_compile.core.meta import RIDING, TABLE, module_paths
 from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols
 from dsv41_compile.core.torch_private import FloorDiv, sym_expr
 from dsv41_compile.moe.stats import EpLayer, ep_layers
@@ -78,6 +78,9 @@ class Cost:
     flops: sympy.Expr
     table: bool = False
     """A collective of a column-split table's exchange (`tables`: Engram's row ids and rows)."""
+    riding: bool = False
+    """The share of another collective's bytes that a table's exchange rides in (`tables`):
+    bytes, but no collective of its own."""
 
 
 def graph_costs(gm: GraphModule, ctx: CompileContext) -> list[Cost]:
@@ -113,6 +116,14 @@ def graph_costs(gm: GraphModule, ctx: CompileContext) -> list[Cost]:
         else:
             continue
         table = kind != "matmul" and node.meta.get(TABLE, False)
+        if RIDING in node.meta:  # a table's exchange in it: each its share of the bytes
+            own, rider = node.meta[RIDING]
+            mine, its = sympy.Rational(own, own + rider), sympy.Rational(rider, own + rider)
+            costs.append(Cost(node.name, part, here, kind, axis, sent * mine, received * mine,
+                              flops))  # fmt: skip
+            costs.append(Cost(node.name, part, here, kind, axis, sent * its, received * its,
+                              flops, table=True, riding=True))  # fmt: skip
+            continue
         costs.append(Cost(node.name, part, here, kind, axis, sent, received, flops, table))
     return costs
 
@@ -139,7 +150,7 @@ def summarize(costs: list[Cost], tokens: int) -> dict[str, object]:
         if c.kind != "matmul" and c.layer is not None:
             key = f"{c.kind}({c.axis})"
             record = collectives.setdefault(key, {"count": 0, "bytes_sent": 0, "bytes_received": 0})
-            record["count"] += 1
+            record["count"] += not c.riding
             record["bytes_sent"] += sent
             record["bytes_received"] += received
     per_layer = {p: {k: v / n_layers for k, v in parts[p].items()} for p in ("attention", "moe")}
@@ -160,7 +171,9 @@ def summarize(costs: list[Cost], tokens: int) -> dict[str, object]:
         },
         "parts": parts,
         "layers": n_layers,
-        "tables": {  # per layer with a column-split table's exchange (Engram's layers)
+        # per layer whose collectives move a column-split table's exchange: the first Engram
+        # layer's, or the MoE layer's before it, in whose EP all-to-alls the exchange rides
+        "tables": {
             "layers": table_layers,
             "bytes_sent_per_table_layer": (
                 sum(at(c.bytes_sent) for c in table_costs) / max(len(table_layers), 1)

@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dsv41_compile.core.collectives import collective_axis, collective_kind
 from dsv41_compile.core.context import CompileContext
-from dsv41_compile.core.meta import COALESCED, REASON, REGION
+from dsv41_compile.core.meta import COALESCED, REASON, REGION, RIDING
 from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols, in_named_symbols, size_expr
 from dsv41_compile.core.torch_private import sym_expr
 
@@ -154,6 +154,9 @@ def comm_records(gm: GraphModule, ctx: CompileContext) -> list[dict[str, Any]]:
                 "reason": node.meta.get(REASON, ""),
             }
         )
+        if RIDING in node.meta:  # a table's exchange in it (`tables`): bytes per token slot
+            own, rider = node.meta[RIDING]
+            records[-1]["riding"] = {"own_bytes_per_slot": own, "rider_bytes_per_slot": rider}
         if COALESCED in node.meta:  # one AllGather standing for several (`spmd.coalesce`)
             records[-1]["members"] = [
                 {"gather": name, "dtype": dtype, "columns": columns}

@@ -26,6 +26,10 @@ Lookups whose row ids depend on no earlier lookup share one exchange, before the
 in the other, the later ones' row ids computed before it. The model's Engram layers all hash
 the input ids, so a step makes one exchange however many Engram layers it has.
 
+The exchange then rides in the last padded EP exchange that ends before it (`_ride`): its ids
+leave beside the dispatch's rows, its rows come back beside the combine's, and it has no
+collective of its own.
+
 The DP groups' batches meet in the exchange: a rank serves every rank's token rows, a group
 with no tokens included. The choice of placement is the adapter's (`ctx.choices`); each
 exchange's reason names it.
@@ -38,13 +42,25 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
-from torch.fx import GraphModule, Node, Proxy
+from torch.fx import Graph, GraphModule, Node, Proxy
 
 from dsv41_compile.core.adapter import TableLookup
+from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.emitter import Emitter
-from dsv41_compile.core.errors import InternalError
-from dsv41_compile.core.meta import GLOBAL_VAL, IN, REASON, TABLE, module_paths, replace_node
+from dsv41_compile.core.errors import InternalError, as_node
+from dsv41_compile.core.meta import (
+    EP_PADDED,
+    GLOBAL_VAL,
+    IN,
+    REASON,
+    REGION,
+    RIDING,
+    TABLE,
+    module_paths,
+    replace_node,
+)
+from dsv41_compile.core.packing import Column, pack, unpack
 from dsv41_compile.core.placements import ColumnShard
 
 __all__ = ["table_exchange"]
@@ -63,7 +79,7 @@ def table_exchange(gm: GraphModule, *, ctx: CompileContext) -> None:
         return
     ep_tokens = ctx.ep_tokens_input(gm)
     for batch in _batches(targets):
-        _exchange(gm, batch, ctx, ep_tokens)
+        _ride(gm, *_exchange(gm, batch, ctx, ep_tokens), ep_tokens)
     gm.graph.lint()
     gm.recompile()
 
@@ -135,9 +151,10 @@ def _member(
 
 def _exchange(
     gm: GraphModule, batch: list[tuple[Node, TableLookup]], ctx: CompileContext, ep_tokens: Node
-) -> None:
+) -> tuple[Node, Node, tuple[int, int]]:
     """One exchange for the batch's lookups, before the first: every lookup's ids in one
-    all-to-all, side by side per token slot, and their rows back in another."""
+    all-to-all, side by side per token slot, and their rows back in another. Returns the two
+    all-to-alls' waits, the ids per token slot and the bytes of a slot's rows."""
     first = batch[0][0]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     hoisted = set().union(*(_needed_after(first, n.args[2], order) for n, _ in batch[1:]))
@@ -195,6 +212,7 @@ def _exchange(
         outs.append((value.node, (added if i == 0 else []) + values))
     for m, (out, nodes) in zip(members, outs, strict=True):
         replace_node(m.node, out, nodes)
+    return asked_all.node, back.node, (slots, row)
 
 
 def _where(node: Node) -> str:
@@ -270,7 +288,7 @@ def _hold_as_bytes(node: Node, index: int, ctx: CompileContext) -> None:
 
 def _all_to_all(
     emit: Emitter, value: object, splits: list[object], group: str, name: str, why: str
-) -> object:
+) -> Proxy:
     """The all-to-all of `value` and its wait, named `name`; both carry the reason (graph.py
     prints the wait's, comm.json records the collective's)."""
     sent = c10d.all_to_all_single.default(value, splits, splits, group)
@@ -278,3 +296,119 @@ def _all_to_all(
     done = emit.named(c10d.wait_tensor.default(sent), name, why)
     done.node.meta[TABLE] = True
     return done
+
+
+def _ride(gm: GraphModule, ids: Node, rows: Node, widths: tuple[int, int], ep_tokens: Node) -> None:
+    """The exchange's two all-to-alls (waits `ids` and `rows`; `widths`: the ids per token slot,
+    the bytes a slot's rows take) ride in the last padded EP exchange that ends before it
+    (`meta[EP_PADDED]`: a MoE layer's dispatch and combine, over the same group, every peer's
+    block sized by the same Tl_max): the row ids leave with the dispatch's rows and the table's
+    rows come back with the combine, side by side per token slot (`core.packing`, as bytes).
+    Two latencies a step saved, not a byte more or less. The row ids (the model's: hashes of
+    the input ids) are computed before the dispatch, the rows looked up before the combine.
+    Where no such exchange precedes the lookups (an Engram layer before the first MoE layer,
+    the exact dispatch, whose sizes are read on the host) or the ids need a collective of
+    their own, the exchange stays on its own."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    ids_a2a, rows_a2a = (as_node(w.args[0], "the all-to-all waited on") for w in (ids, rows))
+    carrier = _carrier(graph, ids_a2a, order)
+    if carrier is None:
+        return
+    dispatch, combine = carrier
+    hoisted = _needed_after(dispatch, ids_a2a.args[0], order)
+    # the lookup, from the ids received (with the dispatch, before the combine)
+    looked_up = _needed_after(combine, rows_a2a.args[0], order) - hoisted - {ids_a2a, ids}
+    if not _movable(hoisted) or not _movable(looked_up):
+        return
+    for n in sorted(hoisted, key=order.__getitem__):  # the row ids, before the dispatch
+        dispatch.prepend(n)
+    _merge(graph, dispatch, ids, Column(torch.int64, (widths[0],)), ep_tokens, [-1])
+    for n in sorted(looked_up, key=order.__getitem__):  # the rows, before the combine
+        combine.prepend(n)
+    _merge(graph, combine, rows, Column(torch.uint8, (widths[1],)), ep_tokens, [-1, widths[1]])
+
+
+def _carrier(graph: Graph, ids_a2a: Node, order: dict[Node, int]) -> tuple[Node, Node] | None:
+    """The last padded EP exchange (dispatch, combine) over `ids_a2a`'s group that ends before
+    it, or None."""
+    group = ids_a2a.args[3]
+    found: dict[str, Node] = {}
+    last = None
+    for node in graph.nodes:
+        if node is ids_a2a:
+            break
+        mark = node.meta.get(EP_PADDED)
+        if mark is not None and node.args[3] == group:
+            found[mark[0]] = node
+            if mark[0] == "combine" and "dispatch" in found:
+                last = (found["dispatch"], node)
+    return last
+
+
+def _movable(nodes: set[Node]) -> bool:
+    """Whether `nodes` may move earlier: computations, no collective, no side effect."""
+    return all(
+        n.op == "call_function"
+        and not n.is_impure()
+        and collective_kind(n) is None
+        and n.target is not c10d.wait_tensor.default
+        for n in nodes
+    )
+
+
+def _merge(
+    graph: Graph,
+    carrier: Node,
+    rider_wait: Node,
+    rider: Column,
+    ep_tokens: Node,
+    shape: list[int],
+) -> None:
+    """The all-to-all `carrier` (padded EP, `meta[EP_PADDED]`) also moves what the all-to-all
+    of `rider_wait` moves (`rider`: its columns per token slot, Tl_max slots per peer; `shape`:
+    its value's): one all-to-all of both side by side per slot; each value after the wait is
+    the one its own all-to-all gave, bit for bit."""
+    _, per_token, dtype, width = carrier.meta[EP_PADDED]
+    rider_a2a = as_node(rider_wait.args[0], "the all-to-all waited on")
+    (carrier_wait,) = carrier.users
+    group, peers = carrier.args[3], len(cast(list[object], carrier.args[1]))
+    columns = [Column(dtype, (per_token * width,)), rider]
+    emit = Emitter(graph)
+    with emit.inserting_before(carrier) as added:
+        p = emit.proxy
+        slots = [
+            aten.view.default(p(carrier.args[0]), [-1, per_token * width]),
+            aten.view.default(p(rider_a2a.args[0]), [-1, rider.columns]),
+        ]
+        splits = [p(ep_tokens)] * peers
+        sent = c10d.all_to_all_single.default(pack(_traced, slots, columns), splits, splits, group)
+        moved = c10d.wait_tensor.default(sent)
+        mine, its = unpack(_traced, moved, columns)
+        outs = [aten.view.default(mine, [-1, width]), aten.view.default(its, shape)]
+    why = f"{carrier_wait.meta[REASON]}; with {rider_wait.meta[REASON]} (riding: a latency saved)"
+    for n in added:
+        n.meta[REGION] = carrier.meta.get(REGION, "")
+        for key in ("stack_trace", "nn_module_stack"):
+            if key in carrier.meta:
+                n.meta[key] = carrier.meta[key]
+    own, its_bytes = (c.columns * c.itemsize for c in columns)
+    sent.node.meta.update(
+        {REASON: why, EP_PADDED: carrier.meta[EP_PADDED], RIDING: (own, its_bytes)}
+    )
+    name = carrier_wait.name
+    carrier_wait.replace_all_uses_with(outs[0].node)
+    rider_wait.replace_all_uses_with(outs[1].node)
+    split_sizes = (cast(list[object], n.args[1]) for n in (carrier, rider_a2a))
+    sizes = [a for splits in split_sizes for a in splits if isinstance(a, Node)]
+    for n in (carrier_wait, carrier, rider_wait, rider_a2a):
+        graph.erase_node(n)
+    for n in dict.fromkeys(sizes):  # their split sizes, now unread
+        if not n.users and _movable({n}):
+            graph.erase_node(n)
+    emit.named(moved, name, why)
+
+
+def _traced(target: Any, *args: Any) -> Any:
+    """An op on proxies (`core.packing`'s emitters): traced into the graph."""
+    return target(*args)

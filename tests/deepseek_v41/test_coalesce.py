@@ -17,6 +17,7 @@ from dsv41_compile.deepseek_v41.model import ModelConfig
 from dsv41_compile.deepseek_v41.testing.batches import Request
 from dsv41_compile.deepseek_v41.testing.presets import SINKHORN_3
 from dsv41_compile.planning import plan_rank
+from dsv41_compile.report.accounting import graph_costs, summarize
 
 # a window-only layer and a ratio-2 layer that is a KV and index source (its compressor's and
 # indexer's projections gathered beside the latents)
@@ -26,13 +27,13 @@ FLASH_2 = {
     "kv_source_layer_ids": (1,),
     "index_source_layer_ids": (1,),
     "candidate_source_layer_id": -1,
-    "engram_layer_ids": (0, 1),  # flash's two tables (its Engram layers are 1 and 14)
-    "engram_num_embeddings": (384006168, 384016682),
+    "engram_layer_ids": (1,),  # flash's first table (its Engram layers are 1 and 14)
+    "engram_num_embeddings": (384006168,),
 }
 
 
 @pytest.fixture(scope="module")
-def flash_ctx():
+def flash():
     cfg = ModelConfig.from_name(
         "flash",
         **FLASH_2,
@@ -41,15 +42,15 @@ def flash_ctx():
         numerics="official",
         dtype="bfloat16",
     )
-    _, ctx, _ = plan_rank(
+    gm, ctx, _ = plan_rank(
         cfg, {"tp": 4, "ep": 8, "lowering": "eager"}, world_size=8,
         requests=[Request(0, [1], 0)], max_len=256,
     )  # fmt: skip
-    return ctx
+    return gm, ctx
 
 
-def test_a_flash_layer_gathers_its_entry_once(flash_ctx):
-    ctx = flash_ctx
+def test_a_flash_layer_gathers_its_entry_once(flash):
+    _, ctx = flash
     entry = {}
     for record in ctx.comm:
         at_entry = ctx.adapter.site(record["region"]).part == "attention"
@@ -69,22 +70,43 @@ def test_a_flash_layer_gathers_its_entry_once(flash_ctx):
         assert "entry gathers of layer values as one AllGather" in gather["reason"]
 
 
-def test_the_engram_layers_share_one_exchange_per_step(flash_ctx):
-    """Both Engram layers hash the input ids, so their tables (split by column over the world,
-    `engram="auto"` at flash sizes) are looked up in one exchange before the first: one
-    all-to-all of both layers' row ids (3 + 3 per rank and token), one of their rows back
-    (264 B each), where each layer had its own two. The 8-rank numerics of two Engram layers
-    sharing the exchange are tests/distributed/test_numerics.py's every-mode run."""
-    table = [r for r in flash_ctx.comm if r["reason"].startswith("table rows")]
-    assert [(r["kind"], r["axis"], r["dtype"], r["layer"]) for r in table] == [
-        ("all_to_all", "ep", "int64", 0),
-        ("all_to_all", "ep", "uint8", 0),
-    ], table
-    ids, rows = table
-    assert ids["input_shape"] == [str(8 * (3 + 3)) + "*Tl_max"], ids
-    assert rows["input_shape"] == ["8*Tl_max", str((3 + 3) * 264)], rows
-    assert "3 + 3 (the 2 lookups of layers.0.engram.embed, layers.1.engram.embed)" in ids["reason"]
-    assert "engram='auto': sharded" in ids["reason"], ids["reason"]  # the choice, not attn_exit's
+def test_the_engram_exchange_rides_in_the_ep_exchange_before_it(flash):
+    """The Engram layer's table (split by column over the world, `engram="auto"` at flash
+    sizes) is looked up through an exchange of row ids and rows (`tables`); with the padded EP
+    dispatch (`ep_dispatch="auto"` at decode) the ids leave with layer 0's dispatch and the rows
+    come back with its combine, side by side per token slot as bytes: no collective of its
+    own (layer 1's count is the layout's 4), the same bytes. The 8-rank numerics of a riding
+    exchange are tests/distributed/test_front_door.py's sp run; of an exchange on its own
+    (the exact dispatch), tests/distributed/test_numerics.py's every-mode run."""
+    gm, ctx = flash
+    assert not [r for r in ctx.comm if r["reason"].startswith("table rows")]
+    ep = [r for r in ctx.comm if r["axis"] == "ep"]
+    assert [(r["kind"], r["dtype"], r["layer"]) for r in ep] == [
+        ("all_to_all", "uint8", 0),
+        ("all_to_all", "uint8", 0),
+        ("all_to_all", "uint8", 1),
+        ("all_to_all", "bfloat16", 1),
+    ], ep
+    dispatch, combine = ep[:2]
+    # layer 1's dispatch moves per token slot its rows (per_rank: one row of FP8 codes, their
+    # scales and 6 routes); layer 0's the same and the 3 int64 row ids of this rank's columns;
+    # its combine one bf16 row (as bytes) and the 3 table rows (264 B each)
+    row = int(ep[2]["input_shape"][1])
+    assert dispatch["input_shape"] == ["8*Tl_max", str(row + 3 * 8)], dispatch
+    assert ep[3]["input_shape"] == ["8*Tl_max", "5120"], ep[3]  # D
+    assert combine["input_shape"] == ["8*Tl_max", str(2 * 5120 + 3 * 264)], combine
+    for record in (dispatch, combine):
+        assert "table rows" in record["reason"] and "riding" in record["reason"], record
+        assert "engram='auto': sharded" in record["reason"], record["reason"]
+    assert dispatch["riding"] == {"own_bytes_per_slot": row, "rider_bytes_per_slot": 3 * 8}
+    assert combine["riding"] == {"own_bytes_per_slot": 2 * 5120, "rider_bytes_per_slot": 792}
+    # the accounting gives the exchange its share: per token (Tl_max = 1 at T = 4), 7 peers'
+    # 3 ids of 8 B out and 3 rows of 264 B back, docs/backend.md's 5,712 B per token and
+    # Engram layer; layer 0 carries it, with two all-to-alls
+    summary = summarize(graph_costs(gm, ctx), 4)
+    assert summary["tables"]["layers"] == [0]
+    assert summary["tables"]["bytes_sent_per_table_layer"] == 7 * (3 * 8 + 3 * 264)
+    assert summary["collectives"]["all_to_all(ep)"]["count"] == 2
 
 
 def test_packed_rows_come_back_bit_for_bit():

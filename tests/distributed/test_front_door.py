@@ -43,8 +43,6 @@ from dsv41_compile.deepseek_v41.testing.batches import Request
 from dsv41_compile.deepseek_v41.testing.cases import CaseSpec, compare_on_rank, model_config
 from dsv41_compile.deepseek_v41.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint
 from dsv41_compile.deepseek_v41.testing.presets import (
-    ENGRAM_0,
-    ONE_LAYER,
     SINKHORN_3,
     SLOW_HBM,
     WIDE,
@@ -70,12 +68,18 @@ COMPILES = {
 # Window-only layers with 3 Sinkhorn iterations instead of 20: the same code, less to trace;
 # the subject here is how Dynamo traces T, and each mode traces the model two or three times on
 # each of the 8 ranks. (Every attention mode is tests/distributed/test_numerics.py's.) The sp
-# run has one layer, twice as wide (D = 128), where the default cuts move all three boundaries:
-# the q / kv latents gathered, wo_b's partial reduce-scattered, one EP row per rank. The
-# replicated run has three: layers 1 and 2 are one kind, which Dynamo traces once -- at a
+# run has two layers, twice as wide (D = 128), where the default cuts move all three boundaries:
+# the q / kv latents gathered, wo_b's partial reduce-scattered, one EP row per rank; layer 1
+# has an Engram table, whose exchange rides in layer 0's EP exchange. The replicated run has
+# three: layers 1 and 2 are one kind, which Dynamo traces once -- at a
 # static T, then at a symbolic one -- and calls twice (`regions`).
 MODEL = {"preset": "tiny-swa", "overrides": (("n_layers", 3), *SINKHORN_3)}
-WIDE_MODEL = {"preset": "tiny-swa", "overrides": (*ONE_LAYER, *SINKHORN_3, *WIDE, *ENGRAM_0)}
+ENGRAM_1 = (("engram_layer_ids", (1,)), ("engram_num_embeddings", (384,)))
+"""tiny's Engram layer (before layer 1), in a window-only configuration."""
+WIDE_MODEL = {
+    "preset": "tiny-swa",
+    "overrides": (("n_layers", 2), *SINKHORN_3, *WIDE, *ENGRAM_1),
+}
 _CHECKPOINT = tempfile.TemporaryDirectory(prefix="dsv41_ckpt_")
 RUNS = {
     # sp, experts over the world, padded dispatch: the all-to-alls need the idle group's ranks
@@ -111,13 +115,13 @@ LAYOUT = {
     # coalesce: their rows side by side), wo_b's fp32 partial
     # reduce-scattered (attn_exit="auto" at the default 8 rows per step: the all-to-all's
     # whole wo_b would cost more reads than its bytes save), one EP row per rank with its routes
-    # (padded: ep_dispatch="auto" at 8 rows; one all-to-all out, one back) and the Engram
-    # exchange's two: row ids out, rows back; and the shared expert split over tp
-    # (shared_expert="auto" on the slow device: its input gathered, its partial output
-    # reduce-scattered)
+    # (padded: ep_dispatch="auto" at 8 rows; one all-to-all out, one back; layer 0's also carry
+    # the Engram exchange of layer 1: row ids out with the rows, table rows back with the
+    # combine); and the shared expert split over tp (shared_expert="auto" on the slow device:
+    # its input gathered, its partial output reduce-scattered)
     "sp-ep8-padded": [
         *["all_gather(tp)"] * 2,
-        *["all_to_all(ep)"] * 4,
+        *["all_to_all(ep)"] * 2,
         *["reduce_scatter(tp)"] * 2,
     ],
     "replicated-ep1": ["all_reduce(tp)"],
