@@ -1,7 +1,7 @@
 """Two nodes as users launch them: two `torchrun` invocations of 4 ranks each (`--nnodes 2
 --node-rank R`, a static rendezvous at node 0's address), here on one host, running
-`tools/verify_layout.py` (tiny-swa, one layer, tp=4, ep=8: each TP group within a node, the EP
-all-to-alls across both). Every rank's logits and cache match the single-device model's at
+`tools/verify_layout.py` (tiny-swa, one layer, tp=1, dp=8, ep=8: attention data-parallel, the
+EP all-to-alls across both nodes). Every rank's logits and cache match the single-device model's at
 the fp32 bound through a prefill, an uneven decode and a step with DP group 0 idle, and each
 node compiles its program once: one rank of each node compiles, its three others load
 (`runtime.host_cache`, keyed by node)."""
