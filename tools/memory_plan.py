@@ -28,6 +28,7 @@ import torch
 from dsv41_compile.deepseek_v41.model import ModelConfig
 from dsv41_compile.deepseek_v41.testing.batches import Request
 from dsv41_compile.planning import plan_rank
+from dsv41_compile.report.accounting import rank_inputs
 from dsv41_compile.report.provenance import provenance
 
 _TABLES = re.compile(r"layers\.\d+\.engram\.embed\.(weight|scale)")
@@ -68,30 +69,23 @@ def memory_plan(gm: Any, ctx: Any, *, max_len: int, skip: tuple[str, ...] = ()) 
     ratio-2 pair state, whatever the length) and `cache_per_token` (the compressed caches,
     which grow with the length). Parameters named in `skip` are not counted (the drafter's
     views of the backbone's embedding and head)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     weights: dict[str, dict[str, int]] = defaultdict(lambda: {"sharded": 0, "replicated": 0})
     tables = {"device": 0, "host": 0}
     cache: dict[str, int] = {}
     rows = 1
-    for index, node in enumerate(placeholders):
-        value = node.meta["val"]
-        if not isinstance(value, torch.Tensor):  # the rank, a token count
-            continue
-        size = value.numel() * value.element_size()
-        source = ctx.input_sources.get(node.name, "")
-        if node.name in ctx.param_fqns:
-            if ctx.param_fqns[node.name] in skip:
+    for held in rank_inputs(gm, ctx):
+        if held.param is not None:
+            if held.param in skip:
                 continue
-            shard = ctx.signature.param_shards.get(index)
-            if _TABLES.fullmatch(ctx.param_fqns[node.name]):
-                host = shard is not None and shard.host
-                tables["host" if host else "device"] += size
+            if _TABLES.fullmatch(held.param):
+                host = held.shard is not None and held.shard.host
+                tables["host" if host else "device"] += int(held.bytes)
                 continue
-            kind = "sharded" if shard is not None else "replicated"
-            weights[str(value.dtype).removeprefix("torch.")][kind] += int(size)
-        elif source.startswith("cache.") and value.dim() >= 2:
-            cache[source] = int(size)
-            rows = value.shape[0]  # the requests' slots + the scratch slot
+            kind = "sharded" if held.shard is not None else "replicated"
+            weights[str(held.value.dtype).removeprefix("torch.")][kind] += int(held.bytes)
+        elif held.cache:
+            cache[held.source] = int(held.bytes)
+            rows = held.value.shape[0]  # the requests' slots + the scratch slot
     fixed = sum(n for s, n in cache.items() if s.startswith(_FIXED)) / rows
     growing = sum(n for s, n in cache.items() if not s.startswith(_FIXED)) / rows
     return {

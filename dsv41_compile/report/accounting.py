@@ -39,6 +39,7 @@ from dsv41_compile.core.collectives import collective_kind
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.meta import RIDING, TABLE, module_paths
+from dsv41_compile.core.signature import ParamShard
 from dsv41_compile.core.symbols import TL_MAX, T, graph_symbols
 from dsv41_compile.core.torch_private import FloorDiv, sym_expr
 from dsv41_compile.moe.stats import EpLayer, ep_layers
@@ -49,11 +50,13 @@ __all__ = [
     "NPU_QUANT_MATMUL",
     "PARTS",
     "Cost",
+    "RankInput",
     "ep_layer_of",
     "graph_costs",
     "in_t",
     "node_flops",
     "per_layer_formulas",
+    "rank_inputs",
     "sizes_in_t",
     "summarize",
     "symbolic_size",
@@ -81,6 +84,42 @@ class Cost:
     riding: bool = False
     """The share of another collective's bytes that a table's exchange rides in (`tables`):
     bytes, but no collective of its own."""
+
+
+@dataclass(frozen=True)
+class RankInput:
+    """A tensor input of a planned rank's program: a parameter (`param`, its fqn, and how the
+    rank holds it, `shard`: None where whole) or a cache tensor (`source`: `cache.<name>`,
+    dim 0 its slots), or another input."""
+
+    node: Node
+    value: torch.Tensor
+    bytes: int | torch.SymInt  # an input sized by the step's tokens: symbolic
+    param: str | None = None
+    shard: ParamShard | None = None
+    source: str = ""
+
+    @property
+    def cache(self) -> bool:
+        """A cache tensor, `[slots, ...]`: one slot per request and a scratch one."""
+        return self.param is None and self.source.startswith("cache.") and self.value.dim() >= 2
+
+
+def rank_inputs(gm: GraphModule, ctx: CompileContext) -> list[RankInput]:
+    """The tensor inputs of the planned rank's program `gm`, with their local bytes (what the
+    rank holds: tools/memory_plan.py, the step-time model's held weights)."""
+    found = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for index, node in enumerate(placeholders):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):  # the rank, a token count
+            continue
+        size = value.numel() * value.element_size()
+        param = ctx.param_fqns.get(node.name)
+        shard = ctx.signature.param_shards.get(index) if param is not None else None
+        source = ctx.input_sources.get(node.name, "")
+        found.append(RankInput(node, value, size, param, shard, source))
+    return found
 
 
 def graph_costs(gm: GraphModule, ctx: CompileContext) -> list[Cost]:

@@ -53,6 +53,7 @@ from dsv41_compile.report.accounting import (
     ep_layer_of,
     in_t,
     node_flops,
+    rank_inputs,
     sizes_in_t,
     symbolic_size,
 )
@@ -377,22 +378,16 @@ def _held_bytes(gm: GraphModule, ctx: CompileContext) -> tuple[dict[str, int], f
     slot of its cache tensors)."""
     held: dict[str, int] = {}
     slot = 0.0
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for index, node in enumerate(placeholders):
-        value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor):
-            continue
-        size = value.numel() * value.element_size()
-        if node.name in ctx.param_fqns:
-            shard = ctx.signature.param_shards.get(index)
-            key = ctx.param_fqns[node.name]
+    for held_input in rank_inputs(gm, ctx):
+        shard, key = held_input.shard, held_input.param
+        if key is not None:
             if shard is not None and shard.host:
                 continue
             if shard is not None and shard.parts > 1:
                 key += f"[{shard.dim}/{shard.parts}{shard.ranges or ''}{shard.dtype or ''}]"
-            held[key] = held.get(key, 0) + size
-        elif ctx.input_sources.get(node.name, "").startswith("cache.") and value.dim() >= 2:
-            slot += size / value.shape[0]  # dim 0: the slots (the requests' and a scratch one)
+            held[key] = held.get(key, 0) + int(held_input.bytes)
+        elif held_input.cache:  # dim 0: the slots (the requests' and a scratch one)
+            slot += held_input.bytes / held_input.value.shape[0]
     return held, slot
 
 
