@@ -271,7 +271,8 @@ def print_tables(doc: dict) -> None:
 
 
 def _print_tables(sc: dict, by: list[dict], tp: int) -> None:
-    """The column-split tables' exchange (Engram) per layer that has one, beside that layer's
+    """The column-split tables' exchange (Engram) per layer that moves it (the first Engram
+    layer, or the MoE layer before it whose EP all-to-alls it rides in), beside that layer's
     other collectives; a replicated table exchanges nothing."""
     tokens = -(-sc["tokens_per_dp_group"] // tp)  # the rank's token shard, Tl
     for config, cost in zip(CONFIGS, by):
@@ -281,7 +282,7 @@ def _print_tables(sc: dict, by: list[dict], tp: int) -> None:
             continue
         sent = tables["bytes_sent_per_table_layer"]
         print(
-            f"  {config:<11} Engram exchange per Engram layer {tables['layers']}: sent "
+            f"  {config:<11} Engram exchange, in layer {tables['layers']}: sent "
             f"{_fmt(sent)}B ({_fmt(sent / tokens)}B per token of the rank's shard), received "
             f"{_fmt(tables['bytes_received_per_table_layer'])}B; the layer's other collectives "
             f"{_fmt(tables['other_bytes_sent_per_table_layer'])}B"
