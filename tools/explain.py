@@ -68,12 +68,10 @@ def main() -> None:
         f"E(0): experts sharded over the world; C / C(host): a table split by column over the "
         f"world, in device / host memory):"
     )
-    for pattern, placement in plan.params:
-        print(f"  parameter {pattern:<32} {format_placement(placement)}")
-    for pattern, placement in plan.anchors:
-        print(f"  entering  {pattern:<32} {format_placement(placement)}")
-    for pattern, placement in plan.exits:
-        print(f"  leaving   {pattern:<32} {format_placement(placement)}")
+    for what, entries in (("parameter", plan.params), ("entering ", plan.anchors),
+                          ("leaving  ", plan.exits)):  # fmt: skip
+        for entry in entries:
+            print(f"  {what} {entry.pattern:<32} {format_placement(entry.placement)}")
     print(f"  partial sums go to {format_placement(plan.partial_to)} before any use")
     for pattern in plan.entry_cuts:
         print(f"  the gather entering {pattern} moves to the cheapest cut (per layer, below)")
