@@ -60,7 +60,7 @@ from dsv41_compile.core.meta import (
     module_paths,
     replace_node,
 )
-from dsv41_compile.core.packing import Column, pack, unpack
+from dsv41_compile.core.packing import Column, pack, packed_dtype, unpack
 from dsv41_compile.core.placements import ColumnShard
 
 __all__ = ["table_exchange"]
@@ -369,7 +369,7 @@ def _merge(
     of `rider_wait` moves (`rider`: its columns per token slot, Tl_max slots per peer; `shape`:
     its value's): one all-to-all of both side by side per slot; each value after the wait is
     the one its own all-to-all gave, bit for bit."""
-    _, per_token, dtype, width = carrier.meta[EP_PADDED]
+    kind, per_token, dtype, width = carrier.meta[EP_PADDED]
     rider_a2a = as_node(rider_wait.args[0], "the all-to-all waited on")
     (carrier_wait,) = carrier.users
     group, peers = carrier.args[3], len(cast(list[object], carrier.args[1]))
@@ -393,8 +393,11 @@ def _merge(
             if key in carrier.meta:
                 n.meta[key] = carrier.meta[key]
     own, its_bytes = (c.columns * c.itemsize for c in columns)
+    # what it sends now: one packed row per token slot (another exchange could ride in it too)
+    moved_dtype = packed_dtype(columns)
+    packed = (own + its_bytes) // moved_dtype.itemsize
     sent.node.meta.update(
-        {REASON: why, EP_PADDED: carrier.meta[EP_PADDED], RIDING: (own, its_bytes)}
+        {REASON: why, EP_PADDED: (kind, 1, moved_dtype, packed), RIDING: (own, its_bytes)}
     )
     name = carrier_wait.name
     carrier_wait.replace_all_uses_with(outs[0].node)
