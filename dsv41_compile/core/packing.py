@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Column", "pack", "packed_dtype", "unpack"]
+__all__ = ["Column", "pack", "packed_dtype", "packed_width", "unpack"]
 
 aten = torch.ops.aten
 Call = Callable[..., Any]
@@ -72,6 +72,11 @@ def _from_bytes(call: Call, dense: Any, column: Column) -> Any:
 def packed_dtype(columns: Sequence[Column]) -> torch.dtype:
     """The packed rows' dtype: the values' own where they share one, else bytes."""
     return torch.uint8 if _mixed(columns) else columns[0].dtype
+
+
+def packed_width(columns: Sequence[Column]) -> int:
+    """The packed rows' width, in elements of `packed_dtype(columns)`."""
+    return sum(c.columns * c.itemsize for c in columns) // packed_dtype(columns).itemsize
 
 
 def _mixed(columns: Sequence[Column]) -> bool:

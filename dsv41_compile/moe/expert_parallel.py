@@ -52,7 +52,7 @@ from torch.fx import Graph, GraphModule, Node, Proxy
 from dsv41_compile.core.adapter import ActivationRows, RoutedExperts
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.emitter import Emitter, cast
-from dsv41_compile.core.errors import InternalError
+from dsv41_compile.core.errors import InternalError, as_node
 from dsv41_compile.core.meta import (
     CAPTURE_FIX,
     EP_PADDED,
@@ -63,7 +63,7 @@ from dsv41_compile.core.meta import (
     REGION,
     replace_node,
 )
-from dsv41_compile.core.packing import Column, pack, packed_dtype, unpack
+from dsv41_compile.core.packing import Column, pack, packed_dtype, packed_width, unpack
 from dsv41_compile.core.placements import ExpertShard
 from dsv41_compile.core.torch_private import OpOverload
 from dsv41_compile.devices import timed_choice
@@ -378,9 +378,7 @@ def _exchange(
         emit.a2a(sent, recv_splits, send_splits), "ep_rows", f"{what}; with {why[1]}"
     )
     if padded is not None:
-        dtype = packed_dtype(columns)
-        width = sum(c.columns * c.itemsize for c in columns) // dtype.itemsize
-        _mark_padded(moved, ("dispatch", padded, dtype, width))
+        _mark_padded(moved, ("dispatch", padded, packed_dtype(columns), packed_width(columns)))
     rows, routes = unpack(_call, moved, columns)
     if op.rows is not None:
         rows = op.rows.decode(rows)
@@ -400,7 +398,7 @@ def _exchange(
 
 def _mark_padded(wait: Proxy, mark: tuple[str, int, torch.dtype, int]) -> None:
     """`meta[EP_PADDED]` on the all-to-all `wait` waits on."""
-    wait.node.args[0].meta[EP_PADDED] = mark  # type: ignore[union-attr]
+    as_node(wait.node.args[0], "the all-to-all waited on").meta[EP_PADDED] = mark
 
 
 def _call(target: Any, *args: Any) -> Any:

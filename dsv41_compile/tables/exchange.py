@@ -54,13 +54,12 @@ from dsv41_compile.core.meta import (
     GLOBAL_VAL,
     IN,
     REASON,
-    REGION,
     RIDING,
     TABLE,
     module_paths,
     replace_node,
 )
-from dsv41_compile.core.packing import Column, pack, packed_dtype, unpack
+from dsv41_compile.core.packing import Column, pack, packed_dtype, packed_width, unpack
 from dsv41_compile.core.placements import ColumnShard
 
 __all__ = ["table_exchange"]
@@ -387,24 +386,16 @@ def _merge(
         mine, its = unpack(_traced, moved, columns)
         outs = [aten.view.default(mine, [-1, width]), aten.view.default(its, shape)]
     why = f"{carrier_wait.meta[REASON]}; with {rider_wait.meta[REASON]} (riding: a latency saved)"
-    for n in added:
-        n.meta[REGION] = carrier.meta.get(REGION, "")
-        for key in ("stack_trace", "nn_module_stack"):
-            if key in carrier.meta:
-                n.meta[key] = carrier.meta[key]
-    own, its_bytes = (c.columns * c.itemsize for c in columns)
     # what it sends now: one packed row per token slot (another exchange could ride in it too)
-    moved_dtype = packed_dtype(columns)
-    packed = (own + its_bytes) // moved_dtype.itemsize
-    sent.node.meta.update(
-        {REASON: why, EP_PADDED: (kind, 1, moved_dtype, packed), RIDING: (own, its_bytes)}
-    )
+    packed = (kind, 1, packed_dtype(columns), packed_width(columns))
+    riding = tuple(c.columns * c.itemsize for c in columns)  # bytes per slot: its own, the rider's
+    sent.node.meta.update({REASON: why, EP_PADDED: packed, RIDING: riding})
     name = carrier_wait.name
-    carrier_wait.replace_all_uses_with(outs[0].node)
-    rider_wait.replace_all_uses_with(outs[1].node)
     split_sizes = (cast(list[object], n.args[1]) for n in (carrier, rider_a2a))
     sizes = [a for splits in split_sizes for a in splits if isinstance(a, Node)]
-    for n in (carrier_wait, carrier, rider_wait, rider_a2a):
+    replace_node(carrier_wait, outs[0].node, added)  # the carrier's source line and region
+    rider_wait.replace_all_uses_with(outs[1].node)
+    for n in (carrier, rider_wait, rider_a2a):
         graph.erase_node(n)
     for n in dict.fromkeys(sizes):  # their split sizes, now unread
         if not n.users and _movable({n}):
