@@ -196,6 +196,8 @@ REFUSED = {
 }
 REFUSED_AT = {"token_diff": "torch.diff(x_TD"}
 COMPILED = sorted(name for run in RUNS.values() for name in run.edits)
+SELECTIONS = ["max_token_gather", "sorted_tokens_blend", "top_token_row", "top_tokens_mean"]
+"""Tokens selected by value: compiled in three meshes by tests/distributed/test_selections.py."""
 
 
 def run_of(name: str) -> tuple[str, EditedModel]:
@@ -222,10 +224,11 @@ def results_of(key: str) -> list:
 
 
 def test_the_corpus_has_edits_of_every_kind():
-    """At least twelve edits, each compiled in exactly one run or refused; the edits that mix
-    tokens are compiled with and without `mark_token_dim`."""
+    """At least twelve edits, each compiled in exactly one run (here, or the selections in
+    their own file) or refused; the edits that mix tokens are compiled with and without
+    `mark_token_dim`."""
     assert len(EDITS) >= 12
-    assert sorted(COMPILED + list(REFUSED)) == sorted(EDITS)
+    assert sorted(COMPILED + list(REFUSED) + SELECTIONS) == sorted(EDITS)
     assert len(set(COMPILED)) == len(COMPILED)
     for key, run in RUNS.items():
         assert all(EDITS[n].in_layers for layer in run.layers for n in layer), key

@@ -44,6 +44,7 @@ from dsv41_compile.runtime import weights
 from dsv41_compile.runtime.host_cache import STATS
 from dsv41_compile.testing.capture import capture_compiled, capture_reference
 from dsv41_compile.testing.fake_rank import layer_collectives
+from dsv41_compile.testing.selections import watch_selections
 
 __all__ = [
     "MODES",
@@ -163,7 +164,10 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     tensors, "modes": {mode: {"logits": per step, "programs": [collectives per layer of each
     program compiled], "outside_layers": [the sorted collectives of each program outside its
     layers], "compiles": programs compiled, "cache_diff": max |cache - ref cache|}},
-    "captures": {module: (compiled values, ref values)}, "comm": comm.json or None,
+    "captures": {module: (compiled values, ref values)}, "near_ties": the single-device
+    model's selections by value whose scores tied within rounding, by step
+    (`testing.selections`: where the compiled model may rightly select other rows), "comm":
+    comm.json or None,
     "npu_ops": with an NPU backend's stand-in, the ops after the backend's AOT step (name ->
     count), "npu_calls": with npugraph_ex's, how it ran each call (captured, replayed,
     uncaptured), "host_cache": this process's shared compiles (`runtime.host_cache.STATS`),
@@ -192,9 +196,14 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     out: dict[str, Any] = {"T": [int(b[0].numel()) for b in batches], "modes": {}}
     out["R"] = [t if r is None else len(r) for t, r in zip(out["T"], rows)]
     out["reference_read"] = reference_read
+    out["near_ties"] = []
     with capture_reference(reference, spec.capture) as ref_store:
-        logits = (reference(*batch, ref_cache) for batch in batches)
-        out["ref"] = [ref if r is None else ref[r] for ref, r in zip(logits, rows)]
+        out["ref"] = []
+        for step, (batch, r) in enumerate(zip(batches, rows)):
+            with watch_selections() as ties:
+                ref = reference(*batch, ref_cache)
+            out["ref"].append(ref if r is None else ref[r])
+            out["near_ties"] += [f"step {step}: {tie}" for tie in ties]
     standin: Any = None
     stack = contextlib.ExitStack()
     if spec.npu_standin and options.get("lowering") == "npugraph_ex":

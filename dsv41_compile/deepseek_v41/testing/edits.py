@@ -463,6 +463,62 @@ def _top_token_boost(self, x_TD, cache_slot_T, valid_T):
     return x_TD.index_copy(0, first_1, x_TD[first_1] - self.top_boost * x_TD[top_1])
 
 
+def _probe_scores(probe_D, x_TD, valid_T):
+    """Each valid token's score, a learned probe of its input (padding rows: -inf). A score
+    that tells tokens apart: the L2 norm of a normed input would not -- RMSNorm with unit
+    weights makes every row's norm sqrt(D) up to rounding, and a selection among such ties is
+    decided by the last bits, which any other summation order changes (README, "Selections by
+    value")."""
+    return (x_TD.float() @ probe_D).masked_fill(~valid_T, float("-inf"))
+
+
+def _valid_rows(x_TD, valid_T, index):
+    """The rows of `x_TD` at `index` and their weights, 1 for a valid token, 0 for padding."""
+    return x_TD[index], valid_T[index][:, None].to(x_TD.dtype)
+
+
+def _top_tokens_mean(self, x_TD, cache_slot_T, valid_T):
+    """The mean of the (at most) two valid tokens of highest score, a fraction of it added to
+    every valid token: tokens selected by value (`topk` over the tokens, `k = min(2, T)`) and
+    read at the computed indices (`x[top_K]`)."""
+    top_K = torch.topk(
+        _probe_scores(self.top_probe, x_TD, valid_T), min(2, x_TD.shape[0]), dim=0
+    ).indices
+    rows_KD, weight_K1 = _valid_rows(x_TD, valid_T, top_K)
+    mean_D = (rows_KD * weight_K1).sum(0) / weight_K1.sum().clamp(min=1)
+    return x_TD + self.top_weight * mean_D * valid_T[:, None].to(x_TD.dtype)
+
+
+def _top_token_row(self, x_TD, cache_slot_T, valid_T):
+    """The valid token of highest score added, scaled, to every valid token: the index a
+    tensor (`argmax(0, keepdim=True)`), the row read at it (`x[top_1]`)."""
+    top_1 = _probe_scores(self.row_probe, x_TD, valid_T).argmax(0, keepdim=True)
+    rows_1D, weight_11 = _valid_rows(x_TD, valid_T, top_1)
+    return x_TD + self.row_weight * (rows_1D * weight_11) * valid_T[:, None].to(x_TD.dtype)
+
+
+def _sorted_tokens_blend(self, x_TD, cache_slot_T, valid_T):
+    """The (at most) three valid tokens of highest score, blended by a softmax of their
+    scores, added to every valid token: tokens ranked by `argsort` (a sort along the tokens),
+    the first three read with `index_select`."""
+    score_T = _probe_scores(self.blend_probe, x_TD, valid_T)
+    order_T = torch.argsort(score_T, dim=0, descending=True)
+    top_K = order_T[: min(3, x_TD.shape[0])]
+    weight_K = torch.softmax(score_T.index_select(0, top_K).clamp(min=-1e4), dim=0)
+    weight_K1 = (weight_K * valid_T.index_select(0, top_K))[:, None].to(x_TD.dtype)
+    blend_D = (x_TD.index_select(0, top_K) * weight_K1).sum(0)
+    return x_TD + self.blend_weight * blend_D * valid_T[:, None].to(x_TD.dtype)
+
+
+def _max_token_gather(self, x_TD, cache_slot_T, valid_T):
+    """The valid token of highest score, by `max(dim=0)`'s indices, read with `gather` and
+    added, scaled, to every valid token."""
+    top_1 = _probe_scores(self.max_probe, x_TD, valid_T).max(dim=0, keepdim=True).indices
+    row_1D = torch.gather(x_TD, 0, top_1[:, None].expand(-1, x_TD.shape[1]))
+    weight_11 = valid_T.gather(0, top_1)[:, None].to(x_TD.dtype)
+    return x_TD + self.max_weight * row_1D * weight_11 * valid_T[:, None].to(x_TD.dtype)
+
+
 def _masked_token_mean(self, x_TD, cache_slot_T, valid_T, num_slots):
     """The mean input of the valid tokens whose first channel is positive, added to every
     token, and each token scaled by its request's count of tokens in the call: the tokens
@@ -611,6 +667,34 @@ _EDITS = (
         _mixing("ffn", _masked_token_mean, mask_weight=()),
         mixes_tokens=True,
         dynamo_config=(("capture_dynamic_output_shape_ops", True),),
+    ),
+    # tokens selected by value (by a score of each token), the selected rows reaching every
+    # token: the selection ops along the tokens, each read with another op
+    Edit(
+        "top_tokens_mean",
+        "the mean of the attention input's top-2 tokens by a score added to every token (topk, "
+        "x[top_K])",
+        _mixing("attention", _top_tokens_mean, top_probe=("D",), top_weight=()),
+        mixes_tokens=True,
+    ),
+    Edit(
+        "top_token_row",
+        "the FFN input's top token by a score added to every token (argmax, x[top_1])",
+        _mixing("ffn", _top_token_row, row_probe=("D",), row_weight=()),
+        mixes_tokens=True,
+    ),
+    Edit(
+        "sorted_tokens_blend",
+        "the attention input's top-3 tokens by a score, blended, added to every token "
+        "(argsort, index_select)",
+        _mixing("attention", _sorted_tokens_blend, blend_probe=("D",), blend_weight=()),
+        mixes_tokens=True,
+    ),
+    Edit(
+        "max_token_gather",
+        "the FFN input's top token by a score added to every token (max(dim=0), gather)",
+        _mixing("ffn", _max_token_gather, max_probe=("D",), max_weight=()),
+        mixes_tokens=True,
     ),
     # reads and writes at computed token indices
     Edit(
