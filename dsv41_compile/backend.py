@@ -36,6 +36,7 @@ from dsv41_compile.frontend import (
     Captured,
     Traced,
     capture,
+    computes_no_tensor,
     hold_during_dynamo_compiles,
     trace,
 )
@@ -86,6 +87,8 @@ def dsv41_sp(
     """The `dsv41_sp` backend. See `BackendOptions` for `options`."""
     opts = BackendOptions.from_dict(options)
     check_dump_after(opts)
+    if computes_no_tensor(gm):  # Dynamo's graph before the model refused its batch
+        return gm.forward
     captured = capture(gm, example_inputs, opts)
     build = _build(captured)
     with claim(None if captured.planning else _shared_key(captured, build), captured.fakes) as c:
@@ -229,7 +232,7 @@ def _bind(
             on_ep_stats = EpStepLog(out / "comm.json", layers, mesh.rank)
     program = ShardedProgram.for_mesh(
         compiled, spec, mesh, on_ep_stats=on_ep_stats, check_inputs=opts.check_inputs,
-        weights=weights,
+        weights=weights, check_batch=captured.adapter.check_inputs,
     )  # fmt: skip
     for hooks in active():
         if hooks.on_program is not None:

@@ -54,6 +54,7 @@ SHARED_COMPILES = {
     "tests/distributed/test_numerics.py": "gloo-ranks",
     "tests/distributed/test_edits.py": "gloo-ranks",
     "tests/distributed/test_selections.py": "gloo-ranks",
+    "tests/distributed/test_bad_batches.py": "gloo-ranks",
     "tests/distributed/test_front_door.py": "gloo-ranks",
     "tests/distributed/test_dspark.py": "gloo-ranks",
     "tests/distributed/test_failures.py": "gloo-ranks",

@@ -491,7 +491,8 @@ def test_a_compile_walks_down_from_the_entry_module_and_never_back():
     """From `dsv41_sp` a compile goes down the layers: nothing calls back into `backend.py` (a
     compiler AOTAutograd calls, a host-cache callback), and the front porch (`frontend/` and the
     regions it traces) is entered from `backend.py` alone, as its two steps and their results:
-    `capture`, then `trace`."""
+    `capture`, then `trace` (and before them `computes_no_tensor`: whether Dynamo's graph is
+    one of no tensor op, handed over where the model refused a call)."""
     with toy_family():
         calls = _walk_of_a_compile(
             lambda: compile_model_on_fake_rank(ToyLM(), (torch.arange(8),), {"tp": 4})
@@ -508,6 +509,6 @@ def test_a_compile_walks_down_from_the_entry_module_and_never_back():
     entries = {(caller, name) for module, caller, name, _ in calls if porch(module)}
     entries = {(caller, name) for caller, name in entries if not porch(caller)}
     assert {caller for caller, _ in entries} == {backend}, sorted(entries)
-    steps = {"capture", "trace"}
+    steps = {"computes_no_tensor", "capture", "trace"}
     results = {"param_shapes", "planning", "bind"}  # what the steps' results answer
     assert steps <= {name for _, name in entries} <= steps | results, sorted(entries)

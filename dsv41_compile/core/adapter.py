@@ -217,6 +217,24 @@ class ModelAdapter(abc.ABC):
         with these parameter shapes (FQN -> shape); the passes would otherwise find out deep
         in the graph."""
 
+    def check_inputs(self, inputs: Mapping[str, Any]) -> None:
+        """Raise the model's own `ValueError` for a call it would refuse, from the inputs the
+        compiled model is called with (model input name -> value; tensors carry their sizes):
+        what the model checks itself but cannot while Dynamo traces (a comparison of sizes a
+        marked token count leaves undecided). The front porch runs it on the inputs it compiles
+        for, the program before every call, before any collective. The default: the token
+        inputs have one length."""
+        lengths = [
+            (name, value.shape[0])
+            for name in self.token_inputs
+            if isinstance(value := inputs.get(name), torch.Tensor) and value.dim()
+        ]
+        if len({n for _, n in lengths}) > 1:
+            raise ValueError(
+                "the token inputs must have the same length T, got "
+                + ", ".join(f"{name}={n}" for name, n in lengths)
+            )
+
     def resolve(
         self, options: BackendOptions, params: Mapping[str, torch.Tensor]
     ) -> tuple[BackendOptions, dict[str, str]]:

@@ -48,6 +48,7 @@ from dsv41_compile.deepseek_v41.model.checkpoint import read_weights
 from dsv41_compile.deepseek_v41.model.numerics import fp8_rows_width
 from dsv41_compile.deepseek_v41.model.ops import engram_dequantize
 from dsv41_compile.deepseek_v41.model.quant import BLOCK
+from dsv41_compile.deepseek_v41.model.validate import check_batch_shapes
 from dsv41_compile.deepseek_v41.options import DeepseekV41Options
 from dsv41_compile.deepseek_v41.plan import deepseek_v41_plan
 from dsv41_compile.devices import timed_choice
@@ -356,6 +357,17 @@ class DeepseekV41Adapter(ModelAdapter):
         if parts:
             return all(found >= _LAYER_PARTS for found in parts.values())
         return "embed.weight" in fqns or "head.weight" in fqns
+
+    def check_inputs(self, inputs: Mapping[str, Any]) -> None:
+        """The forward's own check of its batch (`check_batch_shapes`: dims, dtypes, lengths),
+        with its messages."""
+        ids, positions, slots = (inputs.get(name) for name in self.token_inputs)
+        if (
+            isinstance(ids, torch.Tensor)
+            and isinstance(positions, torch.Tensor)
+            and isinstance(slots, torch.Tensor)
+        ):
+            check_batch_shapes(ids, positions, slots, inputs.get("logit_rows"))
 
     def plan(self, options: BackendOptions) -> ShardingPlan:
         family = family_options(options)

@@ -12,7 +12,14 @@ calls. A rank that loads a program the host compiled (`runtime.host_cache`) need
 first step. While either runs, a few of torch's meta kernels are replaced (`meta_kernels.py`).
 """
 
-from dsv41_compile.frontend.capture import Captured, GraphInputs, capture, mark_call, read_inputs
+from dsv41_compile.frontend.capture import (
+    Captured,
+    GraphInputs,
+    capture,
+    computes_no_tensor,
+    mark_call,
+    read_inputs,
+)
 from dsv41_compile.frontend.meta_kernels import hold_during_dynamo_compiles
 from dsv41_compile.frontend.trace import Traced, trace
 
@@ -21,6 +28,7 @@ __all__ = [
     "GraphInputs",
     "Traced",
     "capture",
+    "computes_no_tensor",
     "hold_during_dynamo_compiles",
     "mark_call",
     "read_inputs",

@@ -28,7 +28,7 @@ from dsv41_compile.families import adapter_for, options_for
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.storage import has_no_weights
 
-__all__ = ["Captured", "GraphInputs", "capture", "mark_call", "read_inputs"]
+__all__ = ["Captured", "GraphInputs", "capture", "computes_no_tensor", "mark_call", "read_inputs"]
 
 _SOURCE_KEYS = re.compile(r"\['([^']+)'\]")
 
@@ -106,6 +106,30 @@ class Captured:
         return generalized
 
 
+def computes_no_tensor(gm: GraphModule) -> bool:
+    """Whether Dynamo's graph computes no tensor: none of its ops makes one and it returns none
+    (at most sizes read and compared). Dynamo hands the backend such a graph where the code it
+    traces calls what it cannot trace before any tensor op -- a model refusing a batch it was
+    given (DeepSeek V4.1's `check_batch_shapes`): there is nothing to place, and the graph runs
+    as it is."""
+
+    def tensors(value: Any) -> bool:
+        if isinstance(value, (tuple, list)):
+            return any(tensors(v) for v in value)
+        return isinstance(value, torch.Tensor)
+
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            return False
+        if node.op == "output":
+            returned = node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
+            if any(tensors(getattr(r, "meta", {}).get("example_value")) for r in returned):
+                return False
+        elif node.op != "placeholder" and tensors(node.meta.get("example_value")):
+            return False
+    return True
+
+
 def capture(gm: GraphModule, example_inputs: list[Any], options: BackendOptions) -> Captured:
     """Dynamo's graph read: its inputs, its family (which must have `options.layout`, and the
     family's options among `options`), its token count; a ValueError that says what to change
@@ -117,7 +141,7 @@ def capture(gm: GraphModule, example_inputs: list[Any], options: BackendOptions)
     _check_recompiles(adapter)
     _check_whole_model(gm, adapter)
     token_index = _token_index(inputs, adapter)  # before AOTAutograd: a misnamed input fails
-    _check_token_lengths(example_inputs, inputs, adapter)
+    _check_inputs(example_inputs, inputs, adapter)
     _check_inference(example_inputs, inputs)
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     device_type = tensors[0].device.type if tensors else "cpu"
@@ -164,24 +188,18 @@ def read_inputs(gm: GraphModule) -> GraphInputs:
     return GraphInputs(params, inputs, frozenset(buffers))
 
 
-def _check_token_lengths(
-    example_inputs: list[Any], inputs: GraphInputs, adapter: ModelAdapter
-) -> None:
-    """A ValueError naming the lengths unless the token inputs Dynamo was called with have one
-    length T. A model checks its batch itself (DeepSeek V4.1's forward does), but with the
-    token count marked (`mark_token_dim`) its check cannot decide while Dynamo traces: the
-    inputs reach the backend, where they hold their sizes."""
-    lengths = []
-    for name in adapter.token_inputs:
-        index = inputs.index_of(name)
-        value = example_inputs[index] if index is not None else None
-        if isinstance(value, torch.Tensor) and value.dim() and isinstance(value.shape[0], int):
-            lengths.append((name, value.shape[0]))
-    if len({n for _, n in lengths}) > 1:
-        raise ValueError(
-            "the token inputs must have the same length T, got "
-            + ", ".join(f"{name}={n}" for name, n in lengths)
-        )
+def _check_inputs(example_inputs: list[Any], inputs: GraphInputs, adapter: ModelAdapter) -> None:
+    """The family's check of the inputs Dynamo was called with (`ModelAdapter.check_inputs`),
+    where they hold their sizes: a model checks its batch itself (DeepSeek V4.1's forward does),
+    but with the token count marked (`mark_token_dim`) its comparison of lengths cannot decide
+    while Dynamo traces."""
+    named = {name: example_inputs[i] for i, name in inputs.input_names.items()}
+    sized = {
+        name: value
+        for name, value in named.items()
+        if not isinstance(value, torch.Tensor) or all(isinstance(n, int) for n in value.shape)
+    }
+    adapter.check_inputs(sized)
 
 
 def _token_index(inputs: GraphInputs, adapter: ModelAdapter) -> int:

@@ -47,7 +47,9 @@ class ShardedProgram:
     padded EP dispatch `ep_tokens` (the largest token-shard length over the EP group, agreed
     with one all-reduce(max) of an integer, outside the graph). The graph's trailing
     EP-statistics outputs are kept in `ep_stats`, not returned; `on_ep_stats`, when set,
-    receives them with the call's `ep_tokens` (or Tl)."""
+    receives them with the call's `ep_tokens` (or Tl). `check_batch`, when set, checks each
+    call's inputs first (the model's own messages for a batch it refuses), on every rank
+    before any collective."""
 
     _boxed_call = True
 
@@ -63,6 +65,7 @@ class ShardedProgram:
         on_ep_stats: Callable[[list[torch.Tensor], int], None] | None = None,
         check_inputs: dist.ProcessGroup | None = None,
         weights: dict[int, torch.Tensor] | None = None,
+        check_batch: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.compiled, self.spec, self.signature = compiled, spec, spec.signature
         self.tp, self.tp_rank, self.rank, self.device_type = tp, tp_rank, rank, device_type
@@ -72,6 +75,9 @@ class ShardedProgram:
         self.weights = weights
         """Input index -> this rank's tensor of that parameter, read from the `checkpoint`
         option's directory (`runtime.weights`): the model's own parameters are not used."""
+        self.check_batch = check_batch
+        """The family's check of a call's inputs (`ModelAdapter.check_inputs`: the model's own
+        messages), before anything of the call runs."""
         self.calls = 0
         self.tp_rank_tensor: torch.Tensor | None = None  # made at the first call, not under
         # the compile-time fake mode
@@ -122,6 +128,8 @@ class ShardedProgram:
             raise failure from error
 
     def _call(self, args: list[Any]) -> Any:
+        if self.check_batch is not None:
+            self.check_batch({name: args[i] for i, name in self.signature.inputs})
         if self.check_inputs is not None:
             indices, names = zip(*self.signature.token_positions)
             check_same_inputs(

@@ -22,7 +22,7 @@ ALLOWED = {
     PACKAGE / "core" / "torch_private.py": "every private name",
     PACKAGE / "testing" / "torch_shims.py": "torch's own test helpers (never the library's)",
 }
-DOCUMENTED = {"_check", "_check_is_size"}
+DOCUMENTED = {"_check", "_check_is_size", "_check_value"}
 """`torch._check*`: documented in torch's reference despite the underscore."""
 NOT_TORCH = {("os", "_exit")}
 """Underscore names of the standard library the package uses."""

@@ -33,7 +33,7 @@ from dsv41_compile.deepseek_v41.model.moe import MoE
 from dsv41_compile.deepseek_v41.model.numerics import fp4_rows_width, fp8_rows_width
 from dsv41_compile.deepseek_v41.model.quant import quantize_fp8
 from dsv41_compile.deepseek_v41.model.released import Fp8Linear
-from dsv41_compile.deepseek_v41.model.validate import check_batch_shapes
+from dsv41_compile.deepseek_v41.model.validate import check_batch_shapes, refuse
 from dsv41_compile.storage import has_no_weights
 
 
@@ -247,8 +247,10 @@ class DeepseekV41(nn.Module):
         (the last row of each request at prefill, a speculative step's verify rows): the
         logits are then `[R, V]`, row i that of batch row `logit_rows[i]`, and the head
         multiplies only those rows. All T rows when None."""
+        # Its refusals end a Dynamo trace without running the forward eagerly (`refuse`).
+        check_batch_shapes(input_ids, positions, slots, logit_rows)
         if hidden and not self.cfg.num_nextn_predict_layers:
-            raise ValueError(
+            refuse(
                 "hidden=True returns what the DSpark drafter reads; this model's config has no "
                 "DSpark stages (num_nextn_predict_layers = 0)"
             )
@@ -256,13 +258,12 @@ class DeepseekV41(nn.Module):
         if (weight.device.type == "meta") != (input_ids.device.type == "meta") or (
             not torch.compiler.is_compiling() and not weight.is_meta and has_no_weights(weight)
         ):
-            raise ValueError(
+            refuse(
                 "this DeepseekV41 has no weights (built on the meta device or by "
                 "DeepseekV41.without_weights): call load_checkpoint(model, DIR) first, or "
                 "compile DeepseekV41.without_weights(cfg) with the dsv41_sp backend's option "
                 "checkpoint=DIR, where each rank reads only its own shards"
             )
-        check_batch_shapes(input_ids, positions, slots, logit_rows)
         valid_T = slots >= 0
         cache_slot_T = torch.where(valid_T, slots, cache.scratch_slot)
 

@@ -11,51 +11,67 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from dsv41_compile.deepseek_v41.model.cache import KVCache
 
-__all__ = ["check_batch_shapes", "validate_batch"]
+__all__ = ["check_batch_shapes", "refuse", "validate_batch"]
 
 
 def check_batch_shapes(
     input_ids: Tensor, positions: Tensor, slots: Tensor, logit_rows: Tensor | None = None
 ) -> None:
-    """Raise `ValueError` unless `input_ids`, `positions` and `slots` are 1-D integer tensors of
+    """Raise `ValueError` unless `input_ids`, `positions` and `slots` are 1-D int64 tensors of
     one length T, and `logit_rows` (if given) a 1-D integer tensor of at most T rows, naming the
-    tensor or the lengths. Metadata only: the forward runs it (`validate_batch` reads the rows'
-    values). Under
-    Dynamo it stands aside; with `mark_token_dim` the backend checks the lengths instead
-    (`frontend.capture`)."""
-    if torch.compiler.is_compiling():
-        # Dynamo traces: the backend checks the inputs it is called with (reading them here
-        # would change the order in which the graph takes its inputs, and which one it reads
-        # T from; a comparison of a marked token count cannot be decided)
-        return
-    named = {"input_ids": input_ids, "positions": positions, "slots": slots}
-    rows = {} if logit_rows is None else {"logit_rows": logit_rows}
-    for name, tensor in {**named, **rows}.items():
-        if tensor.dim() != 1:
-            raise ValueError(
-                f"{name} must be a 1-D tensor "
-                + ("[R] of row indices" if name == "logit_rows" else "[T] of packed tokens")
-                + f", got shape {tuple(tensor.shape)}"
-            )
-        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
-            raise ValueError(
-                f"{name} must be an integer tensor, got {tensor.dtype}; convert it with .long()"
-            )
-    lengths = {name: tensor.shape[0] for name, tensor in named.items()}
-    n = lengths["input_ids"]
-    if not (lengths["positions"] == n and lengths["slots"] == n):
-        raise ValueError(
+    tensor or the lengths. Metadata only: the forward runs it first (`validate_batch` reads
+    the rows' values).
+
+    Under torch.compile it checks as on one device: Dynamo traces a dim or a dtype as a guard
+    on the input, and a length compared with another as a guard too -- except a length
+    `mark_token_dim` leaves unknown, whose comparison cannot be decided while Dynamo traces
+    (`guard_or_false` skips it): the dsv41_sp backend then checks the batch it compiles for, and
+    its program every call's, with this function. No loop: Dynamo cannot stop a trace inside
+    one (`refuse`)."""
+    _check_token_input("input_ids", input_ids, "[T] of packed tokens")
+    _check_token_input("positions", positions, "[T] of packed tokens")
+    _check_token_input("slots", slots, "[T] of packed tokens")
+    if logit_rows is not None:
+        _check_token_input("logit_rows", logit_rows, "[R] of row indices")
+    n, n_positions, n_slots = input_ids.shape[0], positions.shape[0], slots.shape[0]
+    if guard_or_false(n_positions != n) or guard_or_false(n_slots != n):
+        refuse(
             "input_ids, positions and slots must have the same length T, got "
-            + ", ".join(f"{name}={n}" for name, n in lengths.items())
+            f"input_ids={n}, positions={n_positions}, slots={n_slots}"
         )
-    if logit_rows is not None and logit_rows.shape[0] > n:
-        raise ValueError(
+    if logit_rows is not None and guard_or_false(logit_rows.shape[0] > n):
+        refuse(
             f"logit_rows asks for {logit_rows.shape[0]} rows of a batch of T={n}: it holds row "
             "indices into the batch, at most T of them"
         )
+
+
+def _check_token_input(name: str, tensor: Tensor, what: str) -> None:
+    """1-D and integer; a token input int64 (the embedding takes any integer index, the
+    forward's one-hot and cache writes only int64), `logit_rows` any integer dtype."""
+    if tensor.dim() != 1:
+        refuse(f"{name} must be a 1-D tensor {what}, got shape {tuple(tensor.shape)}")
+    dtype = tensor.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        refuse(f"{name} must be an integer tensor, got {dtype}; convert it with .long()")
+    if name != "logit_rows" and dtype != torch.int64:
+        refuse(f"{name} must be int64, got {dtype}; convert it with .long()")
+
+
+@torch.compiler.disable
+def refuse(message: str) -> None:
+    """Raise `ValueError(message)`, outside Dynamo's trace: how the forward refuses a call. A
+    `raise` in the code Dynamo traces makes it run the forward eagerly from then on --
+    uncompiled, unsharded, for every later batch (torch 2.13: "Skipping the function and
+    falling back to eager"); a call of a disabled function ends the trace there instead (a
+    graph break on the refused call's path only), and the error is the call's. (Under
+    `torch.compile(..., fullgraph=True)` the graph break is Dynamo's error, naming this
+    function.)"""
+    raise ValueError(message)
 
 
 def validate_batch(

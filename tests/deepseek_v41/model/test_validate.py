@@ -191,7 +191,8 @@ def test_a_marked_compile_refuses_a_batch_of_unequal_lengths() -> None:
         error = error.inner_exception
     assert type(error) is ValueError
     assert str(error) == (
-        "the token inputs must have the same length T, got input_ids=4, positions=3, slots=4"
+        "input_ids, positions and slots must have the same length T, got input_ids=4, positions=3, "
+        "slots=4"
     )
     torch.compiler.reset()
 
@@ -226,3 +227,61 @@ def test_the_call_refuses_logit_rows_it_cannot_take() -> None:
         model(*_rows_batch(), cache, logit_rows=torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="logit_rows must be an integer tensor"):
         model(*_rows_batch(), cache, logit_rows=torch.zeros(1))
+
+
+def test_the_program_checks_each_call_dynamo_does_not_trace_again() -> None:
+    """With `mark_token_dim`, one program serves every T: a later call whose `logit_rows` ask
+    for more rows than its T passes Dynamo's guards (R is 2 both times, T unknown), and the
+    program's own check before the call refuses it with the model's message (rank 1 of a fake
+    world, tp=2)."""
+    from dsv41_compile import mark_token_dim
+    from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
+    from dsv41_compile.testing.capture import capture_lowered
+    from dsv41_compile.testing.torch_shims import fake_process_group
+
+    torch.manual_seed(0)
+    model = DeepseekV41(ModelConfig.from_name("tiny-swa", n_layers=1))
+    rows = torch.tensor([0, 2])
+    torch.compiler.reset()
+    with fake_process_group(world_size=2, rank=1), capture_lowered() as programs:
+        compiled = torch.compile(
+            model, backend="dsv41_sp", options={"tp": 2, "lowering": "eager"}, fullgraph=True
+        )
+        batch = _rows_batch()
+        mark_token_dim(*batch)
+        compiled(*batch, model.new_cache(1, 8), logit_rows=rows)
+        one = (torch.tensor([5]), torch.tensor([0]), torch.tensor([0]))
+        mark_token_dim(*one)
+        with pytest.raises(ValueError, match="logit_rows asks for 2 rows of a batch of T=1"):
+            compiled(*one, model.new_cache(1, 8), logit_rows=rows)
+    assert len(programs) == 1  # no second compile: the program refused the call
+    torch.compiler.reset()
+
+
+def test_a_refused_call_leaves_the_compiled_model_compiled() -> None:
+    """The forward refuses a call (here `hidden=True` on a model without DSpark stages) without
+    a `raise` in the code Dynamo traces (`validate.refuse`): Dynamo would otherwise run the
+    forward eagerly from then on. The next calls, at new token counts, run programs of the
+    backend (rank 1 of a fake world, tp=2; before the fix they ran eagerly and the backend was
+    handed the storage helper's frame on its own)."""
+    from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
+    from dsv41_compile.testing.capture import capture_lowered
+    from dsv41_compile.testing.torch_shims import fake_process_group
+
+    torch.manual_seed(0)
+    model = DeepseekV41(ModelConfig.from_name("tiny-swa", n_layers=1))
+
+    def batch(n):
+        return torch.arange(n) + 11, torch.arange(n), torch.zeros(n, dtype=torch.int64)
+
+    torch.compiler.reset()
+    with fake_process_group(world_size=2, rank=1), capture_lowered() as programs:
+        compiled = torch.compile(model, backend="dsv41_sp", options={"tp": 2, "lowering": "eager"})
+        compiled(*batch(5), model.new_cache(1, 16))
+        with pytest.raises(ValueError, match="hidden=True returns what the DSpark drafter reads"):
+            compiled(*batch(5), model.new_cache(1, 16), hidden=True)
+        for n in (7, 3):
+            before = [p.calls for p in programs]
+            compiled(*batch(n), model.new_cache(1, 16))
+            assert sum(p.calls for p in programs) == sum(before) + 1, n  # a program ran it
+    torch.compiler.reset()
