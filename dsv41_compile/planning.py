@@ -3,7 +3,8 @@
 `plan_rank(config, options, world_size=8, rank=r)` builds the model of `config` on the meta
 device (no weight is allocated; the family's `ModelAdapter.planning_example`), compiles it with
 `dsv41_sp` on a `fake` process group of `world_size` ranks in this process and stops after the
-pipeline: the result is rank r's rewritten, verified graph and its compile context -- the
+pipeline (`plan_model`, for a model and a call of one's own, such as an edited model:
+`testing.snapshot`): the result is rank r's rewritten, verified graph and its compile context -- the
 plan, the collectives and their local shapes at the model's real sizes (`"flash"` included),
 for `tools/explain.py`, the accounting (`report.accounting`) and `tools/comm_report.py`.
 Nothing runs: a fake group's collectives move no data.
@@ -11,6 +12,7 @@ Nothing runs: a fake group's collectives move no data.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ from dsv41_compile.core.fake_world import fake_world
 from dsv41_compile.core.hooks import Hooks, PipelineStopped, installed
 from dsv41_compile.families import adapters
 
-__all__ = ["plan_rank"]
+__all__ = ["plan_model", "plan_rank"]
 
 
 def plan_rank(
@@ -34,6 +36,25 @@ def plan_rank(
     V4.1: `requests`, a batch; `max_len`, the cache's positions per request, static: it sizes
     the attention over the cache)."""
     model, args, token_inputs = _example(config, example)
+    gm, ctx = plan_model(model, args, options, world_size=world_size, rank=rank,
+                         token_inputs=token_inputs)  # fmt: skip
+    return gm, ctx, model
+
+
+def plan_model(
+    model: torch.nn.Module,
+    args: Sequence[Any],
+    options: dict[str, Any],
+    *,
+    world_size: int,
+    rank: int = 0,
+    token_inputs: Sequence[torch.Tensor] = (),
+    kwargs: dict[str, Any] | None = None,
+) -> tuple[GraphModule, CompileContext]:
+    """Rank `rank`'s rewritten, verified graph of `model` called on `args` (and `kwargs`),
+    compiled with `options` in a fake world of `world_size` ranks, and its compile context. The
+    model may be on the meta device (nothing runs either way: the compile stops after the
+    pipeline); `token_inputs` are marked with `mark_token_dim`."""
     planned: list[tuple[GraphModule, CompileContext]] = []
 
     def keep(name: str, gm: GraphModule, ctx: CompileContext) -> None:
@@ -47,14 +68,14 @@ def plan_rank(
         with fake_world(world_size=world_size, rank=rank), installed(hooks):
             compiled = torch.compile(model, backend="dsv41_sp", options=options, fullgraph=True)
             try:
-                compiled(*args)
+                compiled(*args, **(kwargs or {}))
             except Exception as error:  # Dynamo wraps the stop
                 if not planned or not _stopped(error):
                     raise
     finally:
         torch.compiler.reset()
     (gm, ctx), *_ = planned
-    return gm, ctx, model
+    return gm, ctx
 
 
 def _example(config: Any, example: dict[str, Any]) -> tuple[torch.nn.Module, tuple, tuple]:
