@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from dsv41_compile.report.cli import run, tool_parser
+
 WORLD, TP, EP = 8, 4, 8
 LAYOUTS = ("seed", "sp", "replicated")
 
@@ -176,7 +178,7 @@ def model_config(args: argparse.Namespace, numerics: str = "bf16"):
 def main() -> None:
     from dsv41_compile.testing.multirank import run_ranks
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--preset", default="tiny-swa")
     parser.add_argument("--dim", type=int, default=None, help="override the hidden size")
     parser.add_argument("--prefill", type=int, default=256, help="tokens per prefill request")
@@ -258,4 +260,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -22,12 +22,13 @@ disk, so a warm start still traces the model on every rank.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import tempfile
 import time
 from typing import Any
+
+from dsv41_compile.report.cli import run, tool_parser
 
 WORLD, TP, EP = 8, 4, 8
 
@@ -64,7 +65,7 @@ def first_call(rank: int, world_size: int, options: dict[str, Any]) -> dict[str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--lowering", choices=("eager", "inductor"), default="inductor")
     args = parser.parse_args()
     from dsv41_compile.report.provenance import provenance
@@ -105,4 +106,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -19,7 +19,6 @@ shorter one does not (each traced once), and the other stages still grow with th
 
 from __future__ import annotations
 
-import argparse
 import resource
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from dsv41_compile.core.hooks import Hooks, installed
 from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
 from dsv41_compile.deepseek_v41.testing.batches import Request, pack
 from dsv41_compile.pipeline import PASS_NAMES
+from dsv41_compile.report.cli import run, tool_parser
 from dsv41_compile.report.provenance import provenance
 from dsv41_compile.testing.torch_shims import fake_process_group
 
@@ -153,7 +153,7 @@ def dspark_planning(ep_dispatch: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
     parser.add_argument("--flash-planning", action="store_true", help="time flash planning")
@@ -190,4 +190,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

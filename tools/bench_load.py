@@ -24,6 +24,7 @@ import torch
 from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig, load_checkpoint
 from dsv41_compile.deepseek_v41.model.checkpoint import read_weights
 from dsv41_compile.deepseek_v41.testing.checkpoints import rank_weight_inputs, synthetic_checkpoint
+from dsv41_compile.report.cli import run, tool_parser
 from dsv41_compile.report.provenance import provenance
 
 
@@ -37,7 +38,7 @@ def _sequential_read(files: list[Path]) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--dim", type=int, help="override the preset's hidden size")
@@ -106,4 +107,4 @@ def per_rank(cfg: ModelConfig, out: Path, files: list[Path], args: argparse.Name
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -21,6 +21,7 @@ from torch import Tensor
 from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
 from dsv41_compile.deepseek_v41.model.cache import KVCache
 from dsv41_compile.deepseek_v41.testing.batches import Request, pack
+from dsv41_compile.report.cli import run, tool_parser
 from dsv41_compile.report.provenance import provenance
 
 Forward = Callable[[Tensor, Tensor, Tensor, KVCache], Tensor]
@@ -67,7 +68,7 @@ def median_seconds(run: Callable[[], float], repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--preset", default="tiny", help="ModelConfig preset (default: tiny)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--repeats", type=int, default=5)
@@ -108,4 +109,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -34,6 +34,7 @@ from dsv41_compile.devices import DEVICES, LATENCIES, latency_label
 from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.accounting import graph_costs, per_layer_formulas, summarize
+from dsv41_compile.report.cli import run, tool_parser
 from dsv41_compile.report.provenance import provenance
 from dsv41_compile.report.step_time import Scenario, step_costs, step_time
 
@@ -325,7 +326,7 @@ def plot(doc: dict, path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument(
         "--preset", default="tiny",
         choices=("tiny", "tiny-swa", "flash", "tiny-dspark", "flash-dspark"),
@@ -377,4 +378,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

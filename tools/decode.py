@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig, load_checkpoint
 from dsv41_compile.deepseek_v41.serving import Decoded, generate
+from dsv41_compile.report.cli import run, tool_parser
 from dsv41_compile.report.provenance import provenance
 
 
@@ -92,7 +93,7 @@ def summary(label: str, out: Decoded, seconds: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", help="a checkpoint directory (config.json and shards)")
     source.add_argument("--preset", default="tiny-dspark", help="random weights of a preset")
@@ -158,4 +159,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

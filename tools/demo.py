@@ -11,7 +11,6 @@ model, and reports the largest logit difference.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from dsv41_compile.deepseek_v41.testing.cases import (
     compare_on_rank,
 )
 from dsv41_compile.deepseek_v41.testing.checkpoints import synthetic_checkpoint
+from dsv41_compile.report.cli import run, tool_parser
 from dsv41_compile.testing.multirank import run_ranks
 
 WORLD, TP, EP = 8, 4, 8
@@ -41,7 +41,7 @@ def max_diff(a: Tensor, b: Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--preset", default="tiny", help="ModelConfig preset (default: tiny)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--lowering", choices=("eager", "inductor"), default="eager")
@@ -151,4 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

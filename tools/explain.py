@@ -7,7 +7,6 @@ the one every rank compiles; only the `tp_rank` input differs between ranks.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections import Counter
 
@@ -17,12 +16,13 @@ from dsv41_compile.core.placements import format_placement
 from dsv41_compile.deepseek_v41.model import ModelConfig
 from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.planning import plan_rank
+from dsv41_compile.report.cli import run, tool_parser
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--dp", type=int, default=2)
@@ -99,4 +99,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

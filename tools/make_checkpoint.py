@@ -10,15 +10,15 @@ back with `ModelConfig.from_hf(out)` and `dsv41_compile.deepseek_v41.model.load_
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from dsv41_compile.deepseek_v41.model import PRESETS, ModelConfig
 from dsv41_compile.deepseek_v41.testing.checkpoints import synthetic_checkpoint
+from dsv41_compile.report.cli import run, tool_parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--preset", default="tiny", choices=[p for p in PRESETS if p != "flash"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
@@ -33,4 +33,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -29,6 +29,7 @@ from dsv41_compile.deepseek_v41.model import ModelConfig
 from dsv41_compile.deepseek_v41.testing.batches import Request
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.accounting import rank_inputs
+from dsv41_compile.report.cli import run, tool_parser
 from dsv41_compile.report.provenance import provenance
 
 _TABLES = re.compile(r"layers\.\d+\.engram\.embed\.(weight|scale)")
@@ -99,7 +100,7 @@ def memory_plan(gm: Any, ctx: Any, *, max_len: int, skip: tuple[str, ...] = ()) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--preset", default="flash")
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--ep", type=int, default=8)
@@ -196,4 +197,4 @@ def _eager_heads(cfg: ModelConfig) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

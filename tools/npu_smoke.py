@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from dsv41_compile.report.cli import tool_parser
+
 TP, EP = 4, 8
 ATOL = RTOL = 1e-5  # fp32, as in the CPU numerics tests
 
@@ -122,6 +124,7 @@ def check_model(rank: int, device: torch.device, lowering: str) -> list[tuple[st
 
 
 def main() -> None:
+    tool_parser(__doc__).parse_args()  # --help, without torch_npu
     try:
         import torch_npu  # noqa: F401
     except ImportError:

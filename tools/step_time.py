@@ -36,7 +36,6 @@ collectives that cross nodes at the link between nodes.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -49,6 +48,7 @@ from dsv41_compile.deepseek_v41.testing.batches import Request
 from dsv41_compile.deepseek_v41.testing.presets import SEED_LAYOUT
 from dsv41_compile.devices import DEVICES, LATENCIES, device_named, latency_label
 from dsv41_compile.planning import plan_rank
+from dsv41_compile.report.cli import run, tool_parser
 from dsv41_compile.report.provenance import provenance
 from dsv41_compile.report.step_time import Scenario, StepCosts, StepTime, step_costs, step_time
 from dsv41_compile.testing.torchair_standin import register_npu_ops
@@ -249,7 +249,7 @@ def _layouts(text: str) -> list[Layout]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--preset", default="flash")
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--ep", type=int, default=8)
@@ -345,4 +345,4 @@ def _option(item: str) -> tuple[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -32,7 +32,6 @@ o_lora_rank 32).
 
 from __future__ import annotations
 
-import argparse
 import ast
 import re
 import subprocess
@@ -44,6 +43,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from dsv41_compile.report.cli import run, tool_parser
 
 TORCH_NPU = "torch-npu==2.13.0"
 CACHE = Path.home() / ".cache" / "dsv41_compile" / "torch_npu-2.13.0"
@@ -269,7 +270,7 @@ def model_config(preset: str, *, released: bool = False) -> Any:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument(
         "--preset", action="append", choices=("tiny", "tiny-swa", "flash"), help="repeatable"
     )
@@ -317,4 +318,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

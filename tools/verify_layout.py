@@ -43,6 +43,7 @@ from dsv41_compile.deepseek_v41.testing.cases import (
     serving_steps,
 )
 from dsv41_compile.deepseek_v41.testing.split import SplitSpec, split_on_rank
+from dsv41_compile.report.cli import run, tool_parser
 from dsv41_compile.runtime.host_cache import node_id
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
@@ -144,7 +145,7 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--preset", default="tiny-swa")
     parser.add_argument("--layers", type=int, default=1, help="decoder layers of the preset")
     parser.add_argument("--sinkhorn", type=int, default=3, help="Sinkhorn iterations (0: preset's)")
@@ -195,4 +196,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)
