@@ -89,7 +89,12 @@ def _stable(text: str) -> str:
     first appearance, the nodes a runtime assertion names left out."""
     text = _ASSERTED_NODE.sub("", text)
     for pattern in _SYMBOLS:
-        names: dict[str, str] = {}
-        prefix = pattern.pattern[2]
-        text = pattern.sub(lambda m: names.setdefault(m.group(), f"{prefix}{len(names)}"), text)
+        text = _renumbered(pattern, text)
     return text
+
+
+def _renumbered(pattern: re.Pattern[str], text: str) -> str:
+    """`text` with the symbols `pattern` matches (`u7`) named by first appearance (`u0`)."""
+    names: dict[str, str] = {}
+    prefix = pattern.pattern[2]
+    return pattern.sub(lambda m: names.setdefault(m.group(), f"{prefix}{len(names)}"), text)
