@@ -52,8 +52,9 @@ def test_another_error_is_named_with_its_type(load_tool, monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_every_rank_under_torchrun_prints_the_message(tmp_path):
-    """verify_layout.py on 3 gloo ranks with tp=3: each rank prints the message (rank named)
-    and exits 1; no Dynamo frame is printed."""
+    """verify_layout.py on 3 gloo ranks with tp=3: a rank that fails prints the message, its
+    rank named, and exits 1 (torchrun ends the others when the first exits: some may not get
+    to print); no Dynamo frame is printed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
@@ -61,8 +62,11 @@ def test_every_rank_under_torchrun_prints_the_message(tmp_path):
     ]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
-    for rank in range(3):
-        assert f"verify_layout.py (rank {rank}): error: {TP3}\n{HINT}" in done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert errors and all(
+        line in [f"verify_layout.py (rank {r}): error: {TP3}" for r in range(3)] for line in errors
+    ), errors
+    assert f"{errors[0]}\n{HINT}" in done.stderr
     assert "BackendCompilerFailed" not in done.stderr and "_dynamo" not in done.stderr
 
 

@@ -31,10 +31,14 @@ def check_batch_shapes(
     `mark_token_dim` leaves unknown, whose comparison cannot be decided while Dynamo traces
     (`guard_or_false` skips it): the dsv41_sp backend then checks the batch it compiles for, and
     its program every call's, with this function. No loop: Dynamo cannot stop a trace inside
-    one (`refuse`)."""
+    one (`refuse`). Where two inputs are wrong, the first named is in the order input_ids,
+    slots, positions, logit_rows."""
+    # In the order the forward first reads them: Dynamo numbers the inputs' size symbols in the
+    # order it meets them, which decides the input a view of T names in the graph -- the same
+    # with the layers as compiled regions and without (tests/test_regions.py).
     _check_token_input("input_ids", input_ids, "[T] of packed tokens")
-    _check_token_input("positions", positions, "[T] of packed tokens")
     _check_token_input("slots", slots, "[T] of packed tokens")
+    _check_token_input("positions", positions, "[T] of packed tokens")
     if logit_rows is not None:
         _check_token_input("logit_rows", logit_rows, "[R] of row indices")
     n, n_positions, n_slots = input_ids.shape[0], positions.shape[0], slots.shape[0]
