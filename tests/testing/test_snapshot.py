@@ -28,8 +28,9 @@ def _readme_example() -> str:
 
 
 def _snapshot(edit: bool) -> dict[str, str]:
-    """The README's call of its model (3 Sinkhorn iterations: shorter to trace), layers 0 and
-    1 whole, by region; `edit`: the README's edit of layer 1 (its FFN norm a LayerNorm)."""
+    """The README's call of its model with two layers (3 Sinkhorn iterations: shorter to
+    trace), both whole, by region; `edit`: the README's edit, in layer 1 (its FFN norm a
+    LayerNorm)."""
     torch.manual_seed(0)
     model = DeepseekV41(compile_config("tiny-swa", (("n_layers", 2),)))
     if edit:
@@ -108,15 +109,19 @@ def test_the_readme_example_pins_the_program_and_another_process_checks_it(tmp_p
     namespace = {"__name__": "test_my_model", "__file__": str(path)}
     monkeypatch.setenv("EXPECTTEST_ACCEPT", "1")  # expecttest reads it at each assertion
     exec(compile(path.read_text(), str(path), "exec"), namespace)
-    case = namespace["PinMyModel"]("test_layer_1_talks_where_i_expect")
+    case = namespace["PinMyModel"]("test_my_layer_talks_where_i_expect")
     result = case.defaultTestResult()
     case.run(result)
     assert result.wasSuccessful(), result.errors + result.failures
     monkeypatch.delenv("EXPECTTEST_ACCEPT")
     pinned = path.read_text()
     written = pinned.split('self.assertExpectedInline(text, """', 1)[1].split('""")')[0]
-    assert written.lstrip("\\\n").startswith("# layers.1\n"), written[:80]
+    assert written.lstrip("\\\n").startswith("# layers.0\n"), written[:80]
     assert "_c10d_functional.all_gather_into_tensor" in written and "\n...\n" in written
+    # the README shows a line of that text: it is one
+    section = README.read_text().split("## Pin your rewritten graph", 1)[1]
+    (shown,) = re.findall(r"```\n(v\d+ = _c10d.*?), \.\.\.\n```", section)
+    assert any(line.startswith(shown) for line in written.splitlines()), shown
     env = {k: v for k, v in os.environ.items() if k != "EXPECTTEST_ACCEPT"}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)],
