@@ -91,6 +91,11 @@ class ParamInput:
     dtype: torch.dtype
     buffer: bool = False
     shard: ParamShard | None = None
+    prepare: str | None = None
+    """A preparation the runtime applies once to the tensor it takes (its shard, or the whole
+    parameter), by name (`runtime.program.PREPARATIONS`): a layout a kernel reads the weight in
+    (torch_npu's NZ for the grouped matmul's FP4 weights) -- the same values and shape, made at
+    load instead of on every call."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,18 @@ class ProgramSignature:
 
     def with_ep_tokens(self) -> ProgramSignature:
         return dataclasses.replace(self, ep_tokens=True)
+
+    @cached_property
+    def prepared(self) -> dict[int, str]:
+        """Position -> preparation, for the parameters the runtime prepares once."""
+        return {p.index: p.prepare for p in self.params if p.prepare is not None}
+
+    def with_preparation(self, index: int, prepare: str) -> ProgramSignature:
+        """The signature with the parameter at position `index` prepared by `prepare`."""
+        params = tuple(
+            dataclasses.replace(p, prepare=prepare) if p.index == index else p for p in self.params
+        )
+        return dataclasses.replace(self, params=params)
 
     def with_shard(self, index: int, shard: ParamShard) -> ProgramSignature:
         """The signature with the parameter at position `index` taken as `shard`."""

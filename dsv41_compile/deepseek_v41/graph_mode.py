@@ -5,9 +5,15 @@ on CPU by `testing.torchair_standin.register_npu_ops`):
 
     dsv41::routed_experts       the assignments sorted by expert, `npu_grouped_matmul` per
                                 weight with the rows per expert as groups
-    dsv41::routed_experts_fp4   each local expert's FP4 weights decoded from their released
-                                bytes (`npu_anti_mx_quant`, float4_e2m1 with e8m0 scales per
-                                32), then as dsv41::routed_experts
+    dsv41::routed_experts_fp4   where its input is FP8 codes decoded (the official numerics
+                                quantise the experts' input): `npu_grouped_matmul` in its MX
+                                A8W4 form -- the rows' e4m3 codes with their e8m0 scales, the
+                                FP4 weights as released (held in torch_npu's NZ layout, made
+                                once when the runtime takes the shard) with theirs -- for w1,
+                                w3 and w2, the hidden activation quantised between
+                                (`npu_dynamic_mx_quant`): no FP4 weight is decoded. Otherwise
+                                (an input in bf16) each local expert's weights decoded
+                                (`npu_anti_mx_quant`), then as dsv41::routed_experts
     dsv41::fp8_weight           the e4m3 codes decoded with their block scales, each 32 x 32
                                 block's scale spread over its 32 rows (`npu_anti_mx_quant`);
                                 where the product's input is FP8-quantised too, see aten.mm
@@ -30,6 +36,7 @@ The act quantisation is the official one except in a block whose largest magnitu
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -37,7 +44,7 @@ from torch.fx import Proxy
 
 from dsv41_compile.core.emitter import cast
 from dsv41_compile.deepseek_v41.model.ops import clamped_swiglu, engram_dequantize
-from dsv41_compile.targets.npu_dtypes import DTYPE_CODES, E2M1, E4M3, E8M0
+from dsv41_compile.targets.npu_dtypes import DTYPE_CODES, E2M1, E4M3, E8M0, NPU_DTYPES
 
 __all__ = [
     "act_quant_dequant_mx",
@@ -83,20 +90,9 @@ def routed_experts_grouped(
     if n_experts is None:  # else w1 is a node the rewrite made: no value recorded yet
         n_experts = w1.node.meta["val"].shape[0]
     dtype = x.node.meta["val"].dtype
-    top_k = topk_idx.node.meta["val"].shape[1]
-    experts = emit.call(aten.arange.default, n_experts, dtype=torch.int64, device=val.device)
-    none = emit.call(aten.scalar_tensor.default, n_experts, dtype=torch.int64, device=val.device)
-    # The (row, k) assignments in expert order, unassigned ones (-1) last under key E.
-    expert = aten.view.default(topk_idx, [-1])
-    key = aten.where.self(aten.ge.Scalar(expert, 0), expert, none)
-    ordered = aten.sort.default(key)
-    sorted_key, order = ordered[0], ordered[1]
-    row = aten.floor_divide.default(order, top_k)
+    sorted_key, order, row, counts = _by_expert_order(emit, val, topk_idx, n_experts)
     rows = aten.index_select.default(x, 0, row)
     weight = aten.index_select.default(aten.view.default(topk_weight, [-1]), 0, order)
-    counts = aten.sum.dim_IntList(
-        aten.eq.Tensor(aten.unsqueeze.default(sorted_key, 1), experts), [0]
-    )  # rows per expert: the groups
     gate = cast(_grouped(rows, w1, counts), dtype, torch.float32)
     up = cast(_grouped(rows, w3, counts), dtype, torch.float32)
     h = aten.mul.Tensor(clamped_swiglu(gate, up, swiglu_limit), aten.unsqueeze.default(weight, 1))
@@ -209,20 +205,23 @@ def fp8_weight_decoded(emit, val, weight, scale, dtype):
 
 def fp8_matmul(emit, val, a, b):
     """`aten.mm(a, b)` where `a` is FP8 codes decoded (`npu_anti_mx_quant`, e4m3, along its
-    rows) and `b` the transpose of an FP8 weight decoded the same way: torch_npu's MXFP8
-    `npu_quant_matmul` of the codes, `b`'s scales `[K/64, N, 2]`, `a`'s as the per-token ones
-    `[M, K/64, 2]`. None (the mm stays) for any other mm."""
-    x, w = _decoded_e4m3(a.node), None
-    if b.node.target is aten.t.default:
-        w = _decoded_e4m3(b.node.args[0])
-    if x is None or w is None or x.kwargs["dst_type"] != w.kwargs["dst_type"]:
+    rows; then, maybe, rows of it taken or cast: `_e4m3_rows`) and `b` the transpose of an FP8
+    weight decoded the same way: torch_npu's MXFP8 `npu_quant_matmul` of the codes, `b`'s scales
+    `[K/64, N, 2]`, `a`'s as the per-token ones `[M, K/64, 2]`. None (the mm stays) for any
+    other mm."""
+    if b.node.target is not aten.t.default:
         return None
+    w = _decoded_e4m3(b.node.args[0])
+    x = _e4m3_rows(emit, a.node)
+    if x is None or w is None or x[2] != w.kwargs["dst_type"]:
+        return None
+    codes, pairs, out_code = x
     return npu_op("npu_quant_matmul")(
-        emit.proxy(x.args[0]),
+        codes,
         aten.t.default(emit.proxy(w.args[0])),
         aten.transpose.int(emit.proxy(w.args[1]), 0, 1),
-        pertoken_scale=emit.proxy(x.args[1]),
-        output_dtype=x.kwargs["dst_type"],
+        pertoken_scale=pairs,
+        output_dtype=out_code,
         scale_dtype=E8M0,
         pertoken_scale_dtype=E8M0,
         group_sizes=[1, 1, 32],
@@ -241,15 +240,107 @@ def _decoded_e4m3(node: Any) -> Any:
     return node if node.args[0].meta["val"].dim() == 2 else None
 
 
+def _e4m3_rows(emit, node: Any) -> tuple[Proxy, Proxy, int] | None:
+    """(the e4m3 codes, their e8m0 scale pairs `[..., ceil(K/64), 2]`, the dtype code of the
+    values) when `node` is e4m3 codes decoded along their last dim, in blocks of 32, as its
+    values are (`_e4m3_blocks`). Else None."""
+    found = _e4m3_blocks(emit, node)
+    if found is None:
+        return None
+    codes, scales, code = found
+    shape = list(node.meta["val"].shape)  # the new nodes' values are made after the rewrite
+    blocks = -(-shape[-1] // 32)
+    if blocks % 2:
+        scales = aten.constant_pad_nd.default(scales, [0, 1], 0)
+    return codes, aten.reshape.default(scales, [*_view_lead(shape), (blocks + 1) // 2, 2]), code
+
+
+def cast_list(value: Any) -> list[int]:
+    return [int(v) for v in value]
+
+
+def _e4m3_blocks(emit, node: Any) -> tuple[Proxy, Proxy, int] | None:
+    """(codes [..., K], one e8m0 byte per block of 32 [..., K/32], the values' dtype code)
+    when `node` holds e4m3 codes decoded along their last dim (`npu_anti_mx_quant`), then
+    rearranged without splitting a block: rows taken along dim 0 (a slice, a part of a split:
+    a gathered value's padding rows dropped), leading dims unflattened or permuted, a view
+    whose last dim is a whole number of blocks (rows of several blocks made one: the groups of
+    an exchanged value side by side), a clone, a cast to another float dtype (exact: a code
+    times a power of two is a bf16 value). The codes and scales are rearranged the same way
+    (new nodes before the node being rewritten). Else None."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    decoded = _decoded_e4m3(node)
+    if decoded is not None:
+        codes, pairs = emit.proxy(decoded.args[0]), emit.proxy(decoded.args[1])
+        k = decoded.args[0].meta["val"].shape[-1]
+        flat = aten.flatten.using_ints(pairs, -2)  # the pairs' bytes in order: one per block
+        return codes, aten.slice.Tensor(flat, -1, 0, -(-k // 32)), decoded.kwargs["dst_type"]
+    target, args = node.target, node.args
+    if target is operator.getitem:
+        split = args[0]
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        if split.target is not aten.split_with_sizes.default or dim != 0:
+            return None
+        inner = _e4m3_blocks(emit, split.args[0])
+        if inner is None:
+            return None
+        sizes, i = emit.proxy(split.args[1]), args[1]
+        codes, scales, code = inner
+        parts = (aten.split_with_sizes.default(t, sizes, 0)[i] for t in (codes, scales))
+        return (*parts, code)  # type: ignore[return-value]
+    inner = _e4m3_blocks(emit, args[0]) if args else None
+    if inner is None:
+        return None
+    codes, scales, code = inner
+    ndim = node.meta["val"].dim()
+    if target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}:
+        dtype = node.kwargs.get("dtype")
+        out = DTYPE_CODES.get(dtype) if isinstance(dtype, torch.dtype) else None
+        return None if out is None else (codes, scales, out)
+    if target is aten.clone.default:
+        return codes, scales, code
+    if target is aten.slice.Tensor and args[1] % ndim == 0:
+        bounds = args[2:]
+        return aten.slice.Tensor(codes, 0, *bounds), aten.slice.Tensor(scales, 0, *bounds), code
+    if target is aten.unflatten.int and args[1] % ndim != ndim - 1:
+        sizes = emit.proxy(args[2])
+        return (*(aten.unflatten.int(t, args[1], sizes) for t in (codes, scales)), code)
+    if target is aten.permute.default and cast_list(args[1])[-1] % ndim == ndim - 1:
+        dims = cast_list(args[1])
+        return aten.permute.default(codes, dims), aten.permute.default(scales, dims), code
+    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        shape = list(node.meta["val"].shape)
+        source = args[0].meta["val"].shape[-1]
+        if not (isinstance(shape[-1], int) and shape[-1] % 32 == 0 and source % 32 == 0):
+            return None
+        lead = _view_lead(shape)
+        return (
+            aten.reshape.default(codes, [*lead, shape[-1]]),
+            aten.reshape.default(scales, [*lead, shape[-1] // 32]),
+            code,
+        )
+    return None
+
+
 def routed_experts_fp4_grouped(
     emit, val, x, topk_idx, topk_weight, w1, s1, w2, s2, w3, s3, swiglu_limit, fp8_hidden=False
 ):
-    """`dsv41::routed_experts_fp4`: each of the rank's experts' weights decoded from their FP4
-    bytes (e2m1 pairs, low nibble first, an e8m0 scale per 32 along a row: `npu_anti_mx_quant`)
-    to the activation dtype, then the grouped matmuls of `routed_experts_grouped`. The weights
-    stay resident as released; the decoded copy lives for the call. (torch_npu's grouped matmul
-    also takes FP4 weights with FP8 activations directly -- its MXA8W4 form -- which would skip
-    that copy; not mapped: its scale layout is not documented in torchair's converter.)"""
+    """`dsv41::routed_experts_fp4`. Under the official numerics (`fp8_hidden`) with an input
+    of FP8 codes decoded -- the experts' input quantised (`act_quant_dequant_mx`, or FP8 rows
+    the EP dispatch moved, `fp8_decode_rows_mx`) -- the grouped matmul takes the codes and the
+    FP4 weights as they are (`_a8w4_experts`). Otherwise each of the rank's experts' weights is
+    decoded from its FP4 bytes (e2m1 pairs, low nibble first, an e8m0 scale per 32 along a row:
+    `npu_anti_mx_quant`) to the activation dtype for the call, then the grouped matmuls of
+    `routed_experts_grouped`: the grouped matmul has no MX form with a bf16 input, and
+    quantising the input would change the numerics."""
+    rows = _e4m3_rows(emit, x.node) if fp8_hidden else None
+    if rows is not None:
+        codes, pairs, out_code = rows
+        return _a8w4_experts(
+            emit, val, codes, pairs, topk_idx, topk_weight, (w1, s1), (w2, s2), (w3, s3),
+            swiglu_limit, out_code,
+        )  # fmt: skip
     dtype = x.node.meta["val"].dtype
 
     def decoded(w: Proxy, s: Proxy) -> Proxy:
@@ -275,6 +366,77 @@ def routed_experts_fp4_grouped(
         fp8_hidden,
         n_experts=w1.node.meta["val"].shape[0],
     )
+
+
+def _by_expert_order(emit, val, topk_idx, n_experts):
+    """The (row, k) assignments in expert order, unassigned ones (-1) last under key E: the
+    sorted keys, each assignment's row and its position in `topk_idx` (flat), and the rows
+    per expert (the grouped matmuls' groups)."""
+    top_k = topk_idx.node.meta["val"].shape[1]
+    experts = emit.call(aten.arange.default, n_experts, dtype=torch.int64, device=val.device)
+    none = emit.call(aten.scalar_tensor.default, n_experts, dtype=torch.int64, device=val.device)
+    expert = aten.view.default(topk_idx, [-1])
+    key = aten.where.self(aten.ge.Scalar(expert, 0), expert, none)
+    ordered = aten.sort.default(key)
+    sorted_key, order = ordered[0], ordered[1]
+    row = aten.floor_divide.default(order, top_k)
+    counts = aten.sum.dim_IntList(
+        aten.eq.Tensor(aten.unsqueeze.default(sorted_key, 1), experts), [0]
+    )
+    return sorted_key, order, row, counts
+
+
+def _a8w4_experts(
+    emit, val, codes, pairs, topk_idx, topk_weight, w1s1, w2s2, w3s3, swiglu_limit, out_code
+):
+    """The routed experts with FP8 rows and FP4 weights, none decoded: the rows' e4m3 `codes`
+    and their e8m0 scale `pairs` ([T, D/64, 2]) taken in expert order, `npu_grouped_matmul`'s
+    MX A8W4 form for w1 and w3 (each expert's FP4 weight [I, D/2] with its e8m0 scales per 32,
+    as the runtime holds them: `A8W4_WEIGHTS`), the clamped SwiGLU and the routing weight in
+    fp32, the hidden activation back to the activation dtype and quantised to e4m3 per 32
+    (`npu_dynamic_mx_quant`, the official rule: `expert_hidden`), the A8W4 form again for w2,
+    the outputs added back to their rows in fp32 in expert order. The output rows past the
+    groups' total (unassigned) are not defined by the kernel: zeroed, never read."""
+    (w1, s1), (w2, s2), (w3, s3) = w1s1, w2s2, w3s3
+    n_experts = w1.node.meta["val"].shape[0]
+    sorted_key, order, row, counts = _by_expert_order(emit, val, topk_idx, n_experts)
+    rows = aten.index_select.default(codes, 0, row)
+    row_pairs = aten.index_select.default(pairs, 0, row)
+    weight = aten.index_select.default(aten.view.default(topk_weight, [-1]), 0, order)
+    dtype = NPU_DTYPES[out_code]
+    gate = cast(_a8w4(rows, row_pairs, w1, s1, counts, out_code), dtype, torch.float32)
+    up = cast(_a8w4(rows, row_pairs, w3, s3, counts, out_code), dtype, torch.float32)
+    h = aten.mul.Tensor(clamped_swiglu(gate, up, swiglu_limit), aten.unsqueeze.default(weight, 1))
+    quantised = _mx_quant(cast(h, torch.float32, dtype))
+    h_codes, h_pairs = quantised[0], quantised[1]  # type: ignore[index]
+    y = cast(_a8w4(h_codes, h_pairs, w2, s2, counts, out_code), dtype, torch.float32)
+    assigned = aten.unsqueeze.default(aten.lt.Scalar(sorted_key, n_experts), 1)
+    zero = emit.call(aten.scalar_tensor.default, 0.0, dtype=torch.float32, device=val.device)
+    y = aten.where.self(assigned, y, zero)
+    return aten.index_add.default(aten.zeros_like.default(codes, dtype=torch.float32), 0, row, y)
+
+
+def _a8w4(codes: Proxy, pairs: Proxy, w: Proxy, s: Proxy, counts: Proxy, out_code: int) -> Proxy:
+    """`npu_grouped_matmul`'s MX A8W4 form: rows of e4m3 `codes` [M, K] with their e8m0 scale
+    `pairs` [M, K/64, 2] times expert g's FP4 weight `w[g]` [N, K/2] (e2m1 pairs, low nibble
+    first) with its e8m0 scales `s[g]` [N, K/32], transposed as the kernel takes them ([G, K/2,
+    N] and [G, K/64, N, 2]), in groups of `counts` rows -> [M, N] in `out_code`'s dtype."""
+    rows = w.node.meta["val"].shape[1]
+    scale_pairs = aten.transpose.int(_scale_pairs(s, rows, 1), 1, 2)
+    weights = aten.transpose.int(aten.view.dtype(w, torch.uint8), 1, 2)
+    return grouped_matmul()(
+        [codes],
+        [weights],
+        antiquant_scale=[scale_pairs],
+        per_token_scale=[pairs],
+        group_list=counts,
+        split_item=3,
+        group_type=0,
+        group_list_type=1,
+        output_dtype=out_code,
+        weight_dtype=E2M1,
+        per_token_scale_dtype=E8M0,
+    )[0]
 
 
 def _grouped(x: Proxy, weights: Proxy, counts: Proxy) -> Proxy:

@@ -276,10 +276,10 @@ def node_flops(node: Node, ctx: CompileContext) -> sympy.Expr:
             for i in spec.matrix_args()
         )
         return 2 * rows * routes * per_expert
-    if str(node.target) == NPU_GROUPED_MATMUL:  # x [R, K], weight [G, K, N]
+    if str(node.target) == NPU_GROUPED_MATMUL:  # x [R, K], weight [G, K, N] (FP4: [G, K/2, N])
         x, w = (cast(list, node.args[i])[0] for i in (0, 1))
-        k, n = (symbolic_size(s) for s in w.meta["val"].shape[1:])
-        return 2 * symbolic_size(x.meta["val"].shape[0]) * k * n
+        r, k = (symbolic_size(s) for s in x.meta["val"].shape)
+        return 2 * r * k * symbolic_size(w.meta["val"].shape[2])
     if str(node.target) == NPU_QUANT_MATMUL:  # x1 [M, K] @ x2 [K, N]
         k = symbolic_size(node.args[0].meta["val"].shape[1])
         return 2 * shape[0] * shape[1] * k

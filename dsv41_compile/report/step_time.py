@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import sympy
 import torch
@@ -278,6 +279,27 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
             (val,) = val  # the grouped matmul's one output, in a list
         if not isinstance(val, torch.Tensor):  # a size, a scalar read on the host
             continue
+        stack = _expert_stack(node, root, weights)
+        if stack:  # torch_npu's grouped matmul of a rank's stacked experts: the touched ones
+            info = ep_layer_of(node, ctx)
+            if info is not None:
+                top_k, experts = info.top_k, info.experts_per_rank * info.ep
+            expert_bytes = sum((nbytes(root(w).meta["val"]) for w in stack), zero)
+            paid.update(root(w) for w in stack)
+            read, _, _ = reads(node, [a for a in inputs if root(a) not in {root(w) for w in stack}])
+            ops.append(
+                OpCost(
+                    node.name,
+                    layer,
+                    "experts",
+                    read,
+                    nbytes(val),
+                    in_t(node_flops(node, ctx), names, node),
+                    operand=_operand(inputs, 1),
+                    expert_bytes=expert_bytes,
+                )
+            )
+            continue
         spec = ctx.adapter.routed_experts_op(node.target)
         if spec is not None:
             held = node.args[3].meta["val"].shape[0]
@@ -445,6 +467,22 @@ def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:
         physical / rate,
         timed,
     )
+
+
+def _expert_stack(node: Node, root: Any, weights: set[str]) -> list[Node]:
+    """The stacked expert weights (and their scales) a grouped matmul of torch_npu reads: its
+    3-D `weight` and `antiquant_scale` made of the rank's experts (a placeholder of the model's
+    weights, through views), or none for another grouped matmul."""
+    if str(node.target) != NPU_GROUPED_MATMUL:
+        return []
+    stack = []
+    for key in ("weight", "antiquant_scale"):
+        given = node.kwargs.get(key) if key != "weight" else node.args[1]
+        for w in cast(list, given or []):
+            source = root(w)
+            if source.op == "placeholder" and source.name in weights and w.meta["val"].dim() >= 3:
+                stack.append(w)
+    return stack
 
 
 def _is_pointwise(node: Node) -> bool:

@@ -16,12 +16,18 @@ import torch
 import torch.distributed as dist
 
 from dsv41_compile.core.mesh import Mesh
+from dsv41_compile.core.registry import Registry
 from dsv41_compile.core.signature import ProgramSignature
 from dsv41_compile.core.torch_private import version_counter
 from dsv41_compile.moe.stats import EpLayer
 from dsv41_compile.runtime.checks import check_same_inputs, collective_failure
 
-__all__ = ["ProgramSpec", "ShardedProgram"]
+__all__ = ["PREPARATIONS", "ProgramSpec", "ShardedProgram"]
+
+PREPARATIONS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("weight preparation")
+"""Preparations of a weight the runtime applies once (`core.signature.ParamInput.prepare`), by
+name: a function of the tensor the program takes (its shard) to the tensor it reads -- the same
+values and shape (a kernel's layout). The targets register theirs."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,9 @@ class ShardedProgram:
         self.check_batch = check_batch
         """The family's check of a call's inputs (`ModelAdapter.check_inputs`: the model's own
         messages), before anything of the call runs."""
+        self._taken = sorted({*self.signature.param_shards, *self.signature.prepared})
+        """The parameters taken by `local_shard`: sharded, or prepared."""
+        self._prepared = set(self.signature.prepared)
         self.calls = 0
         self.tp_rank_tensor: torch.Tensor | None = None  # made at the first call, not under
         # the compile-time fake mode
@@ -100,14 +109,23 @@ class ShardedProgram:
             check_inputs=mesh.tp_mesh.get_group() if check_inputs else None, **kw,
         )  # fmt: skip
 
-    def local_shard(self, index: int, full: torch.Tensor) -> torch.Tensor:
+    def local_shard(self, index: int, full: torch.Tensor, *, take: bool = True) -> torch.Tensor:
+        """The tensor the program takes for parameter `index`: its shard (or all of it; with
+        `take=False` `full` is the rank's own already, read from a checkpoint), as its
+        preparation leaves it (`PREPARATIONS`), made once and kept until the parameter is
+        replaced or modified in place."""
         cached = self._shards.get(index)
         if cached is not None and cached[0] is full and cached[1] == version_counter(full):
             return cached[2]
-        shard = self.signature.param_shards[index]
-        local = shard.take(full, self.tp_rank if shard.axis == "tp" else self.rank)
-        if shard.host:
-            local = local.cpu()  # a table in host memory: looked up on the host
+        local = full
+        shard = self.signature.param_shards.get(index) if take else None
+        if shard is not None:
+            local = shard.take(full, self.tp_rank if shard.axis == "tp" else self.rank)
+            if shard.host:
+                local = local.cpu()  # a table in host memory: looked up on the host
+        prepare = self.signature.prepared.get(index)
+        if prepare is not None:
+            local = _prepared(prepare, local)
         self._shards[index] = (full, version_counter(full), local)
         return local
 
@@ -138,9 +156,10 @@ class ShardedProgram:
         tokens = args[self.signature.token_index].shape[0]
         if self.weights is not None:
             for index, weight in self.weights.items():
-                args[index] = weight
+                prepared = index in self._prepared
+                args[index] = self.local_shard(index, weight, take=False) if prepared else weight
         else:
-            for index in self.signature.param_shards:
+            for index in self._taken:
                 args[index] = self.local_shard(index, args[index])
         if self.tp_rank_tensor is None:
             self.tp_rank_tensor = torch.tensor(self.tp_rank, dtype=torch.int64)
@@ -161,3 +180,13 @@ class ShardedProgram:
         if self.on_ep_stats is not None:
             self.on_ep_stats(self.ep_stats, self.ep_tokens)
         return type(outputs)(outputs[:-n_stats])
+
+
+def _prepared(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    prepare = PREPARATIONS.get(name)
+    if prepare is None:
+        raise ValueError(
+            f"this program reads a weight prepared by {name!r}, which no target registered: "
+            "import the target that compiled it (its lowering's module registers it)"
+        )
+    return prepare(tensor)

@@ -41,6 +41,7 @@ nodes only). The nodes a rewrite adds get values, which a later rewrite may read
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -56,8 +57,17 @@ from dsv41_compile.core.torch_private import (
     detect_fake_mode,
     enable_python_dispatcher,
 )
+from dsv41_compile.runtime.program import PREPARATIONS
+from dsv41_compile.targets.npu_dtypes import E2M1
 
-__all__ = ["NPU_KERNEL_GAPS", "graph_mode", "npu_ops", "rewrite_for_graph_mode"]
+__all__ = [
+    "NPU_KERNEL_GAPS",
+    "NZ_FP4",
+    "graph_mode",
+    "npu_ops",
+    "prepare_fp4_weights",
+    "rewrite_for_graph_mode",
+]
 
 aten = torch.ops.aten
 DROPPED = (
@@ -73,6 +83,7 @@ def graph_mode(gm: GraphModule, *, ctx: CompileContext) -> None:
     # shapes and dtypes.
     propagate_local_values(gm, ctx)
     rewrite_for_graph_mode(gm, ctx.adapter.graph_mode_rewrites)
+    prepare_fp4_weights(gm, ctx)
 
 
 def npu_ops(gm: GraphModule, *, ctx: CompileContext) -> None:
@@ -87,6 +98,47 @@ def npu_ops(gm: GraphModule, *, ctx: CompileContext) -> None:
     rewrites = {**gaps, **ctx.adapter.graph_mode_rewrites}
     why = "npugraph_ex: {op} as ops torch_npu has NPU kernels for"
     rewrite_for_graph_mode(gm, rewrites, aten_rewrites=False, why=why)
+    prepare_fp4_weights(gm, ctx)
+
+
+NZ_FP4 = "npu_nz_fp4"
+"""The preparation of an FP4 weight the grouped matmul reads in its MX A8W4 form: torch_npu's
+NZ layout (`npu_format_cast(w, 29, customize_dtype=float8_e4m3fn,
+input_dtype=float4_e2m1fn_x2)`: the same bytes in the kernel's blocked order; the values, the
+shape and the dtype unchanged)."""
+
+
+def _nz_fp4(weight: torch.Tensor) -> torch.Tensor:
+    """`NZ_FP4`: on an NPU, torch_npu's format cast of the FP4 bytes [E, N, K/2]; elsewhere
+    (the CPU stand-ins) the tensor as it is -- a layout, which a CPU kernel reads as any other
+    strided tensor."""
+    torch_npu = sys.modules.get("torch_npu")
+    if torch_npu is None or weight.device.type != "npu":
+        return weight
+    return torch_npu.npu_format_cast(
+        weight, 29, customize_dtype=torch.float8_e4m3fn, input_dtype=torch_npu.float4_e2m1fn_x2
+    )
+
+
+PREPARATIONS.add(NZ_FP4, _nz_fp4)
+
+
+def prepare_fp4_weights(gm: GraphModule, ctx: CompileContext) -> None:
+    """Mark each weight a grouped matmul reads as FP4 (`weight_dtype` float4_e2m1) in the
+    program's signature: the runtime holds it in the kernel's NZ layout, made once when it takes
+    the shard (`NZ_FP4`), not on every call."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.kwargs.get("weight_dtype") != E2M1:
+            continue
+        weights = cast(list[Node], node.args[1])
+        for weight in weights:
+            source = weight
+            while source.op == "call_function" and source.all_input_nodes:
+                source = source.all_input_nodes[0]  # through its views (dtype, transpose)
+            if source.op == "placeholder" and ctx.signature is not None:
+                index = placeholders.index(source)
+                ctx.signature = ctx.signature.with_preparation(index, NZ_FP4)
 
 
 def rewrite_for_graph_mode(

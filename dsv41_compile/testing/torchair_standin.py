@@ -41,7 +41,7 @@ from dsv41_compile.core.torch_private import (
 )
 from dsv41_compile.formats import e2m1_values, e8m0_powers
 from dsv41_compile.runtime.host_cache import load_graph, program_key, save_graph, shared
-from dsv41_compile.targets.npu_dtypes import DTYPE_CODES, E2M1, E4M3, E8M0
+from dsv41_compile.targets.npu_dtypes import E2M1, E4M3, E8M0, NPU_DTYPES
 
 __all__ = [
     "Strict",
@@ -100,6 +100,18 @@ def op_name(target: object) -> str:
 def graph_ops(gm: GraphModule) -> Counter[str]:
     """How often each op (by `op_name`) is called in `gm`."""
     return Counter(op_name(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def fp4_ops(gm: GraphModule) -> Counter[str]:
+    """How often each of torch_npu's ops takes a weight or decodes values as FP4
+    (`weight_dtype` / `src_type` float4_e2m1) in `gm`: a grouped matmul of FP4 weights, a
+    decode of them."""
+    return Counter(
+        op_name(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and E2M1 in (n.kwargs.get("weight_dtype"), n.kwargs.get("src_type"))
+    )
 
 
 def aot_graph(gm: GraphModule, example_inputs: list[Any]) -> GraphModule:
@@ -168,9 +180,10 @@ QUANT_MATMUL_SCHEMA = (
     "int? x2_dtype=None, int? pertoken_scale_dtype=None, int? scale_dtype=None, "
     "int[]? group_sizes=None, Tensor? y_scale=None) -> Tensor"
 )
-NPU_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-"""The dtypes the MX ops' dtype codes stand for."""
 _LIBRARY: list[Library] = []
+A8W4_WEIGHT_FACTOR = 1.0
+"""What the A8W4 form's FP4 weights are multiplied by (`_a8w4_matmul`): 1, the documented
+formula. A test sets 1 / 64 (the op-plugin golden's reading) to show the comparisons tell."""
 
 
 def register_npu_ops() -> None:
@@ -183,7 +196,7 @@ def register_npu_ops() -> None:
       of each group (`group_list_type=1`), groups along x's rows (`group_type=0`), one output
       (`split_item=3`): rows [start_g, start_g + count_g) of x times weight[g]. What the NPU
       kernel leaves in rows past the last group is not documented; here they are NaN, so a
-      graph that reads them fails its numerics.
+      graph that reads them fails its numerics. Also its MX A8W4 form (`_a8w4_matmul`).
     - `npu_dynamic_mx_quant` to float8_e4m3fn along the last axis, blocks of 32, `scale_alg=1`
       (aclnnDynamicMxQuant, scenario 2): `S = amax / 448` in fp32, rounded up to a power of two
       (`2^E`, E the exponent of S, plus one when S has a mantissa); codes `e4m3(x / 2^E)`; the
@@ -345,7 +358,72 @@ def _quant_matmul_cpu(x1, x2, scale, *, pertoken_scale=None, output_dtype=None, 
     return (a @ b.t()).to(dtype)
 
 
+A8W4_KEYS = ("antiquant_scale", "per_token_scale", "output_dtype", "weight_dtype",
+             "per_token_scale_dtype")  # fmt: skip
+"""The arguments of the grouped matmul's MX A8W4 form."""
+
+
+def _a8w4_form(x, weight, rest) -> bool:
+    """Whether the grouped matmul is called in its MX A8W4 form (`_a8w4_matmul`); an error
+    for a form between the two."""
+    given = {k: rest.get(k) for k in A8W4_KEYS}
+    if all(v is None for v in given.values()):
+        return False
+    antiquant, per_token = given["antiquant_scale"], given["per_token_scale"]
+    if not (
+        x[0].dtype == torch.float8_e4m3fn
+        and weight[0].dtype == torch.uint8
+        and given["weight_dtype"] == E2M1
+        and given["per_token_scale_dtype"] == E8M0
+        and given["output_dtype"] in NPU_DTYPES
+        and antiquant is not None
+        and per_token is not None
+        and len(antiquant) == len(per_token) == 1
+        and antiquant[0].shape
+        == (*weight[0].shape[:1], -(-weight[0].shape[1] // 32), weight[0].shape[2], 2)
+        and per_token[0].shape == (x[0].shape[0], -(-x[0].shape[1] // 64), 2)
+    ):
+        raise ValueError(
+            "the CPU stand-in of npu_grouped_matmul implements the MX A8W4 form with x float8_e4m3fn "
+            "[M, K], per_token_scale [[M, K/64, 2]] e8m0 (293), weight uint8 [G, K/2, N] "
+            "float4_e2m1 (296), antiquant_scale [[G, K/64, N, 2]], output_dtype a float's code; "
+            f"got x {x[0].dtype} {list(x[0].shape)}, weight {weight[0].dtype} "
+            f"{list(weight[0].shape)}, { ({k: v for k, v in given.items() if not isinstance(v, list)}) }"
+        )
+    return True
+
+
+def _a8w4_matmul(x, pairs, weight, scale, counts, out_code):
+    """The MX A8W4 form (aclnnGroupedMatmulWeightNz, its MX pseudo-quantisation scenario:
+    `y_g = (x_g * per_token_scale_g) @ (w_g * antiquant_scale_g)^T`): the rows' e4m3 codes times
+    their block's power of two (an e8m0 byte b is 2^(b - 127)), each expert's e2m1 values (low
+    nibble first along K) times theirs, both exact in the output dtype, multiplied there as the
+    eager program multiplies the decoded values (`F.linear`: the kernel accumulates in fp32 in
+    its own order). Reading chosen: the documented formula -- the FP4 values themselves. The
+    op-plugin golden divides the weight by 64 (the e2m1 -> e4m3 exponent gap of an older
+    kernel, which newer kernels compensate with a factor 64 before the output); a hardware
+    check settles it (all-ones x and w, scale byte 127: K, not K/64). Rows past the groups'
+    total are NaN, as in the other form."""
+    out_dtype = NPU_DTYPES[out_code]
+    decoded_x = _anti_mx_quant_cpu(x, pairs, dst_type=out_code)
+    out = decoded_x.new_full((x.shape[0], weight.shape[2]), float("nan"))
+    start = 0
+    for g, count in enumerate(counts.tolist()):
+        if count:
+            w = _anti_mx_quant_cpu(
+                weight[g].t(), scale[g].transpose(0, 1), dst_type=out_code, src_type=E2M1
+            )  # [N, K]
+            if A8W4_WEIGHT_FACTOR != 1.0:
+                w = w * A8W4_WEIGHT_FACTOR
+            out[start : start + count] = torch.nn.functional.linear(
+                decoded_x[start : start + count], w
+            )
+        start += count
+    return out.to(out_dtype)
+
+
 def _grouped_form(x, weight, group_list, split_item, group_type, group_list_type, **rest):
+    rest = {k: v for k, v in rest.items() if k not in A8W4_KEYS}
     unsupported = {k: v for k, v in rest.items() if v not in (None, 0)}
     if (
         len(x) != 1
@@ -368,9 +446,13 @@ def _grouped_form(x, weight, group_list, split_item, group_type, group_list_type
 def _grouped_matmul_cpu(
     x, weight, *, group_list=None, split_item=0, group_type=None, group_list_type=0, **rest
 ):
+    a8w4 = _a8w4_form(x, weight, rest)
     x, weight = _grouped_form(
         x, weight, group_list, split_item, group_type, group_list_type, **rest
     )
+    if a8w4:
+        (scale,), (pairs,) = rest["antiquant_scale"], rest["per_token_scale"]
+        return [_a8w4_matmul(x, pairs, weight, scale, group_list, rest["output_dtype"])]
     out = x.new_full((x.shape[0], weight.shape[2]), float("nan"))
     start = 0
     for g, count in enumerate(group_list.tolist()):
@@ -382,7 +464,9 @@ def _grouped_matmul_cpu(
 def _grouped_matmul_fake(
     x, weight, *, group_list=None, split_item=0, group_type=None, group_list_type=0, **rest
 ):
+    a8w4 = _a8w4_form(x, weight, rest)
     x, weight = _grouped_form(
         x, weight, group_list, split_item, group_type, group_list_type, **rest
     )
-    return [x.new_empty((x.shape[0], weight.shape[2]))]
+    dtype = NPU_DTYPES[rest["output_dtype"]] if a8w4 else x.dtype
+    return [x.new_empty((x.shape[0], weight.shape[2]), dtype=dtype)]

@@ -344,16 +344,48 @@ def test_graph_mode_runs_the_released_formats_through_torch_npus_mx_ops():
     """Under the official numerics with the weights as released, the graph npugraph_ex gets
     holds none of the model's quantisation ops: each FP8 linear whose input is quantised is one
     MXFP8 `npu_quant_matmul`, each other quantisation an `npu_dynamic_mx_quant`, each decode an
-    `npu_anti_mx_quant` (the experts' FP4 weights, the FP8 rows moved by the quantised
-    transport); the logits match the single-device model (test above)."""
+    `npu_anti_mx_quant` (the FP8 rows moved by the quantised transport); the routed experts are
+    three grouped matmuls in their MX A8W4 form, the FP4 weights as released, and no FP4 weight
+    is decoded; the logits match the single-device model (test above)."""
     for result in results_of(NPUGRAPH_EX_RUN):
-        ops = result["npu_ops"]
+        ops, fp4 = result["npu_ops"], result["npu_fp4_ops"]
         assert not [op for op in ops if op.startswith("torch.ops.dsv41.")], ops
-        # tiny-swa's FP8 linears whose input the official numerics quantise: wq_a, wkv,
-        # wq_b and wo_b (its rows moved as FP8) -- the shared expert's are bf16
-        assert ops["torch.ops.npu.npu_quant_matmul.default"] == 4
+        # tiny-swa's FP8 linears whose input the official numerics quantise: wq_a, wkv, wq_b,
+        # wo_b (its rows moved as FP8, exchanged by head group and joined into rows) and the
+        # shared expert's w1, w3, w2 (the MoE input cast to the expert's dtype; its hidden)
+        assert ops["torch.ops.npu.npu_quant_matmul.default"] == 7
         assert ops["torch.ops.npu.npu_dynamic_mx_quant.default"] >= 4
-        assert ops["torch.ops.npu.npu_anti_mx_quant.default"] >= 3  # w1, w2, w3 of the experts
+        assert ops["torch.ops.npu.npu_anti_mx_quant.default"] >= 1  # the FP8 rows received
+        grouped = "torch.ops.npu.npu_grouped_matmul.default"
+        assert ops[grouped] == fp4[grouped] == 3  # w1, w3, w2 of the one layer's experts
+        assert fp4["torch.ops.npu.npu_anti_mx_quant.default"] == 0
+
+
+def _compare_with_the_golden_reading(rank: int, world_size: int, spec: CaseSpec) -> dict:
+    """`compare_on_rank` with the A8W4 stand-in multiplying the FP4 weights by 1/64 (the
+    op-plugin golden's reading, which the stand-in's docstring sets aside): the same program,
+    loaded from the host cache, run with another kernel."""
+    from dsv41_compile.testing import torchair_standin
+
+    torchair_standin.A8W4_WEIGHT_FACTOR = 1 / 64
+    try:
+        return compare_on_rank(rank, world_size, spec)
+    finally:
+        torchair_standin.A8W4_WEIGHT_FACTOR = 1.0
+
+
+@pytest.mark.slow
+def test_a_perturbed_a8w4_stand_in_fails_the_comparison():
+    """The 8-rank comparison of the npugraph_ex run tells the grouped matmul's readings apart:
+    with the FP4 weights / 64 the logits leave the single-device model's."""
+    results = RankPool.shared(WORLD).run(_compare_with_the_golden_reading, RUNS[NPUGRAPH_EX_RUN])
+    worst = max(
+        float((sp.float() - ref.float()).abs().max())
+        for result in results
+        for sp, ref in zip(result["modes"]["marked"]["logits"], result["ref"])
+        if ref.numel()
+    )
+    assert worst > 1e-2, worst
 
 
 def test_npugraph_ex_captures_each_decode_size_once_and_runs_prefill_uncaptured():

@@ -21,6 +21,7 @@ from dsv41_compile.deepseek_v41.testing.presets import AS_RELEASED, ONE_LAYER, S
 from dsv41_compile.devices import DEVICES, Device, device_named
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.step_time import Scenario, step_costs, step_time
+from dsv41_compile.targets.npu_dtypes import E2M1
 from dsv41_compile.testing.torchair_standin import register_npu_ops
 from dsv41_compile.testing.toy import ToyConfig, toy_family
 
@@ -283,37 +284,48 @@ def test_the_physical_floor_does_not_depend_on_the_layout(tiny, plan_once):
 
 
 def test_the_npu_lowering_is_costed_with_torch_npus_ops(plan_once):
-    """tiny-swa as released, handed to npugraph_ex: the routed experts' FP4 weights decoded to
-    bf16 on every call (`npu_anti_mx_quant`: the packed codes and scales read as weights, the
-    decoded copy written) and read again by the grouped matmul, costed as a matmul of every
-    row through one group (2 R K N FLOPs); the FP8 linears as MXFP8 `npu_quant_matmul`s on
-    the fp8 rate."""
+    """tiny-swa as released, handed to npugraph_ex: the routed experts as three grouped matmuls
+    in their MX A8W4 form -- each reads its experts' FP4 codes and scales as released, at the
+    step's touched fraction ("experts": `expert_bytes`), no decoded copy made -- of the rows'
+    e4m3 codes (a byte a value) with their scale pairs, costed at the fp8 rate as a matmul of
+    every row through one group (2 R K N FLOPs); the FP8 linears as MXFP8 `npu_quant_matmul`s
+    on the fp8 rate."""
     register_npu_ops()
     cfg = ModelConfig.from_name("tiny-swa", **dict((*SINKHORN_3, *ONE_LAYER, *AS_RELEASED)))
     options = {"tp": 4, "ep": 8, "lowering": "npugraph_ex"}
     gm, ctx = plan_once(cfg, options, world_size=8)[:2]
-    ops = {op.node: op for op in step_costs(gm, ctx).ops}
+    costs = step_costs(gm, ctx)
+    ops = {op.node: op for op in costs.ops}
     e_local, inter, dim = cfg.n_routed_experts // 8, cfg.moe_inter_dim, cfg.dim
+    assert (costs.experts, costs.top_k) == (cfg.n_routed_experts, cfg.n_activated_experts)
     grouped = [n for n in gm.graph.nodes if str(n.target) == "npu.npu_grouped_matmul.default"]
     assert len(grouped) == 3
+    assert not [n for n in gm.graph.nodes if str(n.target) == "npu.npu_anti_mx_quant.default"
+                and n.kwargs.get("src_type") == E2M1]  # fmt: skip
     for node in grouped:
         op = ops[node.name]
         (x,), (weight,) = node.args[:2]
-        decode = weight.args[0]  # the transpose of the decoded weight
-        assert str(decode.target) == "npu.npu_anti_mx_quant.default"
-        # the decode reads the expert weight's FP4 codes (half a byte a value) and its scales
-        # (a byte per 32 values; as weights, or where an op pairs them as torch_npu takes them)
+        assert x.meta["val"].dtype == torch.float8_e4m3fn
+        # the packed codes (half a byte a value) and the scales (a byte per 32 values; where a
+        # row has an odd count of blocks, w2's here, padded to pairs by a `constant_pad_nd` of
+        # the scales, which reads them)
         packed, scales = e_local * inter * dim // 2, e_local * inter * dim // 32
-        assert packed <= ops[decode.name].weight_bytes <= packed + scales
-        # (a row of one 32-block has its scale padded to a pair: twice the bytes)
-        assert packed + scales <= ops[decode.name].read <= packed + 2 * scales
-        assert ops[decode.name].written == e_local * inter * dim * 2  # bf16, every call
-        # the grouped matmul reads that copy, its group counts (int64) and its rows x [R, K]
-        # (bf16), and does 2 R K N FLOPs: its row bytes times N
-        assert op.kind == "matmul" and op.weight_bytes == 0
-        x_bytes = op.read - ops[decode.name].written - 8 * e_local
+        (scale,) = node.kwargs["antiquant_scale"]
+        chain = []
+        while scale.op == "call_function":
+            chain.append(scale)
+            scale = scale.all_input_nodes[0]
+        pads = [ops[n.name] for n in chain if n.target is torch.ops.aten.constant_pad_nd.default]
+        assert op.kind == "experts"
+        assert op.expert_bytes + sum(pad.weight_bytes for pad in pads) == packed + scales
+        assert op.weight_bytes == 0 and op.operand == "fp8"
+        # it reads its rows x [R, K] (a byte a value), their scale pairs (a byte per 32) and the
+        # group counts (int64), and does 2 R K N FLOPs
+        pad_bytes = sum(pad.written for pad in pads)
+        k = x.meta["val"].shape[1]  # a row: k code bytes, then 2 * ceil(k / 64) scale bytes
+        x_bytes = (op.read - 8 * e_local - pad_bytes) * k / (k + 2 * -(-k // 64))
         assert x_bytes.free_symbols == {T}
         n = weight.meta["val"].shape[2]
-        assert sympy.simplify(op.flops - x_bytes * n) == 0
+        assert sympy.simplify(op.flops - 2 * x_bytes * n) == 0
     quant = [op for name, op in ops.items() if name.startswith("npu_quant_matmul")]
     assert quant and all(op.kind == "matmul" and op.operand == "fp8" for op in quant)

@@ -15,7 +15,7 @@ from dsv41_compile.deepseek_v41.adapter import DeepseekV41Adapter
 from dsv41_compile.deepseek_v41.model.numerics import act_quant
 from dsv41_compile.deepseek_v41.model.quant import quantize_fp4, quantize_fp8
 from dsv41_compile.targets.graph_mode import rewrite_for_graph_mode
-from dsv41_compile.targets.npu_dtypes import E4M3
+from dsv41_compile.targets.npu_dtypes import DTYPE_CODES, E2M1, E4M3, E8M0
 from dsv41_compile.testing.graphs import rewritten_for_graph_mode
 from dsv41_compile.testing.torchair_standin import register_npu_ops
 
@@ -255,6 +255,104 @@ def test_an_official_fp8_linear_is_one_mxfp8_quant_matmul():
     def linear(x, codes, scale):
         weight = torch.ops.dsv41.fp8_weight(codes, scale, torch.bfloat16)
         return torch.nn.functional.linear(torch.ops.dsv41.act_quant_dequant(x), weight)
+
+    gm = symbolic_rewritten(linear, x, codes, scale)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.npu.npu_quant_matmul.default) == 1
+    assert aten.mm.default not in targets
+    assert torch.ops.npu.npu_anti_mx_quant.default not in targets
+    assert torch.equal(gm(x, codes, scale), linear(x, codes, scale))
+
+
+def _fp4_experts(E=4, D=64, I=32):
+    """E experts' FP4 weights as released (codes, e8m0 scales) for w1, w2, w3, interleaved."""
+    fp4 = [[quantize_fp4(randn(o, i)) for _ in range(E)] for o, i in ((I, D), (D, I), (I, D))]
+    return [
+        t
+        for pairs in fp4
+        for t in (torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]))
+    ]
+
+
+def _official_experts(x, idx, w, *weights):
+    """The official numerics' routed experts: the input FP8-quantised before the op (the model's
+    `expert_inputs` step), the hidden activation inside it."""
+    x = torch.ops.dsv41.act_quant_dequant(x)
+    return torch.ops.dsv41.routed_experts_fp4(x, idx, w, *weights, 10.0, True)
+
+
+@pytest.mark.parametrize(
+    "idx",
+    [
+        # 7 rows: one unassigned route (-1), a padding row routed nowhere, expert 3 idle
+        [[0, 1], [2, 0], [1, -1], [-1, -1], [0, 2], [1, 1], [2, 0]],
+        [[3, 1]],  # T = 1
+        [],  # T = 0: no row, every group empty
+    ],
+    ids=["7-rows", "T=1", "T=0"],
+)
+def test_official_routed_experts_are_a8w4_grouped_matmuls_of_the_fp4_weights(idx):
+    """With FP8 rows (the official numerics), the FP4 experts become three MX A8W4 grouped
+    matmuls of the weights as released -- none decoded, no bf16 matmul -- and the output is the
+    single-device op's, bit for bit (the stand-in multiplies the decoded values as the eager
+    kernel does; a hidden block below 1e-4 would differ as the activation quantisation does)."""
+    weights = _fp4_experts()
+    idx = torch.tensor(idx, dtype=torch.int64).reshape(-1, 2)
+    T = idx.shape[0]
+    # magnitudes that keep every hidden block above the official rule's floor of 1e-4, where
+    # the MX op differs as documented (test_act_quant_below_the_official_floor_...)
+    x = (randn(T, 64) * 4).to(torch.bfloat16)
+    w = torch.rand(T, 2, generator=g)
+    gm = symbolic_rewritten(_official_experts, x, idx, w, *weights)
+    grouped = gm.graph.find_nodes(
+        op="call_function", target=torch.ops.npu.npu_grouped_matmul.default
+    )
+    assert [n.kwargs["weight_dtype"] for n in grouped] == [E2M1] * 3
+    decodes = gm.graph.find_nodes(
+        op="call_function", target=torch.ops.npu.npu_anti_mx_quant.default
+    )
+    assert all(n.kwargs["src_type"] != E2M1 for n in decodes)
+    assert not gm.graph.find_nodes(op="call_function", target=aten.mm.default)
+    actual, expected = gm(x, idx, w, *weights), _official_experts(x, idx, w, *weights)
+    assert actual.shape == expected.shape == (T, 64)
+    assert torch.equal(actual, expected)
+
+
+def test_a8w4_stand_in_reads_the_fp4_values_themselves():
+    """The reading the stand-in fixes where the sources disagree (torchair_standin's
+    `_a8w4_matmul`): the documented formula's FP4 values, not the op-plugin golden's value / 64
+    -- all-ones rows (e4m3 1.0, scale byte 127) times all-ones weights (e2m1 1.0 twice a byte:
+    0x22, scale byte 127) give K. Rows past the groups' total are NaN (the kernel leaves them
+    unwritten), and a group of no rows writes nothing."""
+    K, N = 64, 8
+    x = torch.ones(5, K, dtype=torch.float8_e4m3fn)
+    pairs = torch.full((5, K // 64, 2), 127, dtype=torch.uint8)
+    w = torch.full((2, N, K // 2), 0x22, dtype=torch.uint8).transpose(1, 2)
+    s = torch.full((2, N, K // 64, 2), 127, dtype=torch.uint8).transpose(1, 2)
+    (y,) = torch.ops.npu.npu_grouped_matmul(
+        [x], [w], antiquant_scale=[s], per_token_scale=[pairs], group_list=torch.tensor([0, 3]),
+        split_item=3, group_type=0, group_list_type=1, output_dtype=DTYPE_CODES[torch.bfloat16],
+        weight_dtype=E2M1, per_token_scale_dtype=E8M0,
+    )  # fmt: skip
+    assert y.dtype == torch.bfloat16 and y.shape == (5, N)
+    assert (y[:3] == K).all() and y[3:].isnan().all()
+
+
+def test_fp8_rows_rearranged_whole_blocks_at_a_time_still_make_one_quant_matmul():
+    """An FP8 linear whose input reaches it rearranged -- rows exchanged by head group
+    (unflatten, permute, a view joining a token's groups into one row: what the attention
+    exit's all-to-all makes of `wo_b`'s input), its padding rows dropped (a split), cast to
+    fp32 and back -- is still one MXFP8 `npu_quant_matmul`: the codes and their block scales
+    are rearranged the same way (no block is split), and no activation is decoded for it."""
+    codes, scale = quantize_fp8(randn(48, 128))
+    x = official_activations(4 * 3, 32)  # 4 groups x 3 rows, 32 values: one block each
+
+    def linear(x, codes, scale):
+        rows = torch.ops.dsv41.act_quant_dequant(x)
+        joined = rows.unflatten(0, (4, 3)).permute(1, 0, 2).contiguous().view(3, 128)
+        kept = torch.split(joined.float(), [2, 1])[0].to(torch.bfloat16)
+        weight = torch.ops.dsv41.fp8_weight(codes, scale, torch.bfloat16)
+        return torch.nn.functional.linear(kept, weight)
 
     gm = symbolic_rewritten(linear, x, codes, scale)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]

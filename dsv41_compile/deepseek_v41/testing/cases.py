@@ -169,8 +169,8 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     (`testing.selections`: where the compiled model may rightly select other rows), "comm":
     comm.json or None,
     "npu_ops": with an NPU backend's stand-in, the ops after the backend's AOT step (name ->
-    count), "npu_calls": with npugraph_ex's, how it ran each call (captured, replayed,
-    uncaptured), "host_cache": this process's shared compiles (`runtime.host_cache.STATS`),
+    count), "npu_fp4_ops": of those, the ones that take or decode FP4 values, "npu_calls": with
+    npugraph_ex's, how it ran each call (captured, replayed, uncaptured), "host_cache": this process's shared compiles (`runtime.host_cache.STATS`),
     "inductor": inductor's FX graph cache hits and misses in this process, "checkpoint_read":
     the bytes the compiled side read per checkpoint tensor in this case, "reference_read": the
     bytes the single-device side read}`."""
@@ -237,11 +237,12 @@ def compare_on_rank(rank: int, world_size: int, spec: CaseSpec) -> dict[str, Any
     if dump_dir is not None:
         out["comm"] = json.loads((Path(dump_dir) / f"rank{rank}" / "comm.json").read_text())
         shutil.rmtree(dump_dir)
-    out["npu_ops"] = out["npu_calls"] = None
+    out["npu_ops"] = out["npu_fp4_ops"] = out["npu_calls"] = None
     if standin is not None:  # what the backend's own passes would see, op name -> count
-        from dsv41_compile.testing.torchair_standin import graph_ops
+        from dsv41_compile.testing.torchair_standin import fp4_ops, graph_ops
 
         out["npu_ops"] = sum((graph_ops(gm) for gm in standin.aot_graphs), Counter())
+        out["npu_fp4_ops"] = sum((fp4_ops(gm) for gm in standin.aot_graphs), Counter())
         out["npu_calls"] = getattr(standin, "calls", None)
     out["checkpoint_read"] = {
         name: n - read_before.get(name, 0)
