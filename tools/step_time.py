@@ -101,7 +101,10 @@ def report(
     if floors is not None:
         floor = step_time(floors, device, scenario)
         first = dataclasses.replace(
-            first, layout_floor=floor.layout_floor, physical_floor=floor.physical_floor
+            first,
+            layout_floor=floor.layout_floor,
+            physical_floor=floor.physical_floor,
+            compute_floor=floor.compute_floor,
         )
     per_layer = first.layer_collectives / max(costs.layers, 1)
     print(
@@ -109,7 +112,8 @@ def report(
         + " ".join(
             f"{_ms(t.seconds)} ms @{latency_label(t.device.collective_latency)}" for t in times
         )
-        + f"  layout floor {_ms(first.layout_floor)} ms  physical floor {_ms(first.physical_floor)} ms"
+        + f"  layout floor {_ms(first.layout_floor)} ms (compute {_ms(first.compute_floor)} ms)"
+        + f"  physical floor {_ms(first.physical_floor)} ms"
         + f"  HBM {first.hbm_bytes / 1e9:7.2f} GB  collectives {first.collectives}"
         + f" ({per_layer:.2f} per layer)"
     )
@@ -135,7 +139,15 @@ def report(
         "collectives_per_layer": per_layer,
         "hbm_bytes": first.hbm_bytes,
         "layout_floor": first.layout_floor,
+        "compute_floor": first.compute_floor,
         "physical_floor": first.physical_floor,
+        # the prediction over the layout's floor (HBM or compute, the larger) plus the
+        # program's own collectives, at each latency
+        "over_floor": {
+            latency_label(t.device.collective_latency): t.seconds
+            / (max(first.layout_floor, first.compute_floor) + t.collective_seconds)
+            for t in times
+        },
     }
 
 
@@ -320,16 +332,19 @@ def main() -> None:
         ]
     low, high = (latency_label(latency) for latency in LATENCIES)
     print(
-        f"\n| scenario | config | predicted, {low} | predicted, {high} | layout floor | "
-        "physical floor | HBM read+written | collectives per layer |"
+        f"\n| scenario | config | predicted, {low} | predicted, {high} | layout floor (HBM) | "
+        "compute floor | over floor + collectives | physical floor | HBM read+written | "
+        "collectives per layer |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for i, scenario in enumerate(scenarios(args.world // args.tp)):
         for name in configs:
             r = results[name][i]
+            over = r["over_floor"]
             print(
                 f"| {scenario.name} | {name} | {r['seconds'][low] * 1e3:.2f} ms | "
                 f"{r['seconds'][high] * 1e3:.2f} ms | {r['layout_floor'] * 1e3:.2f} ms | "
+                f"{r['compute_floor'] * 1e3:.2f} ms | {over[low]:.2f}x / {over[high]:.2f}x | "
                 f"{r['physical_floor'] * 1e3:.2f} ms | {r['hbm_bytes'] / 1e9:.1f} GB | "
                 f"{r['collectives_per_layer']:.2f} |"
             )

@@ -289,7 +289,11 @@ def _e4m3_blocks(emit, node: Any) -> tuple[Proxy, Proxy, int] | None:
         codes, scales, code = inner
         parts = (aten.split_with_sizes.default(t, sizes, 0)[i] for t in (codes, scales))
         return (*parts, code)  # type: ignore[return-value]
-    inner = _e4m3_blocks(emit, args[0]) if args else None
+    rearranging = (
+        aten._to_copy.default, aten.clone.default, aten.slice.Tensor, aten.unflatten.int,
+        aten.permute.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    )  # fmt: skip
+    inner = _e4m3_blocks(emit, args[0]) if target in rearranging else None
     if inner is None:
         return None
     codes, scales, code = inner

@@ -51,6 +51,7 @@ __all__ = [
     "PARTS",
     "Cost",
     "RankInput",
+    "assignment_flops",
     "ep_layer_of",
     "graph_costs",
     "in_t",
@@ -271,11 +272,7 @@ def node_flops(node: Node, ctx: CompileContext) -> sympy.Expr:
             # expectation K/ep assignments per token and peer over its expected rows
             expected = _rows_per_peer(info)
             routes = info.top_k / (info.ep * expected)
-        per_expert = spec.inputs_per_element * sum(
-            sympy.Mul(*(symbolic_size(s) for s in node.args[i].meta["val"].shape[1:]))
-            for i in spec.matrix_args()
-        )
-        return 2 * rows * routes * per_expert
+        return rows * routes * assignment_flops(node, ctx)
     if str(node.target) == NPU_GROUPED_MATMUL:  # x [R, K], weight [G, K, N] (FP4: [G, K/2, N])
         x, w = (cast(list, node.args[i])[0] for i in (0, 1))
         r, k = (symbolic_size(s) for s in x.meta["val"].shape)
@@ -288,6 +285,22 @@ def node_flops(node: Node, ctx: CompileContext) -> sympy.Expr:
         return 2 * shape[0] * shape[1] * symbolic_size(a.shape[1])
     a = node.args[-2].meta["val"]  # bmm / baddbmm: [B, M, K] @ [B, K, N]
     return 2 * shape[0] * shape[1] * shape[2] * symbolic_size(a.shape[2])
+
+
+def assignment_flops(node: Node, ctx: CompileContext) -> sympy.Expr:
+    """The FLOPs of one (row, expert) assignment of a routed-experts op: its expert's matrices
+    times one row, 2 FLOPs a multiply-add."""
+    spec = ctx.adapter.routed_experts_op(node.target)
+    if spec is None:
+        raise InternalError("assignment_flops of a node that is no routed-experts op", node)
+    return (
+        2
+        * spec.inputs_per_element
+        * sum(
+            sympy.Mul(*(symbolic_size(s) for s in node.args[i].meta["val"].shape[1:]))
+            for i in spec.matrix_args()
+        )
+    )
 
 
 def symbolic_size(s: object) -> sympy.Expr:

@@ -15,27 +15,41 @@ The model, a roofline per kernel of the program as lowered (not of an ideal one)
   - a gather (`index`, `index_select`, `gather`, `embedding`) reads the rows it selects (its
     output's bytes) and its index, not its whole source;
   - each weight is read once per step, by its first reader;
-  - a routed-experts op reads the experts the step's rows touch: of the `E_local` it holds,
-    `E_local * (1 - (1 - K/E)^R)` under uniform routing, `R` the rows of the whole world.
+  - an EP layer costs what its busiest rank does (an EP step waits for it): its routed-experts
+    op -- or torch_npu's grouped matmul of the rank's stacked experts -- reads the experts the
+    step's rows touch on that rank and computes the assignments it receives (FLOPs per
+    assignment times their count, not its buffer's rows): under uniform routing the expected
+    maximum over the ranks of each (`EpLoad.expected_busiest`; each of the rank's experts
+    touched with probability `1 - (1 - K/E)^R`, `R` the rows of the whole world, each of the
+    `R K` assignments on the rank with probability `1/ep`), or a given routing's
+    (`Scenario.ep_load`, `EpLoad.of_routing`). Without EP each rank computes its own DP
+    group's rows.
 - A collective takes a latency (an assumption: `devices.LATENCIES`) plus the larger of the bytes
   it sends and receives over one rank's link (`report.comm.collective_bytes`): the node's link
   within a node, the link between nodes for the share that crosses them
   (`Device.collective_seconds`; a node is `Device.ranks_per_node` consecutive ranks).
 - The step is the sum: the program runs one op after another (no overlap is modelled).
 
-The floors, in HBM time at the same bandwidth:
+The floors:
 
-- the layout's: each byte this rank's placement makes the step read, once: the weights it holds
-  (its experts at the touched fraction) and the cache the step reads;
-- the physical one: each weight the step needs read once across the world (the experts touched
-  by the world's rows), the cache once per DP group (its TP ranks share it), over the world's
-  ranks; plus the rows this rank gathers of a weight (the embedding's), which no other rank
+- the layout's, in HBM time at the same bandwidth: each byte this rank's placement makes the
+  step read, once: the weights it holds (its experts as its busiest rank touches them) and the
+  cache the step reads;
+- the layout's compute floor: the FLOPs of its matmuls at the device's peak rates, the dense
+  ones at the step's rows, the experts at the busiest rank's assignments (a prefill is bound
+  by it, not by HBM); a lowering is measured against the larger of the two, plus its
+  collectives;
+- the physical one, in HBM time: each weight the step needs read once across the world (the
+  experts touched by the world's rows, on average), the cache once per DP group (its TP ranks
+  share it), over the world's ranks; plus the rows this rank gathers of a weight (the embedding's), which no other rank
   reads for it. Every DP group is taken as busy as this rank's.
 """
 
 from __future__ import annotations
 
+import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -51,6 +65,7 @@ from dsv41_compile.devices import Device
 from dsv41_compile.report.accounting import (
     NPU_GROUPED_MATMUL,
     NPU_QUANT_MATMUL,
+    assignment_flops,
     ep_layer_of,
     in_t,
     node_flops,
@@ -60,7 +75,7 @@ from dsv41_compile.report.accounting import (
 )
 from dsv41_compile.report.comm import collective_bytes
 
-__all__ = ["OpCost", "Scenario", "StepCosts", "StepTime", "step_costs", "step_time"]
+__all__ = ["EpLoad", "OpCost", "Scenario", "StepCosts", "StepTime", "step_costs", "step_time"]
 
 aten = torch.ops.aten
 
@@ -127,6 +142,10 @@ class OpCost:
     """Of `read`, the bytes of weights (read once per step, here)."""
     cache_bytes: sympy.Expr = sympy.Integer(0)
     """Of `read`, the bytes of the model's cache inputs."""
+    assignment_flops: sympy.Expr = sympy.Integer(0)
+    """An "experts" op's FLOPs per (row, expert) assignment it computes: its FLOPs are that
+    times the assignments the rank receives (`EpLoad`), not its buffer's rows (a padded
+    buffer's empty rows and a grouped matmul's rows past its groups are not computed)."""
 
     @property
     def collective(self) -> bool:
@@ -172,12 +191,98 @@ class StepCosts:
         free = hbm_bytes - self.held_weight_bytes - also_held
         return max(0, int(free // self.cache_bytes_per_request))
 
+    ep: int = 1
+    """The ranks a MoE layer's experts are spread over (1: every rank holds every expert)."""
+
     def touched(self, world_rows: int) -> float:
         """The expected fraction of a layer's experts the world's rows touch (uniform routing,
         each row K distinct experts of E)."""
         if not self.experts:
             return 0.0
         return 1.0 - (1.0 - self.top_k / self.experts) ** world_rows
+
+    def busiest(self, world_rows: int, rows: int) -> EpLoad:
+        """The expected load of the busiest rank of an EP layer under uniform routing: the
+        expected maximum over the `ep` ranks of the experts the world's rows touch and of the
+        assignments it receives (`EpLoad.expected_busiest`); without EP (`ep` = 1), its own
+        DP group's `rows`, each rank computing them all."""
+        if self.ep <= 1:
+            return EpLoad.expected_busiest(self.experts, self.top_k, 1, rows)
+        return EpLoad.expected_busiest(self.experts, self.top_k, self.ep, world_rows)
+
+
+@dataclass(frozen=True)
+class EpLoad:
+    """One rank's share of an EP layer's work in a step: of the `held` experts it holds, how
+    many the step's rows touch (each read once), and how many (row, expert) assignments it
+    computes. An EP step waits for its busiest rank: the step-time model costs every EP layer
+    at it (`Scenario.ep_load`, or the expectation under uniform routing)."""
+
+    held: int
+    touched: float
+    assignments: float
+
+    @property
+    def fraction(self) -> float:
+        """Of the rank's experts' bytes, the share read."""
+        return self.touched / self.held if self.held else 0.0
+
+    @staticmethod
+    def expected_busiest(experts: int, top_k: int, ep: int, world_rows: int) -> EpLoad:
+        """The expected maximum over `ep` ranks of `experts / ep` each, under uniform routing
+        of `world_rows` rows to `top_k` distinct experts: a rank's touched experts taken as
+        binomial (each of its experts touched with the probability `1 - (1 - K/E)^R`) and its
+        assignments as binomial (`R K` assignments, each on the rank with probability `1/ep`),
+        the ranks as independent; the expected maximum of each by its distribution, `sum_k
+        P(max >= k)`."""
+        if not experts:
+            return EpLoad(0, 0.0, 0.0)
+        held = experts // max(ep, 1)
+        p_touched = 1.0 - (1.0 - top_k / experts) ** world_rows
+        touched = _expected_max_binomial(held, p_touched, ep)
+        assignments = _expected_max_binomial(world_rows * top_k, 1.0 / max(ep, 1), ep)
+        return EpLoad(held, touched, assignments)
+
+    @staticmethod
+    def of_routing(topk_idx: Sequence[Sequence[int]], experts: int, ep: int) -> list[EpLoad]:
+        """Each rank's load for a given routing: `topk_idx` the experts of each of the world's
+        rows (-1: none), expert e on rank `e // (experts / ep)`."""
+        held = experts // ep
+        touched: list[set[int]] = [set() for _ in range(ep)]
+        assignments = [0] * ep
+        for row in topk_idx:
+            for e in row:
+                if e >= 0:
+                    touched[e // held].add(e)
+                    assignments[e // held] += 1
+        return [EpLoad(held, len(t), a) for t, a in zip(touched, assignments)]
+
+
+def _expected_max_binomial(n: int, p: float, ranks: int) -> float:
+    """E[max of `ranks` independent Binomial(n, p)] = sum over k >= 1 of 1 - P(X < k)^ranks
+    (a normal approximation's terms past n = 4096 trials: the CDF by `math.erf`)."""
+    if n <= 0 or p <= 0.0:
+        return 0.0
+    if ranks <= 1:
+        return n * p
+    if n > 4096:
+        mean, sd = n * p, math.sqrt(n * p * (1 - p))
+        if sd == 0.0:
+            return mean
+
+        def cdf(k: int) -> float:  # P(X < k), continuity-corrected
+            return 0.5 * (1 + math.erf((k - 0.5 - mean) / (sd * math.sqrt(2))))
+
+        lo, hi = max(1, int(mean - 10 * sd)), min(n, int(mean + 10 * sd) + 1)
+        return (lo - 1) + sum(1.0 - cdf(k) ** ranks for k in range(lo, hi + 1))
+    total, below, term = 0.0, 0.0, (1.0 - p) ** n  # term: P(X = k), from k = 0
+    for k in range(1, n + 1):
+        below += term  # P(X < k)
+        total += 1.0 - below**ranks
+        if below > 1.0 - 1e-15:
+            break
+        term *= (n - k + 1) / k * p / (1.0 - p) if p < 1.0 else 0.0
+    return total
 
 
 @dataclass(frozen=True)
@@ -188,6 +293,9 @@ class Scenario:
     name: str
     rows: int
     world_rows: int
+    ep_load: EpLoad | None = None
+    """The busiest rank's EP load, for a routing of one's own; None: the expectation under
+    uniform routing (`StepCosts.busiest`)."""
 
 
 @dataclass
@@ -206,8 +314,16 @@ class StepTime:
     hbm_bytes: float
     layout_floor: float
     physical_floor: float
+    compute_floor: float = 0.0
+    """The FLOPs of the layout's matmuls at the device's rates: its dense matmuls at the
+    step's rows, its experts at the busiest rank's assignments."""
     ops: list[tuple[float, OpCost]] = field(default_factory=list)
     """Each op's seconds, in graph order."""
+
+    @property
+    def floor(self) -> float:
+        """The larger of the layout's HBM floor and its compute floor."""
+        return max(self.layout_floor, self.compute_floor)
 
     def top(self, n: int, *, collectives: bool) -> list[tuple[float, OpCost]]:
         chosen = [(s, op) for s, op in self.ops if op.collective == collectives]
@@ -222,7 +338,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
     origin: dict[Node, Node] = {}  # a view -> the placeholder or node it aliases
     paid: set[Node] = set()  # weights read already
     ops: list[OpCost] = []
-    experts, top_k = 0, 0
+    experts, top_k, ep = 0, 0, 1
     zero = sympy.Integer(0)
 
     def root(n: Node) -> Node:
@@ -283,7 +399,10 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
         if stack:  # torch_npu's grouped matmul of a rank's stacked experts: the touched ones
             info = ep_layer_of(node, ctx)
             if info is not None:
-                top_k, experts = info.top_k, info.experts_per_rank * info.ep
+                top_k, experts, ep = info.top_k, info.experts_per_rank * info.ep, info.ep
+            (x,), (w,) = node.args[0], node.args[1]
+            per_row = 2 * symbolic_size(x.meta["val"].shape[1])
+            per_row *= symbolic_size(w.meta["val"].shape[2])
             expert_bytes = sum((nbytes(root(w).meta["val"]) for w in stack), zero)
             paid.update(root(w) for w in stack)
             read, _, _ = reads(node, [a for a in inputs if root(a) not in {root(w) for w in stack}])
@@ -297,6 +416,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
                     in_t(node_flops(node, ctx), names, node),
                     operand=_operand(inputs, 1),
                     expert_bytes=expert_bytes,
+                    assignment_flops=per_row,
                 )
             )
             continue
@@ -307,7 +427,8 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
             # the experts a token picks: the op's routes per row without EP; with EP a row
             # may carry one assignment (`ep_rows="per_assignment"`), the layer's K is kept
             top_k = info.top_k if info is not None else int(node.args[1].meta["val"].shape[1])
-            experts = held * (info.ep if info is not None else 1)
+            ep = info.ep if info is not None else 1
+            experts = held * ep
             stacked = [node.args[i] for i in spec.weight_args()]
             expert_bytes = sum((nbytes(w.meta["val"]) for w in stacked), zero)
             for w in stacked:
@@ -323,6 +444,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
                     in_t(node_flops(node, ctx), names, node),
                     operand=_operand(stacked, spec.inputs_per_element),
                     expert_bytes=expert_bytes,
+                    assignment_flops=assignment_flops(node, ctx),
                 )
             )
             continue
@@ -392,6 +514,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
         len({op.layer for op in ops if op.layer is not None}),
         per_request,
         held,
+        ep,
     )
 
 
@@ -416,6 +539,7 @@ def _held_bytes(gm: GraphModule, ctx: CompileContext) -> tuple[dict[str, int], f
 def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:
     """The step's predicted time on `device`, and its floors (module docstring)."""
     touched = costs.touched(scenario.world_rows)
+    load = scenario.ep_load or costs.busiest(scenario.world_rows, scenario.rows)
     rate = device.hbm_bytes_per_s
     at: dict[sympy.Expr, float] = {}
 
@@ -424,7 +548,7 @@ def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:
             at[expr] = float(sympy.sympify(expr).subs(T, scenario.rows))
         return at[expr]
 
-    seconds = hbm = compute = comm = 0.0
+    seconds = hbm = compute = comm = compute_floor = 0.0
     hbm_bytes = layout = cache = gathered = 0.0
     count = in_layers = 0
     timed: list[tuple[float, OpCost]] = []
@@ -437,14 +561,19 @@ def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:
             count += 1
             in_layers += op.layer is not None
         else:
-            moved = value(op.read) + value(op.written) + value(op.expert_bytes) * touched
-            work = value(op.flops) / device.matmul_flops(op.operand)
+            experts = value(op.expert_bytes) * load.fraction  # the busiest rank's touched
+            moved = value(op.read) + value(op.written) + experts
+            flops = value(op.flops)
+            if op.kind == "experts" and op.assignment_flops != 0:
+                flops = value(op.assignment_flops) * load.assignments  # the busiest rank's
+            work = flops / device.matmul_flops(op.operand)
             t = max(moved / rate, work)
             hbm += moved / rate
             compute += work
+            if op.kind in ("matmul", "experts"):
+                compute_floor += work
             hbm_bytes += moved
-            layout += value(op.weight_bytes) + value(op.cache_bytes)
-            layout += value(op.expert_bytes) * touched
+            layout += value(op.weight_bytes) + value(op.cache_bytes) + experts
             cache += value(op.cache_bytes)
             if op.kind == "gather":
                 gathered += value(op.weight_bytes)
@@ -465,6 +594,7 @@ def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:
         hbm_bytes,
         layout / rate,
         physical / rate,
+        compute_floor,
         timed,
     )
 

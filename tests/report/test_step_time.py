@@ -20,7 +20,7 @@ from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
 from dsv41_compile.deepseek_v41.testing.presets import AS_RELEASED, ONE_LAYER, SINKHORN_3
 from dsv41_compile.devices import DEVICES, Device, device_named
 from dsv41_compile.planning import plan_rank
-from dsv41_compile.report.step_time import Scenario, step_costs, step_time
+from dsv41_compile.report.step_time import EpLoad, Scenario, step_costs, step_time
 from dsv41_compile.targets.npu_dtypes import E2M1
 from dsv41_compile.testing.torchair_standin import register_npu_ops
 from dsv41_compile.testing.toy import ToyConfig, toy_family
@@ -119,6 +119,40 @@ def test_one_layer_of_tiny_costs_what_its_weights_and_rows_say(tiny):
     assert costs.touched(1) == pytest.approx(cfg.n_activated_experts / cfg.n_routed_experts)
     per_expert = 3 * cfg.moe_inter_dim * cfg.dim * cfg.torch_dtype.itemsize
     assert experts.expert_bytes == per_expert * cfg.n_routed_experts // 8
+
+
+def test_an_ep_layer_costs_what_its_busiest_rank_does(tiny):
+    """A hand-made routing of 64 rows in which every row picks both experts of rank 0 and one
+    expert of each of ranks 1 to 4: rank 0 reads both its experts and computes 128
+    assignments, ranks 1 to 4 one expert and 64, ranks 5 to 7 nothing. The EP layer's cost is
+    rank 0's -- its touched experts' bytes, its assignments' FLOPs -- not the mean rank's;
+    uniform routing takes the expected busiest."""
+    cfg, costs = tiny
+    E, K, ep = cfg.n_routed_experts, cfg.n_activated_experts, 8
+    routing = [[0, 1, 2, 4, 6, 8] for _ in range(64)]
+    assert K == 6 and E // ep == 2
+    loads = EpLoad.of_routing(routing, E, ep)
+    assert (loads[0].touched, loads[0].assignments) == (2, 128)
+    assert all(load.assignments < 128 for load in loads[1:])
+    mean = EpLoad(2, sum(x.touched for x in loads) / ep, sum(x.assignments for x in loads) / ep)
+    device = DEVICES["950dt"]
+    (op,) = [op for op in costs.ops if op.kind == "experts"]
+
+    def experts_seconds(load):
+        timed = step_time(costs, device, Scenario("routed", 16, 64, ep_load=load))
+        return next(t for t, o in timed.ops if o is op)
+
+    by_hand = max(
+        (float(op.read.subs(T, 16)) + float(op.written.subs(T, 16))
+         + float(op.expert_bytes) * loads[0].fraction) / device.hbm_bytes_per_s,
+        float(op.assignment_flops) * 128 / device.matmul_flops(op.operand),
+    )  # fmt: skip
+    assert experts_seconds(loads[0]) == pytest.approx(by_hand)
+    assert experts_seconds(loads[0]) > experts_seconds(mean)
+    # uniform routing: the expected maximum over the ranks, above the mean and below all
+    uniform = costs.busiest(64, 16)
+    assert 64 * K / ep < uniform.assignments < 64 * K
+    assert costs.touched(64) * 2 <= uniform.touched <= 2
 
 
 def test_the_requests_that_fit_beside_the_weights_a_rank_holds(tiny):
