@@ -9,8 +9,10 @@ them: the routed experts' int8 FP4 codes and the FP8 linears' float8_e4m3fn code
 float8_e8m0fnu scales; "dequantized" holds them in the model's dtype; the Engram tables stay
 FP8 codes with e8m0 scales either way) and the cache as the model lays it out: per request, a
 ring of `window` rows per layer (a fixed size) and the compressed caches' `max_len / ratio`
-entries (which grow with the length). Activations are not counted, except the transient of
-the routed experts decoded per call in graph mode. A preset with DSpark stages
+entries (which grow with the length). Activations are not counted; with `--lowering
+npugraph_ex` (or `torchair`) the program as that lowering hands it over is planned too, and
+what its MoE calls make from the expert weights per call (a decode of their FP4 codes) is
+reported. A preset with DSpark stages
 (`flash-dspark`) also plans the drafter's program and adds its weights and rings. The Engram
 tables are counted apart, in device and in host memory, for the placement `--engram` asks
 for (`all`: each placement, one plan each). Planning flash takes about a minute per plan.
@@ -25,12 +27,14 @@ from typing import Any
 
 import torch
 
+from dsv41_compile.core.meta import module_paths
 from dsv41_compile.deepseek_v41.model import ModelConfig
 from dsv41_compile.deepseek_v41.testing.batches import Request
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.accounting import rank_inputs
 from dsv41_compile.report.cli import run, tool_parser
 from dsv41_compile.report.provenance import provenance
+from dsv41_compile.testing.torchair_standin import register_npu_ops
 
 _TABLES = re.compile(r"layers\.\d+\.engram\.embed\.(weight|scale)")
 """The Engram tables: their FP8 codes and e8m0 scales."""
@@ -99,6 +103,38 @@ def memory_plan(gm: Any, ctx: Any, *, max_len: int, skip: tuple[str, ...] = ()) 
     }
 
 
+def decoded_per_call(gm: Any, ctx: Any) -> int:
+    """The bytes a MoE layer's call of the planned program makes from the rank's expert weights
+    and drops after it (the most of any layer): the values an op computes from a stacked expert
+    weight (a 3-D parameter a routed-experts op or torch_npu's grouped matmul reads) other than
+    a matmul's product -- a decode of FP4 codes to the activation dtype."""
+    views = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand",
+             "unsqueeze", "slice", "select"}  # fmt: skip
+    made: dict[Any, int | None] = {}  # node -> its layer, each counted once
+    matmuls = ("grouped_matmul", "routed_experts", "mm", "bmm", "quant_matmul")
+
+    def name(node: Any) -> str:
+        return str(node.target).split(".")[-2] if "." in str(node.target) else str(node.target)
+
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node.name not in ctx.param_fqns:
+            continue
+        value = node.meta.get("val")
+        if value is None or value.dim() != 3:
+            continue
+        todo = list(node.users)
+        while todo:
+            user = todo.pop()
+            if name(user) in views:
+                todo.extend(user.users)
+            elif name(user) not in matmuls and isinstance(user.meta.get("val"), torch.Tensor):
+                made[user] = ctx.adapter.innermost_site(module_paths(user)).layer
+    by_layer: dict[int | None, int] = defaultdict(int)
+    for node, layer in made.items():
+        by_layer[layer] += node.meta["val"].numel() * node.meta["val"].element_size()
+    return max(by_layer.values(), default=0)
+
+
 def main() -> None:
     parser = tool_parser(__doc__)
     parser.add_argument("--preset", default="flash")
@@ -119,6 +155,11 @@ def main() -> None:
     parser.add_argument(
         "--weight-format", default="released", choices=("released", "dequantized"),
         help="the routed experts' weights: as released (FP4) or in the model's dtype",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lowering", action="append", default=[], choices=("npugraph_ex", "torchair"),
+        help="also plan the program as this NPU lowering hands it over and report what its "
+        "MoE calls make from the expert weights per call (repeatable)",
     )  # fmt: skip
     args = parser.parse_args()
     print(provenance(), flush=True)  # the docs/benchmarks.md block's header
@@ -146,14 +187,16 @@ def _print(cfg: ModelConfig, options: dict[str, Any], args: argparse.Namespace) 
     why = next((w for k, w in ctx.choices.items() if "engram" in k), "no Engram tables")
     print(f"  Engram tables on the device  {_size(tables['device']):>12}")
     print(f"  Engram tables in host memory {_size(tables['host']):>12}   ({why})")
-    if cfg.weight_format == "released" and cfg.n_routed_experts:
-        # graph mode decodes a MoE layer's local FP4 experts per call (w1, w2, w3), to the
-        # activation dtype
-        local = cfg.n_routed_experts // options.get("ep", 1)
-        decoded = local * 3 * cfg.moe_inter_dim * cfg.dim * cfg.torch_dtype.itemsize
+    for lowering in args.lowering:  # the MoE's transient, read from the lowered program
+        register_npu_ops()  # torch_npu's ops the NPU lowerings emit, on CPU
+        lowered, lowered_ctx = plan(
+            cfg, {**options, "lowering": lowering}, world_size=args.world,
+            max_len=args.max_len, num_slots=args.slots,
+        )  # fmt: skip
+        made = decoded_per_call(lowered, lowered_ctx)
         print(
-            f"  transient with lowering='torchair': a MoE layer's {local} local experts "
-            f"decoded per call {_size(decoded):>12}"
+            f"  transient with lowering={lowering!r}: made from the expert weights per MoE "
+            f"call {_size(made):>12}"
         )
     print(
         f"  KV cache: {_size(report['cache_per_request'])} per request of {args.max_len} "

@@ -68,3 +68,25 @@ def test_engram_tables_on_the_device_or_in_host_memory(load_tool, plan_once):
         "sharded": {"device": longest * row, "host": 0},
         "host": {"device": 0, "host": longest * row},
     }
+
+
+def test_the_moe_transient_as_each_npu_lowering_hands_it_over(load_tool, plan_once):
+    """`decoded_per_call` on the program npugraph_ex gets (tiny-swa, one layer, as released):
+    under the official numerics the grouped matmul reads the FP4 experts as they are, and a
+    MoE call makes nothing of them but w2's scales padded to pairs (tiny's hidden width holds
+    one block of 32: an odd count); with a bf16 input the experts are decoded every call, w1,
+    w2 and w3 of each local expert in bf16 (and the pad)."""
+    from dsv41_compile.deepseek_v41.testing.presets import AS_RELEASED
+    from dsv41_compile.testing.torchair_standin import register_npu_ops
+
+    register_npu_ops()
+    tool = load_tool("memory_plan")
+    options = {"tp": 4, "ep": 8, "lowering": "npugraph_ex"}
+    made = {}
+    for numerics in ("official", "bf16"):
+        cfg = compile_config("tiny-swa", ONE_LAYER, AS_RELEASED, (("numerics", numerics),))
+        made[numerics] = tool.decoded_per_call(*plan_once(cfg, options, world_size=8)[:2])
+    local, I, D = cfg.n_routed_experts // 8, cfg.moe_inter_dim, cfg.dim
+    pad = local * D * 2  # w2's scales: one byte per row became a pair
+    assert made["official"] == pad
+    assert made["bf16"] == 3 * local * I * D * 2 + pad
