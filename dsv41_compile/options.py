@@ -140,7 +140,7 @@ class BackendOptions:
     (`runtime.host_cache`, under inductor's cache directory). False: every rank compiles."""
     family: FamilyOptions = field(default_factory=FamilyOptions)
     """The model family's own options, given in the same dict as the others (DeepSeek V4.1:
-    `attn_entry`, `attn_exit`, `embedding`, `engram`): `GivenOptions` until the backend knows
+    `attn_entry`, `attn_exit`, `embedding`, `head`, `engram`, `shared_expert`): `GivenOptions` until the backend knows
     the family, then an instance of its class (`ModelAdapter.options`)."""
 
     def __post_init__(self) -> None:

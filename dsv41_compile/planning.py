@@ -7,16 +7,20 @@ pipeline (`plan_model`, for a model and a call of one's own, such as an edited m
 `testing.snapshot`): the result is rank r's rewritten, verified graph and its compile context -- the
 plan, the collectives and their local shapes at the model's real sizes (`"flash"` included),
 for `tools/explain.py`, the accounting (`report.accounting`) and `tools/comm_report.py`.
-Nothing runs: a fake group's collectives move no data.
+Nothing runs: a fake group's collectives move no data. `progress="..."` shows a bar on
+standard error while the pipeline's passes run (flash's planning takes a minute or more; none
+where standard error is not a terminal).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
+from tqdm import tqdm
 
 from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.context import CompileContext
@@ -28,7 +32,13 @@ __all__ = ["plan_model", "plan_rank"]
 
 
 def plan_rank(
-    config: Any, options: dict[str, Any], *, world_size: int, rank: int = 0, **example: Any
+    config: Any,
+    options: dict[str, Any],
+    *,
+    world_size: int,
+    rank: int = 0,
+    progress: str | None = None,
+    **example: Any,
 ) -> tuple[GraphModule, CompileContext, torch.nn.Module]:
     """Rank `rank`'s rewritten graph of the meta-device model of `config` compiled with
     `options` in a fake world of `world_size` ranks, its compile context, and the (meta) model.
@@ -37,7 +47,7 @@ def plan_rank(
     the attention over the cache)."""
     model, args, token_inputs = _example(config, example)
     gm, ctx = plan_model(model, args, options, world_size=world_size, rank=rank,
-                         token_inputs=token_inputs)  # fmt: skip
+                         token_inputs=token_inputs, progress=progress)  # fmt: skip
     return gm, ctx, model
 
 
@@ -50,14 +60,22 @@ def plan_model(
     rank: int = 0,
     token_inputs: Sequence[torch.Tensor] = (),
     kwargs: dict[str, Any] | None = None,
+    progress: str | None = None,
 ) -> tuple[GraphModule, CompileContext]:
     """Rank `rank`'s rewritten, verified graph of `model` called on `args` (and `kwargs`),
     compiled with `options` in a fake world of `world_size` ranks, and its compile context. The
     model may be on the meta device (nothing runs either way: the compile stops after the
-    pipeline); `token_inputs` are marked with `mark_token_dim`."""
+    pipeline); `token_inputs` are marked with `mark_token_dim`. `progress`: the label of a bar
+    counting the passes on standard error (shown only on a terminal)."""
     planned: list[tuple[GraphModule, CompileContext]] = []
+    hidden = None if progress is not None else True  # tqdm's None: shown on a terminal only
+    bar = tqdm(desc=progress, file=sys.stderr, disable=hidden,
+               bar_format="{desc}: {n} passes, {elapsed}{postfix}")  # fmt: skip
+    bar.set_postfix_str("tracing")
 
     def keep(name: str, gm: GraphModule, ctx: CompileContext) -> None:
+        bar.set_postfix_str(f"{name} done", refresh=False)
+        bar.update()
         if name == "verify":
             planned.append((gm, ctx))
 
@@ -73,6 +91,7 @@ def plan_model(
                 if not planned or not _stopped(error):
                     raise
     finally:
+        bar.close()
         torch.compiler.reset()
     (gm, ctx), *_ = planned
     return gm, ctx

@@ -147,7 +147,13 @@ def plan_once():
     shared: a test that changes it must restore it."""
 
     def plan(
-        cfg: ModelConfig, options: dict, *, world_size: int, rank: int = 0, max_len: int = 64
+        cfg: ModelConfig,
+        options: dict,
+        *,
+        world_size: int,
+        rank: int = 0,
+        max_len: int = 64,
+        progress: str | None = None,  # a tool's bar: none here
     ) -> Any:
         return _plan(cfg, tuple(sorted(options.items())), world_size, rank, max_len)
 

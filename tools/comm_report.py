@@ -95,7 +95,10 @@ def report(
     device = DEVICES[getattr(args, "device", "950dt")]
     for config in CONFIGS:
         start = time.perf_counter()
-        gm, ctx, _ = plan(cfg, config_options(config, args), world_size=world, max_len=MAX_LEN)
+        gm, ctx, _ = plan(
+            cfg, config_options(config, args), world_size=world, max_len=MAX_LEN,
+            progress=f"planning {config}",
+        )  # fmt: skip
         costs[config] = graph_costs(gm, ctx)
         times[config] = step_costs(gm, ctx)
         seconds[config] = time.perf_counter() - start
@@ -167,7 +170,10 @@ def dspark_report(
     seconds, costs = {}, {}
     for program in ("drafter", "verify"):
         start = time.perf_counter()
-        gm, ctx, _ = plan(cfg, options, world_size=world, max_len=MAX_LEN, program=program)
+        gm, ctx, _ = plan(
+            cfg, options, world_size=world, max_len=MAX_LEN, program=program,
+            progress=f"planning {program}",
+        )  # fmt: skip
         costs[program] = graph_costs(gm, ctx)
         seconds[program] = time.perf_counter() - start
     block = cfg.dspark_block_size

@@ -17,7 +17,7 @@ from dsv41_compile.deepseek_v41.model import ModelConfig
 from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.cli import run, tool_parser
-from dsv41_compile.report.dump import graph_labels
+from dsv41_compile.report.dump import graph_labels, graph_text, write_dump
 from dsv41_compile.report.graph_printer import format_graph
 
 
@@ -41,6 +41,11 @@ def main() -> None:
     parser.add_argument(
         "--engram", choices=("auto", "replicated", "sharded", "host"), default="auto"
     )
+    parser.add_argument(
+        "--dump-dir", default=None,
+        help="also write rank 0's graph.py and comm.json under DIR/rank0, as a compile's dump_dir "
+        "option writes them (the header's options with their \"auto\" cuts decided)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     cfg = ModelConfig.from_name(args.preset)
@@ -59,7 +64,7 @@ def main() -> None:
         "engram": args.engram,
     }
     start = time.perf_counter()
-    gm, ctx, model = plan_rank(cfg, options, world_size=world)
+    gm, ctx, model = plan_rank(cfg, options, world_size=world, progress=f"planning {args.preset}")
     seconds = time.perf_counter() - start
     plan = ctx.plan  # with the options' "auto" cuts decided for this model
     print(
@@ -96,6 +101,11 @@ def main() -> None:
     mode = model.plan[args.layer].mode
     print(f"\nlayer {args.layer} ({mode}) of the rewritten graph; T = the DP group's tokens:\n")
     print(format_graph(gm, labels=labels, groups=groups, region=f"layers.{args.layer}"))
+    if args.dump_dir:
+        text = graph_text(gm, ctx)
+        out = write_dump(args.dump_dir, ctx.mesh, ctx.options, text, list(ctx.comm), ep_layers(ctx))
+        lines = len((out / "graph.py").read_text().splitlines())
+        print(f"\nwrote {out / 'graph.py'} ({lines} lines) and {out / 'comm.json'}")
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ def plan(
     with a cache of `num_slots` x `max_len`."""
     requests = [Request(s, [1], 0) for s in range(num_slots)]
     gm, ctx, _ = plan_rank(
-        cfg, options, world_size=world_size, requests=requests, max_len=max_len, program=program
-    )
+        cfg, options, world_size=world_size, requests=requests, max_len=max_len, program=program,
+        progress=f"planning {program} tp={options.get('tp')} {options.get('lowering', 'eager')}",
+    )  # fmt: skip
     return gm, ctx
 
 

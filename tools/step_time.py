@@ -76,8 +76,9 @@ def plan_costs(
     """Rank 0's step costs and the seconds planning took."""
     began = time.perf_counter()
     gm, ctx, _ = plan_rank(
-        cfg, options, world_size=world_size, requests=[Request(0, [1], 0)], max_len=context
-    )
+        cfg, options, world_size=world_size, requests=[Request(0, [1], 0)], max_len=context,
+        progress=f"planning tp={options.get('tp')} {options.get('lowering', 'eager')}",
+    )  # fmt: skip
     return step_costs(gm, ctx), time.perf_counter() - began
 
 

@@ -3,7 +3,7 @@
 The passes are generic: they place, communicate, localize and verify any graph. What is
 specific to a model -- the sharding plan, which inputs carry the token count, where a decoder
 layer and its MoE half are, the routed-experts op, the layout's collectives per layer, the ops
-graph mode must rewrite -- comes from the family's `ModelAdapter` (`models/`), and generic code
+graph mode must rewrite -- comes from the family's `ModelAdapter` (`deepseek_v41/adapter.py` for the built-in family), and generic code
 never names a module of a particular model.
 """
 

@@ -1,14 +1,18 @@
 """tools/explain.py as the README's table of tools runs it: the plan's table, the collectives
-per region, the choices and one layer's rewritten graph."""
+per region, the choices and one layer's rewritten graph; `--dump-dir` writes rank 0's dump."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 
-def test_explain_prints_the_plan_the_choices_and_a_layers_graph(load_tool, monkeypatch, capsys):
+def test_explain_prints_the_plan_the_choices_and_a_layers_graph(
+    load_tool, monkeypatch, capsys, tmp_path
+):
     tool = load_tool("explain")
     argv = ["explain.py", "--preset", "tiny-swa", "--tp", "4", "--ep", "1", "--layer", "0"]
+    argv += ["--dump-dir", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", argv)
     tool.main()
     out = capsys.readouterr().out
@@ -24,3 +28,9 @@ def test_explain_prints_the_plan_the_choices_and_a_layers_graph(load_tool, monke
     ):
         assert line in out.splitlines(), line
     assert "  layers.*             attn_exit='auto': reduce_scatter" in out
+    graph = (tmp_path / "rank0" / "graph.py").read_text()
+    assert f"wrote {tmp_path / 'rank0' / 'graph.py'} ({len(graph.splitlines())} lines)" in out
+    assert graph.startswith('"""dsv41_sp per-rank graph: rank 0 (tp_rank 0 of TP group 0), tp=4')
+    comm = json.loads((tmp_path / "rank0" / "comm.json").read_text())
+    kinds = [(r["layer"], r["kind"]) for r in comm["collectives"]]
+    assert (0, "reduce_scatter") in kinds and (0, "all_gather") in kinds, kinds
