@@ -17,20 +17,20 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 
 import dsv41_compile
-from dsv41_compile import regions
 from dsv41_compile.core.meta import module_paths
 from dsv41_compile.deepseek_v41.model.batches import Request, pack
 from dsv41_compile.deepseek_v41.model.config import layer_plan
 from dsv41_compile.deepseek_v41.model.model import Block, DeepseekV41
 from dsv41_compile.deepseek_v41.testing.presets import compile_config
-from dsv41_compile.planning import plan_rank
-from dsv41_compile.regions import (
+from dsv41_compile.frontend import regions
+from dsv41_compile.frontend.regions import (
     inline_dynamo_regions,
     inline_regions,
     region_calls,
     trace_kinds_once,
     trace_regions_with_meta,
 )
+from dsv41_compile.planning import plan_rank
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 from dsv41_compile.runtime.host_cache import program_key

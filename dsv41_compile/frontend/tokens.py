@@ -39,7 +39,7 @@ from dsv41_compile.core.torch_private import (
     sym_hint,
 )
 from dsv41_compile.frontend.capture import Captured, mark_call
-from dsv41_compile.regions import inline_dynamo_regions
+from dsv41_compile.frontend.regions import inline_dynamo_regions
 
 __all__ = ["branches_on_tokens", "generalized", "specializes_tokens"]
 

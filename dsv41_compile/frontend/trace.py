@@ -26,13 +26,13 @@ from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.torch_private import aot_module_simplified, sym_expr
 from dsv41_compile.frontend.capture import Captured, mark_call
 from dsv41_compile.frontend.meta_kernels import size_oblivious_meta
-from dsv41_compile.frontend.tokens import branches_on_tokens, generalized, specializes_tokens
-from dsv41_compile.regions import (
+from dsv41_compile.frontend.regions import (
     inline_regions,
     renamed_symbols,
     trace_kinds_once,
     trace_regions_with_meta,
 )
+from dsv41_compile.frontend.tokens import branches_on_tokens, generalized, specializes_tokens
 
 __all__ = ["Traced", "trace"]
 
