@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.fx import GraphModule
 
 from dsv41_compile.core.context import CompileContext
@@ -29,7 +28,6 @@ from dsv41_compile.core.registry import code_fingerprint
 from dsv41_compile.core.torch_private import (
     TracingContext,
     detect_fake_mode,
-    mark_unbacked,
     register_backend,
 )
 from dsv41_compile.frontend import (
@@ -40,6 +38,7 @@ from dsv41_compile.frontend import (
     hold_during_dynamo_compiles,
     trace,
 )
+from dsv41_compile.frontend.tokens import mark_token_dim
 from dsv41_compile.moe.stats import ep_layers
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.pipeline import check_dump_after, passes
@@ -54,22 +53,6 @@ from dsv41_compile.targets.npugraph_ex import import_npugraph_ex
 from dsv41_compile.targets.torchair import import_torchair
 
 __all__ = ["BackendOptions", "dsv41_sp", "mark_token_dim"]
-
-
-def mark_token_dim(*tensors: torch.Tensor) -> None:
-    """Make the token dim (dim 0) of the model inputs an unbacked symbol, so that one compiled
-    graph serves every token count, 0 and 1 included. Call it on `input_ids`, `positions` and
-    `slots` before each call of the compiled model.
-
-    Without it the model still compiles and runs at every T, but Dynamo decides when to trace
-    again: a static graph for the first T, a dynamic one from the second T on, and a static
-    graph of its own for T = 0 and for T = 1 (docs/backend.md, "Token counts").
-
-    Marking also has Dynamo's next compiles trace a few ops' shapes without branching on T
-    (`frontend.meta_kernels`); `torch.compiler.reset()` forgets that, so mark after a reset."""
-    for t in tensors:
-        mark_unbacked(t, 0)
-    hold_during_dynamo_compiles()  # Dynamo's trace then runs the meta kernels T needs
 
 
 @dataclass(frozen=True)

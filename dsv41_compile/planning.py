@@ -22,11 +22,11 @@ import torch
 from torch.fx import GraphModule
 from tqdm import tqdm
 
-from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.fake_world import fake_world
 from dsv41_compile.core.hooks import Hooks, PipelineStopped, installed
 from dsv41_compile.families import adapters
+from dsv41_compile.frontend.tokens import mark_token_dim
 
 __all__ = ["plan_model", "plan_rank"]
 

@@ -46,12 +46,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.mesh import build_mesh
 from dsv41_compile.core.torch_private import mark_unbacked
 from dsv41_compile.deepseek_v41.model import DeepseekV41
 from dsv41_compile.deepseek_v41.model.batches import Request, pack
 from dsv41_compile.deepseek_v41.model.cache import KVCache
+from dsv41_compile.frontend.tokens import mark_token_dim
 
 __all__ = ["Decoded", "Split", "accept_sampled", "generate", "hand_over", "propose", "sample"]
 

@@ -35,13 +35,31 @@ from dsv41_compile.core.torch_private import (
     TracingContext,
     enable_python_dispatcher,
     equalities,
+    mark_unbacked,
     sym_expr,
     sym_hint,
 )
 from dsv41_compile.frontend.capture import Captured, mark_call
+from dsv41_compile.frontend.meta_kernels import hold_during_dynamo_compiles
 from dsv41_compile.frontend.regions import inline_dynamo_regions
 
-__all__ = ["branches_on_tokens", "generalized", "specializes_tokens"]
+__all__ = ["branches_on_tokens", "generalized", "mark_token_dim", "specializes_tokens"]
+
+
+def mark_token_dim(*tensors: torch.Tensor) -> None:
+    """Make the token dim (dim 0) of the model inputs an unbacked symbol, so that one compiled
+    graph serves every token count, 0 and 1 included. Call it on `input_ids`, `positions` and
+    `slots` before each call of the compiled model.
+
+    Without it the model still compiles and runs at every T, but Dynamo decides when to trace
+    again: a static graph for the first T, a dynamic one from the second T on, and a static
+    graph of its own for T = 0 and for T = 1 (docs/backend.md, "Token counts").
+
+    Marking also has Dynamo's next compiles trace a few ops' shapes without branching on T
+    (`frontend.meta_kernels`); `torch.compiler.reset()` forgets that, so mark after a reset."""
+    for t in tensors:
+        mark_unbacked(t, 0)
+    hold_during_dynamo_compiles()  # Dynamo's trace then runs the meta kernels T needs
 
 
 def generalized(captured: Captured) -> tuple[GraphModule, list[Any]]:

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.context import CompileContext
 from dsv41_compile.core.meta import OUT, REGION
 from dsv41_compile.core.placements import format_placement
+from dsv41_compile.frontend.tokens import mark_token_dim
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 from dsv41_compile.testing.capture import capture_programs

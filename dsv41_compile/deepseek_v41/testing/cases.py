@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.hooks import Hooks, installed
 from dsv41_compile.core.torch_private import dynamo_config
 from dsv41_compile.core.torch_private import dynamo_counters as counters
@@ -40,6 +39,7 @@ from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig, load_chec
 from dsv41_compile.deepseek_v41.model.validate import validate_batch
 from dsv41_compile.deepseek_v41.testing.batches import Request, pack
 from dsv41_compile.deepseek_v41.testing.edits import EDITS
+from dsv41_compile.frontend.tokens import mark_token_dim
 from dsv41_compile.runtime import weights
 from dsv41_compile.runtime.host_cache import STATS
 from dsv41_compile.testing.capture import capture_compiled, capture_reference

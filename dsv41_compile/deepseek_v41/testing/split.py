@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from dsv41_compile.backend import mark_token_dim
 from dsv41_compile.core.torch_private import mark_unbacked
 from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
 from dsv41_compile.deepseek_v41.model.batches import Request, pack
 from dsv41_compile.deepseek_v41.serving import Split, generate, hand_over
+from dsv41_compile.frontend.tokens import mark_token_dim
 from dsv41_compile.runtime.host_cache import STATS
 
 __all__ = ["SplitSpec", "split_on_rank"]
