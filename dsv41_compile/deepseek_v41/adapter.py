@@ -54,6 +54,7 @@ from dsv41_compile.deepseek_v41.plan import deepseek_v41_plan
 from dsv41_compile.devices import timed_choice
 from dsv41_compile.moe.rules import routed_experts_rule
 from dsv41_compile.options import BackendOptions
+from dsv41_compile.spmd.vocab import head_choice
 
 __all__ = ["DEEPSEEK_V41", "DeepseekV41Adapter", "family_options"]
 
@@ -151,45 +152,11 @@ _REQUESTS = (Request(0, [1, 2, 3], 0), Request(1, [4, 5], 0))
 def _resolve_head(
     options: BackendOptions, params: Mapping[str, torch.Tensor]
 ) -> tuple[BackendOptions, dict[str, str]]:
-    """Replicated or vocab-sharded over tp, by the time the head adds to a step on the device
-    model at `rows_per_step` rows (the rows asked for, `logit_rows`): each the roofline of its
-    matmul (the head's bytes read, 2*R*V*D FLOPs at the device's bf16 rate, its fp32 operands'
-    at best), and the sharded head one AllGather of the `[R, V/tp]` fp32 logits: a latency and
-    (tp-1)/tp of R*V*4 bytes leaving the rank."""
+    """Replicated or vocab-sharded over tp: the generic choice (`spmd.vocab.head_choice`) for
+    the fp32 head `head.weight` and the option `head`."""
     given = family_options(options).head
-    head = params.get("head.weight")
-    if head is None or options.tp == 1:
-        if given == "vocab_sharded" and head is not None:
-            raise ValueError("head='vocab_sharded' splits the head over tp; with tp=1 use 'auto'")
-        return _with(options, head="replicated"), {}
-    tp, (vocab, dim) = options.tp, head.shape
-    if vocab % tp:
-        if given == "vocab_sharded":
-            raise ValueError(
-                f"head='vocab_sharded': tp={tp} does not divide the vocabulary ({vocab} rows); "
-                "use head='replicated' or a tp that divides it"
-            )
-        return _with(options, head="replicated"), {
-            "head": f"head={given!r}: replicated (tp={tp} does not divide V={vocab})"
-        }
-    device = options.device_model(head.device.type)
-    rows = options.rows_per_step
-    weight = head.numel() * head.element_size()
-
-    def matmul(share: int) -> float:
-        return device.roofline_seconds(weight / share, 2 * rows * vocab * dim / share)
-
-    gather = rows * vocab * 4
-    seconds = {
-        "replicated": matmul(1),
-        "vocab_sharded": matmul(tp) + device.collective_seconds((tp - 1) / tp * gather, group=tp),
-    }
-    chosen = min(seconds, key=seconds.__getitem__) if given == "auto" else given
-    why = timed_choice("head", given, chosen, seconds, "step", 1, device.name, rows) + (
-        f" (the head {weight:,} B; sharded: {weight // tp:,} B per rank and an AllGather of "
-        f"{gather // tp:,} B per rank)"
-    )
-    return _with(options, head=chosen), {"head": why}
+    chosen, why = head_choice("head", given, params.get("head.weight"), options)
+    return _with(options, head=chosen), why
 
 
 ENGRAM_REPLICATED_LIMIT = 1 << 30

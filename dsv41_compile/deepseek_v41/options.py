@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsv41_compile.options import FamilyOptions, check_choice
+from dsv41_compile.spmd.vocab import VOCAB_HOLDINGS
 
 __all__ = ["DeepseekV41Options"]
 
 _ATTN_ENTRIES = ("auto", "input")
 _ATTN_EXITS = ("auto", "reduce_scatter", "all_to_all")
-_EMBEDDINGS = ("replicated", "vocab_sharded")
-_HEADS = ("auto", "replicated", "vocab_sharded")
+_EMBEDDINGS = VOCAB_HOLDINGS
+_HEADS = ("auto", *VOCAB_HOLDINGS)
 _ENGRAM = ("auto", "replicated", "sharded", "host")
 _SHARED_EXPERTS = ("auto", "whole", "split")
 

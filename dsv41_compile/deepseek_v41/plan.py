@@ -7,6 +7,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from dsv41_compile.core.placements import ColumnShard, ExpertShard
 from dsv41_compile.core.plan import Entry, ShardingPlan, colwise, rowwise, with_scales
+from dsv41_compile.spmd.vocab import vocab_entries
 
 __all__ = ["deepseek_v41_plan"]
 
@@ -60,10 +61,8 @@ def deepseek_v41_plan(
     exit_all_to_all = layout == "sp" and attn_exit == "all_to_all"
     if not exit_all_to_all:
         params += rowwise("layers.*.attn.wo_b", scales=True)  # [D, G*o_lora]: row-parallel
-    if embedding == "vocab_sharded":
-        params.append(Entry("embed.weight", Shard(0)))
-    if head == "vocab_sharded":
-        params.append(Entry("head.weight", Shard(0)))  # [V, D]: vocab rows
+    params += vocab_entries("embed.weight", embedding)  # [V, D]: vocab rows
+    params += vocab_entries("head.weight", head)
     split_shared = layout == "sp" and shared_expert == "split"
     if split_shared:
         shared = "layers.*.ffn.shared_expert"
