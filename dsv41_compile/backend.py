@@ -49,8 +49,6 @@ from dsv41_compile.runtime.weights import rank_weights
 from dsv41_compile.spmd.rules import RULES
 from dsv41_compile.spmd.transitions import TRANSITIONS
 from dsv41_compile.targets import TARGETS, Handoff, Target
-from dsv41_compile.targets.npugraph_ex import import_npugraph_ex
-from dsv41_compile.targets.torchair import import_torchair
 
 __all__ = ["BackendOptions", "dsv41_sp", "mark_token_dim"]
 
@@ -90,11 +88,8 @@ def _build(captured: Captured) -> _Build:
     # Meta tensors: planning only (`planning.plan_rank`), nothing runs; the mesh lives on CPU.
     device_type = "cpu" if captured.planning else captured.device_type
     target = TARGETS[opts.target(device_type)]
-    if not captured.planning:  # fail before compiling when torch_npu is missing
-        if target.name == "torchair":
-            import_torchair()
-        elif target.name == "npugraph_ex":
-            import_npugraph_ex()
+    if not captured.planning and target.available is not None:
+        target.available()  # fail before compiling when its compiler (torch_npu) is missing
     mesh = build_mesh(tp=opts.tp, ep=opts.ep, device_type=device_type)
     captured.adapter.check(opts, captured.param_shapes())
     return _Build(mesh, target)

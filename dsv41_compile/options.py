@@ -17,15 +17,45 @@ from typing import Any, TypeVar
 
 from dsv41_compile.devices import DEVICES, Device
 
-__all__ = ["BackendOptions", "FamilyOptions", "GivenOptions", "check_choice"]
+__all__ = [
+    "LOWERINGS",
+    "BackendOptions",
+    "FamilyOptions",
+    "GivenOptions",
+    "Lowering",
+    "check_choice",
+    "register_lowering",
+]
 
-_LOWERINGS = ("auto", "eager", "inductor", "npugraph_ex", "torchair")
 _EP_DISPATCH = ("auto", "exact", "padded")
-_GRAPHS = {"torchair": "torchair's GE graphs", "npugraph_ex": "a captured ACL graph"}
-"""The lowerings that run a whole graph on the device, and what they make of it."""
 _EP_ROWS = ("auto", "per_rank", "per_assignment")
 
 F = TypeVar("F", bound="FamilyOptions")
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """What the options know of a lowering: each target declares it (`targets.Target`) and
+    `targets` registers it, so the options check a lowering's name and needs without naming
+    one."""
+
+    name: str
+    auto_for: tuple[str, ...] = ()
+    """The device types `lowering="auto"` picks it for (the first registered that serves one)."""
+    whole_graph: str | None = None
+    """What it makes of a graph when it runs the graph on the device as a whole ("a captured
+    ACL graph"); such a lowering needs the padded EP dispatch with ep > 1 (the exact one reads
+    the assignment counts on the host), and `ep_dispatch="auto"` picks the padded one for it.
+    None: the graph runs op by op, the host in the loop."""
+
+
+LOWERINGS: dict[str, Lowering] = {}
+"""The lowerings, by name, in the order they were registered (`register_lowering`)."""
+
+
+def register_lowering(lowering: Lowering) -> None:
+    """Make `lowering` a value of the `lowering` option (a name registered twice is replaced)."""
+    LOWERINGS[lowering.name] = lowering
 
 
 def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -119,7 +149,7 @@ class BackendOptions:
     dump_dir: str | None = None
     """Where to write `rank{r}/graph.py` and `rank{r}/comm.json` at compile time."""
     dump_after: tuple[str, ...] = ()
-    """Pass names (`dsv41_compile.pipeline.PASS_NAMES`, checked when the backend compiles)
+    """Pass names (`dsv41_compile.pipeline.pass_names()`, checked when the backend compiles)
     after which the graph is written to `dump_dir/rank{r}/after_{pass}.py` (or a temporary
     folder the log names)."""
     check_inputs: bool = False
@@ -148,7 +178,7 @@ class BackendOptions:
             raise ValueError(f"tp must be a positive int, got {self.tp!r}")
         if not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"ep must be a positive int, got {self.ep!r}")
-        check_choice("lowering", self.lowering, _LOWERINGS)
+        check_choice("lowering", self.lowering, ("auto", *sorted(LOWERINGS)))
         check_choice("ep_dispatch", self.ep_dispatch, _EP_DISPATCH)
         check_choice("ep_rows", self.ep_rows, _EP_ROWS)
         self._check_target(self.lowering)
@@ -167,7 +197,10 @@ class BackendOptions:
             raise ValueError("skip_unimplemented_parts applies to the checkpoint option only")
 
     def _check_target(self, lowering: str) -> None:
-        if lowering in _GRAPHS and self.ep > 1 and self.ep_dispatch == "exact":
+        if lowering == "auto":  # checked again when the device resolves it (`target`)
+            return
+        makes = LOWERINGS[lowering].whole_graph
+        if makes is not None and self.ep > 1 and self.ep_dispatch == "exact":
             how = (
                 f"lowering='auto' chose {lowering} (NPU tensors)"
                 if self.lowering == "auto"
@@ -176,7 +209,7 @@ class BackendOptions:
             raise ValueError(
                 f"{how} needs ep_dispatch='padded' with ep > 1: the exact EP lowering reads "
                 f"the assignment counts on the host (data-dependent sizes), which "
-                f"{_GRAPHS[lowering]} cannot run"
+                f"{makes} cannot run"
             )
 
     @staticmethod
@@ -201,10 +234,9 @@ class BackendOptions:
         other options."""
         lowering = self.lowering
         if lowering == "auto":
-            if device_type in ("cpu", "cuda"):
-                lowering = "inductor"
-            elif device_type == "npu":
-                lowering = "npugraph_ex"
+            serving = [name for name, low in LOWERINGS.items() if device_type in low.auto_for]
+            if serving:
+                lowering = serving[0]
             else:
                 raise ValueError(
                     f"lowering='auto' has no compiler for device {device_type!r}; pass "

@@ -24,7 +24,7 @@ from dsv41_compile.tables.exchange import table_exchange
 from dsv41_compile.targets import TARGETS, Target
 from dsv41_compile.verify import verify
 
-__all__ = ["PASS_NAMES", "REWRITES", "VERIFY", "check_dump_after", "passes"]
+__all__ = ["REWRITES", "VERIFY", "check_dump_after", "pass_names", "passes"]
 
 REWRITES: tuple[Pass, ...] = (
     Pass("token_sizes", token_sizes),  # every read of T from the token input
@@ -49,16 +49,16 @@ def passes(target: Target) -> tuple[Pass, ...]:
     return (*REWRITES, *target.passes, VERIFY)
 
 
-PASS_NAMES = tuple(
-    dict.fromkeys(
-        p.name for p in (*REWRITES, *(p for t in TARGETS.values() for p in t.passes), VERIFY)
-    )
-)
-"""Every pass some compile runs, in order (what `dump_after` may name)."""
+def pass_names() -> tuple[str, ...]:
+    """Every pass some compile runs, in order (what `dump_after` may name): the registered
+    targets' passes among them."""
+    every = (*REWRITES, *(p for t in TARGETS.values() for p in t.passes), VERIFY)
+    return tuple(dict.fromkeys(p.name for p in every))
 
 
 def check_dump_after(options: BackendOptions) -> None:
     """A ValueError when the `dump_after` option names no pass."""
-    unknown = sorted(set(options.dump_after) - set(PASS_NAMES))
+    names = pass_names()
+    unknown = sorted(set(options.dump_after) - set(names))
     if unknown:
-        raise ValueError(f"dump_after names no pass: {unknown}; the passes are {PASS_NAMES}")
+        raise ValueError(f"dump_after names no pass: {unknown}; the passes are {names}")

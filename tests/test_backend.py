@@ -23,13 +23,13 @@ from dsv41_compile.deepseek_v41.testing.presets import ONE_LAYER, SLOW_HBM, WIDE
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
 from dsv41_compile.spmd.entry_cut import entry_cuts
-from dsv41_compile.testing.capture import capture_programs
 from dsv41_compile.testing.fake_rank import (
     collective_windows,
     compile_model_on_fake_rank,
     layer_text,
     placement_counts,
 )
+from dsv41_compile.testing.observe import capture_programs
 from dsv41_compile.testing.torch_shims import fake_process_group
 from dsv41_compile.testing.toy import ToyLM, toy_family
 

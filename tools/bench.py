@@ -74,7 +74,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     from dsv41_compile.deepseek_v41.model.validate import validate_batch
     from dsv41_compile.deepseek_v41.testing.batches import pack
     from dsv41_compile.deepseek_v41.testing.presets import SEED_LAYOUT
-    from dsv41_compile.testing.capture import capture_lowered
+    from dsv41_compile.testing.observe import capture_lowered
 
     models = {}
     for numerics in {config[2] for config in configs(args)}:

@@ -31,7 +31,7 @@ import dsv41_compile
 from dsv41_compile.core.hooks import Hooks, installed
 from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
 from dsv41_compile.deepseek_v41.testing.batches import Request, pack
-from dsv41_compile.pipeline import PASS_NAMES
+from dsv41_compile.pipeline import pass_names
 from dsv41_compile.report.cli import run, tool_parser
 from dsv41_compile.report.provenance import provenance
 from dsv41_compile.testing.torch_shims import fake_process_group
@@ -45,7 +45,7 @@ def timed_pipeline() -> Iterator[dict[str, float]]:
     record: dict = {"seconds": 0.0, "nodes": 0, "passes": {}, "stages": {}, "kinds": 0}
 
     def after(name, gm, ctx):
-        if name == PASS_NAMES[-1]:
+        if name == pass_names()[-1]:
             record["seconds"] += sum(ctx.pass_seconds.values())
             record["nodes"] = len(gm.graph.nodes)
             for p, seconds in ctx.pass_seconds.items():
@@ -89,7 +89,7 @@ def flash_prefix(n_layers: int) -> ModelConfig:
 def flash_planning(ep_dispatch: str) -> None:
     from dsv41_compile.planning import plan_rank
 
-    passes = [p for p in PASS_NAMES if p != "graph_mode"]
+    passes = [p for p in pass_names() if p != "graph_mode"]
     print(f"flash, tp=4, ep=8, ep_dispatch={ep_dispatch!r}")
     print(
         f"{'flash layers':>12} {'nodes':>7} {'plan s':>7} {'s/layer':>8} {'dynamo':>7} "

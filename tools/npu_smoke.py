@@ -7,7 +7,7 @@ RUN on any machine yet (written on a CPU-only machine, where only the linter rea
    reduce-scatter (sum), all-to-all with equal splits and with uneven splits (functional
    collectives, eager).
 2. torch_npu's `npu_grouped_matmul` in the one form graph mode uses for the routed experts
-   (row groups given as counts, 3-D weight, one output; `targets/graph_mode.py`) against
+   (row groups given as counts, 3-D weight, one output; `targets/npu_passes.py`) against
    per-group matmuls on the host -- the assumption the CPU stand-in
    (`testing.torchair_standin.register_npu_ops`) encodes.
 3. The tiny model compiled with `dsv41_sp` (tp=4, ep=8, padded EP dispatch) against the

@@ -14,7 +14,7 @@ Ascend CANN toolkit it makes `import torch` fail). So this tool downloads the wh
 
 It then plans the graphs `lowering="torchair"` hands over (`planning.plan_rank`: meta tensors,
 a fake world of 8, tp=4; both layouts; ep=8 with the padded EP lowering, and ep=1), rewritten
-for graph mode (`targets/graph_mode.py`), runs torchair's AOT step on each the way
+for graph mode (`targets/npu_passes.py`), runs torchair's AOT step on each the way
 `get_npu_backend` does (`testing.torchair_standin.aot_graph`: every CompositeImplicit op
 decomposed), and lists every op of the result without a real converter (and not decomposed by
 torchair's table; `operator.getitem` is the FX interpreter's own). Exit status 1 when any graph

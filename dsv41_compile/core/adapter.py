@@ -111,7 +111,7 @@ class LayerCollectives:
 
 GraphModeRewrite = Callable[..., Any]
 """`rewrite(emit, val, *args, **kwargs) -> Proxy`: the op's value from ops torchair converts
-(see `targets.graph_mode`)."""
+(see `targets.npu_passes`)."""
 
 
 class WeightSlice(NamedTuple):

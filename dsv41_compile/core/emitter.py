@@ -1,5 +1,5 @@
 """Emitter: how the rewriting passes write ATen calls into a graph through FX proxies, so the
-code that builds a replacement reads as torch code (moe.expert_parallel, targets.graph_mode, the models' graph-mode rewrites)."""
+code that builds a replacement reads as torch code (moe.expert_parallel, targets.npu_passes, the models' graph-mode rewrites)."""
 
 from __future__ import annotations
 

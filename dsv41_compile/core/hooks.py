@@ -32,7 +32,7 @@ class Hooks:
     on_pipeline: Callable[[GraphModule, CompileContext], None] | None = None
     """Called with the rewritten, verified graph, before it is lowered."""
     extra_passes: tuple[Pass, ...] = ()
-    """Passes run after the pipeline (probes that add nodes, e.g. `testing.capture`)."""
+    """Passes run after the pipeline (probes that add nodes, e.g. `testing.observe`)."""
     stop_after: str | None = None
     """Raise `PipelineStopped` once this pass has run."""
     on_program: Callable[[Any], None] | None = None

@@ -1,5 +1,5 @@
 """DeepSeek V4.1's custom ops in torch_npu's (`lowering="npugraph_ex"` and `"torchair"`): the
-rewrites `targets.graph_mode` applies to them (its `npu_ops` and `graph_mode` passes), in
+rewrites `targets.npu_passes` applies to them (its `npu_ops` and `graph_mode` passes), in
 torch_npu's ops (registered when torch_npu is imported;
 on CPU by `testing.torchair_standin.register_npu_ops`):
 

@@ -68,6 +68,7 @@ from dsv41_compile.core.placements import ExpertShard
 from dsv41_compile.core.torch_private import OpOverload
 from dsv41_compile.devices import timed_choice
 from dsv41_compile.moe.stats import ALL_TO_ALLS, EP_ROWS, EpLayer, EpLayers
+from dsv41_compile.options import LOWERINGS
 
 __all__ = ["expert_parallel", "sharded_routed_experts"]
 
@@ -202,7 +203,7 @@ def _choose_dispatch(
     option = ctx.options.ep_dispatch
     if option != "auto" or not targets:
         return ("exact" if option == "auto" else option), ""
-    if ctx.target in ("torchair", "npugraph_ex"):  # a graph run on the device as a whole
+    if LOWERINGS[ctx.target].whole_graph is not None:  # a graph run on the device as a whole
         return "padded", f"ep_dispatch='auto': padded ({ctx.target} reads no size on the host)"
     node, spec = targets[0]
     device = ctx.options.device_model(node.args[0].meta[GLOBAL_VAL].device.type)

@@ -21,14 +21,15 @@ from typing import Any
 from torch.fx import GraphModule
 
 from dsv41_compile.core.passes import Pass
+from dsv41_compile.options import Lowering, register_lowering
 from dsv41_compile.targets.base import Handoff, Target
-from dsv41_compile.targets.capture import capture_check
-from dsv41_compile.targets.graph_mode import graph_mode, npu_ops
+from dsv41_compile.targets.capture_check import capture_check
 from dsv41_compile.targets.inductor import compile_inductor
-from dsv41_compile.targets.npugraph_ex import lower_npugraph_ex
-from dsv41_compile.targets.torchair import lower_torchair
+from dsv41_compile.targets.npu_passes import graph_mode, npu_ops
+from dsv41_compile.targets.npugraph_ex import import_npugraph_ex, lower_npugraph_ex
+from dsv41_compile.targets.torchair import import_torchair, lower_torchair
 
-__all__ = ["TARGETS", "Handoff", "Target"]
+__all__ = ["TARGETS", "Handoff", "Target", "register_target"]
 
 
 def _eager(gm: GraphModule, handoff: Handoff) -> Callable[..., Any]:
@@ -39,14 +40,31 @@ def _inductor(gm: GraphModule, handoff: Handoff) -> Callable[..., Any]:
     return compile_inductor(gm, handoff.example_inputs)
 
 
-TARGETS: dict[str, Target] = {
-    "eager": Target("eager", _eager),
-    "inductor": Target("inductor", _inductor),
-    "torchair": Target("torchair", lower_torchair, passes=(Pass("graph_mode", graph_mode),)),
-    "npugraph_ex": Target(
-        "npugraph_ex",
+TARGETS: dict[str, Target] = {}
+"""The lowerings `BackendOptions.target` resolves to, by name (`register_target`)."""
+
+
+def register_target(target: Target) -> None:
+    """Make `target` a lowering: its name a value of the `lowering` option, its needs checked
+    by the options (`options.register_lowering`), its passes run by the pipeline."""
+    TARGETS[target.name] = target
+    register_lowering(target.lowering)
+
+
+for _target in (
+    Target(Lowering("eager"), _eager),
+    Target(Lowering("inductor", auto_for=("cpu", "cuda")), _inductor),
+    Target(
+        Lowering("torchair", whole_graph="torchair's GE graphs"),
+        lower_torchair,
+        passes=(Pass("graph_mode", graph_mode),),
+        available=import_torchair,
+    ),
+    Target(
+        Lowering("npugraph_ex", auto_for=("npu",), whole_graph="a captured ACL graph"),
         lower_npugraph_ex,
         passes=(Pass("npu_ops", npu_ops), Pass("capture_check", capture_check)),
+        available=import_npugraph_ex,
     ),
-}
-"""The lowerings `BackendOptions.target` resolves to."""
+):
+    register_target(_target)

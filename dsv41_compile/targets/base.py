@@ -10,7 +10,7 @@ from typing import Any
 from torch.fx import GraphModule
 
 from dsv41_compile.core.passes import Pass
-from dsv41_compile.options import BackendOptions
+from dsv41_compile.options import BackendOptions, Lowering
 
 __all__ = ["Handoff", "Target", "needs_torch_npu"]
 
@@ -33,12 +33,23 @@ class Handoff:
 
 @dataclass(frozen=True)
 class Target:
-    name: str
+    """A lowering, whole: its name and needs (`lowering`, what the options check), the passes it
+    needs, how to tell it can run here and how it compiles. `targets.register_target` makes it
+    a value of the `lowering` option; nothing else names it."""
+
+    lowering: Lowering
     compile: Callable[[GraphModule, Handoff], Callable[..., Any]]
     """`compile(gm, handoff)`: a callable taking the graph's inputs."""
     passes: tuple[Pass, ...] = ()
     """What this target needs done to the per-rank graph: run after the pipeline's rewrites,
     before verify checks the result (`pipeline.passes`)."""
+    available: Callable[[], Any] | None = None
+    """Raises a ValueError saying what to install when its compiler is missing (called before
+    a compile that will run, not when planning); None: always available."""
+
+    @property
+    def name(self) -> str:
+        return self.lowering.name
 
 
 def needs_torch_npu(lowering: str, where: str) -> str:

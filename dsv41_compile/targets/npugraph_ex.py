@@ -24,7 +24,7 @@ What this target sets, and why:
 
 Before the hand-off this target's passes have run: the model's own rewrites to torch_npu's
 kernels (`npu_ops`: DeepSeek V4.1's routed experts through the grouped matmul, its FP8 / FP4
-formats through the MX ops) and the capture check (`targets.capture`): no host read, no
+formats through the MX ops) and the capture check (`targets.capture_check`): no host read, no
 data-dependent size, one device; and, where torch_npu is in use, every op with an NPU kernel
 (`check_npu_kernels`, on the rank that compiles: a program another rank of the host compiled is
 loaded without its nodes' values, and was checked there). Status: checked on

@@ -9,7 +9,7 @@ becomes `npu_define.all_to_all_single_npu` (the one all-to-all with a GE convert
 The all-gather / reduce-scatter / all-reduce converters resolve the HCCL group while compiling,
 so the process group exists by then (the backend compiles on the first call).
 
-Before the hand-off, this target's pass, graph_mode (`targets/graph_mode.py`), has replaced
+Before the hand-off, this target's pass, graph_mode (`targets/npu_passes.py`), has replaced
 the ops torchair cannot convert. Status: checked on CPU only -- every op handed over has a
 torchair converter (`tools/torchair_coverage.py`, read from torch-npu 2.13.0's source), and the
 graph, run on CPU by `testing.torchair_standin`, matches the single-device model. Nothing here

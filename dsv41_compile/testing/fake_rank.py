@@ -22,7 +22,7 @@ from dsv41_compile.core.placements import format_placement
 from dsv41_compile.frontend.tokens import mark_token_dim
 from dsv41_compile.report.dump import graph_labels
 from dsv41_compile.report.graph_printer import format_graph
-from dsv41_compile.testing.capture import capture_programs
+from dsv41_compile.testing.observe import capture_programs
 from dsv41_compile.testing.torch_shims import fake_process_group
 
 __all__ = [

@@ -36,9 +36,9 @@ def one_op_graph(op: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Gra
 def rewritten_for_graph_mode(
     op: Callable[..., Any], *args: Any, rewrites: Mapping[Any, Any] | None = None, **kwargs: Any
 ) -> tuple[GraphModule, list]:
-    """`one_op_graph` after `targets.graph_mode.rewrite_for_graph_mode` (with the model's
+    """`one_op_graph` after `targets.npu_passes.rewrite_for_graph_mode` (with the model's
     `rewrites`); fails if `op` is still in it."""
-    from dsv41_compile.targets.graph_mode import rewrite_for_graph_mode
+    from dsv41_compile.targets.npu_passes import rewrite_for_graph_mode
 
     gm, tensors = one_op_graph(op, *args, **kwargs)
     rewrite_for_graph_mode(gm, rewrites)

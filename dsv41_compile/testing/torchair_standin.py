@@ -150,7 +150,7 @@ def aot_graph_for_host(gm: GraphModule, example_inputs: list[Any]) -> GraphModul
     return load_graph(saved)  # outside the lock: the host's ranks load at the same time
 
 
-# torch_npu's grouped matmul, for graph mode's routed experts (targets/graph_mode.py). Schema
+# torch_npu's grouped matmul, for graph mode's routed experts (targets/npu_passes.py). Schema
 # from torch-npu 2.13.0's csrc/aten/npu_native_functions_by_codegen.yaml:445.
 GROUPED_MATMUL_SCHEMA = (
     "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, "

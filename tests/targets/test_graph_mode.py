@@ -14,8 +14,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from dsv41_compile.deepseek_v41.adapter import DeepseekV41Adapter
 from dsv41_compile.deepseek_v41.model.numerics import act_quant
 from dsv41_compile.deepseek_v41.model.quant import quantize_fp4, quantize_fp8
-from dsv41_compile.targets.graph_mode import rewrite_for_graph_mode
 from dsv41_compile.targets.npu_dtypes import DTYPE_CODES, E2M1, E4M3, E8M0
+from dsv41_compile.targets.npu_passes import rewrite_for_graph_mode
 from dsv41_compile.testing.graphs import rewritten_for_graph_mode
 from dsv41_compile.testing.torchair_standin import register_npu_ops
 

@@ -1,7 +1,7 @@
 """The npugraph_ex lowering on CPU: what it hands to torch_npu's npugraph_ex, with npugraph_ex
 replaced by `testing.npugraph_ex_standin` (records what `get_npu_backend` is handed and how each
 call would run, runs npugraph_ex's AOT step, then the graph eagerly); and the capture check
-(`targets.capture`) on graphs a capture cannot replay. Nothing here runs torch_npu or an NPU;
+(`targets.capture_check`) on graphs a capture cannot replay. Nothing here runs torch_npu or an NPU;
 8 gloo ranks through the stand-in, with each call captured, replayed or (past `capture_tokens`)
 uncaptured: tests/distributed/test_numerics.py."""
 
@@ -20,11 +20,11 @@ from dsv41_compile.deepseek_v41.testing.fake_rank import compile_on_fake_rank
 from dsv41_compile.deepseek_v41.testing.presets import AS_RELEASED, ONE_LAYER, compile_config
 from dsv41_compile.options import BackendOptions
 from dsv41_compile.planning import plan_rank
-from dsv41_compile.targets.capture import capture_problems
-from dsv41_compile.targets.graph_mode import npu_ops
+from dsv41_compile.targets.capture_check import capture_problems
+from dsv41_compile.targets.npu_passes import npu_ops
 from dsv41_compile.targets.npugraph_ex import check_npu_kernels, npu_kernel_gaps, torch_npu_in_use
-from dsv41_compile.testing.capture import capture_programs
 from dsv41_compile.testing.npugraph_ex_standin import NpugraphExStandIn
+from dsv41_compile.testing.observe import capture_programs
 from dsv41_compile.testing.torchair_standin import register_npu_ops
 
 aten = torch.ops.aten

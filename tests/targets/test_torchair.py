@@ -16,7 +16,7 @@ from dsv41_compile.deepseek_v41.graph_mode import grouped_matmul
 from dsv41_compile.deepseek_v41.testing.fake_rank import compile_on_fake_rank
 from dsv41_compile.deepseek_v41.testing.presets import ONE_LAYER, compile_config
 from dsv41_compile.moe.stats import ep_layers
-from dsv41_compile.testing.capture import capture_programs
+from dsv41_compile.testing.observe import capture_programs
 from dsv41_compile.testing.torchair_standin import TorchairStandIn, graph_ops
 
 

@@ -5,7 +5,7 @@ Every rank builds the same model (same seed), serves its DP group's batches with
 model (each batch checked against the compiled model's cache by `validate_batch` first) and,
 on the same inputs, with the plain model; it returns both logits of every step,
 the collectives of every program it compiled and, optionally, the values entering chosen
-modules on both sides (`testing.capture`).
+modules on both sides (`testing.observe`).
 
 A case runs in one or more compile modes on every rank, or one mode per DP group, each a fresh
 `torch.compile` of the model with its own cache, the way a user calls it:
@@ -42,8 +42,8 @@ from dsv41_compile.deepseek_v41.testing.edits import EDITS
 from dsv41_compile.frontend.tokens import mark_token_dim
 from dsv41_compile.runtime import weights
 from dsv41_compile.runtime.host_cache import STATS
-from dsv41_compile.testing.capture import capture_compiled, capture_reference
 from dsv41_compile.testing.fake_rank import layer_collectives
+from dsv41_compile.testing.observe import capture_compiled, capture_reference
 from dsv41_compile.testing.selections import watch_selections
 
 __all__ = [

@@ -18,7 +18,7 @@ from dsv41_compile.deepseek_v41.adapter import DeepseekV41Adapter
 from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig, load_checkpoint
 from dsv41_compile.deepseek_v41.serving import generate
 from dsv41_compile.runtime.program import ShardedProgram
-from dsv41_compile.testing.capture import capture_lowered
+from dsv41_compile.testing.observe import capture_lowered
 
 __all__ = ["DecodeSpec", "decode_on_rank"]
 

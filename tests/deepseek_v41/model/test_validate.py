@@ -236,7 +236,7 @@ def test_the_program_checks_each_call_dynamo_does_not_trace_again() -> None:
     world, tp=2)."""
     from dsv41_compile import mark_token_dim
     from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
-    from dsv41_compile.testing.capture import capture_lowered
+    from dsv41_compile.testing.observe import capture_lowered
     from dsv41_compile.testing.torch_shims import fake_process_group
 
     torch.manual_seed(0)
@@ -265,7 +265,7 @@ def test_a_refused_call_leaves_the_compiled_model_compiled() -> None:
     backend (rank 1 of a fake world, tp=2; before the fix they ran eagerly and the backend was
     handed the storage helper's frame on its own)."""
     from dsv41_compile.deepseek_v41.model import DeepseekV41, ModelConfig
-    from dsv41_compile.testing.capture import capture_lowered
+    from dsv41_compile.testing.observe import capture_lowered
     from dsv41_compile.testing.torch_shims import fake_process_group
 
     torch.manual_seed(0)
