@@ -108,6 +108,7 @@ def report(
             compute_floor=floor.compute_floor,
         )
     per_layer = first.layer_collectives / max(costs.layers, 1)
+    layer_floors = (floor if floors is not None else first).layers
     print(
         f"{scenario.name:<15} T={scenario.rows:<5} "
         + " ".join(
@@ -142,6 +143,16 @@ def report(
         "layout_floor": first.layout_floor,
         "compute_floor": first.compute_floor,
         "physical_floor": first.physical_floor,
+        # per decoder layer (None: the embedding, the head) at the first latency
+        "layers": [
+            {
+                "layer": layer,
+                "seconds": part.seconds,
+                "layout_floor": layer_floors[layer].layout_floor,
+                "compute_floor": layer_floors[layer].compute_floor,
+            }
+            for layer, part in times[0].layers.items()
+        ],
         # the prediction over the layout's floor (HBM or compute, the larger) plus the
         # program's own collectives, at each latency
         "over_floor": {
@@ -293,6 +304,11 @@ def main() -> None:
         help="with --layouts: the devices to cost each plan on (default: --device)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the predictions here")
+    parser.add_argument(
+        "--plot", type=Path, metavar="PNG",
+        help="draw, per decoder layer and scenario, each sp program's predicted time (at the "
+        "first latency) against the layout's HBM floor and its compute floor",
+    )  # fmt: skip
     args = parser.parse_args()
     print(provenance(), flush=True)
     overrides: dict[str, Any] = {"weight_format": args.weights}
@@ -351,6 +367,38 @@ def main() -> None:
             )
     if args.json:
         args.json.write_text(json.dumps({"configs": configs, "scenarios": results}, indent=2))
+    if args.plot:
+        plot_layers(results, args.plot, f"{args.preset}, tp={args.tp}, ep={args.ep}, {args.device}")
+        print(f"wrote {args.plot}")
+
+
+def plot_layers(results: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
+    """One panel per scenario: per decoder layer, the predicted time of each sp program (the
+    eager plan and each NPU lowering) and the two floors of the eager plan's layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name for name in results if name.startswith("sp")]
+    scenarios_ = results[names[0]]
+    fig, axes = plt.subplots(len(scenarios_), 1, figsize=(10, 3 * len(scenarios_)), squeeze=False)
+    for i, (ax,) in enumerate(axes):
+        floors = [r for r in results["sp"][i]["layers"] if r["layer"] is not None]
+        x = [r["layer"] for r in floors]
+        for name in names:
+            layers = [r for r in results[name][i]["layers"] if r["layer"] is not None]
+            ax.plot(x, [r["seconds"] * 1e3 for r in layers], marker=".", label=f"{name}")
+        ax.plot(x, [r["layout_floor"] * 1e3 for r in floors], "k--", label="layout floor (HBM)")
+        ax.plot(x, [r["compute_floor"] * 1e3 for r in floors], "k:", label="compute floor")
+        ax.set_title(f"{scenarios_[i]['scenario']} ({title})")
+        ax.set_ylabel("ms per layer")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    axes[-1][0].set_xlabel("decoder layer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _option(item: str) -> tuple[str, Any]:

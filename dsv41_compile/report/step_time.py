@@ -75,7 +75,16 @@ from dsv41_compile.report.accounting import (
 )
 from dsv41_compile.report.comm import collective_bytes
 
-__all__ = ["EpLoad", "OpCost", "Scenario", "StepCosts", "StepTime", "step_costs", "step_time"]
+__all__ = [
+    "EpLoad",
+    "LayerTime",
+    "OpCost",
+    "Scenario",
+    "StepCosts",
+    "StepTime",
+    "step_costs",
+    "step_time",
+]
 
 aten = torch.ops.aten
 
@@ -298,6 +307,19 @@ class Scenario:
     uniform routing (`StepCosts.busiest`)."""
 
 
+@dataclass(frozen=True)
+class LayerTime:
+    """One decoder layer's part of a step (or, under layer None, what is outside the layers:
+    the embedding, the head): its predicted seconds, collectives included, and its share of
+    the two floors."""
+
+    seconds: float
+    layout_floor: float
+    """Its weights, cache and touched experts read once, at the device's HBM rate."""
+    compute_floor: float
+    """Its matmuls' and experts' FLOPs at the device's rates."""
+
+
 @dataclass
 class StepTime:
     """One scenario's prediction (seconds) on one device."""
@@ -319,6 +341,8 @@ class StepTime:
     step's rows, its experts at the busiest rank's assignments."""
     ops: list[tuple[float, OpCost]] = field(default_factory=list)
     """Each op's seconds, in graph order."""
+    layers: dict[int | None, LayerTime] = field(default_factory=dict)
+    """Per decoder layer (None: outside the layers), in graph order of first appearance."""
 
     @property
     def floor(self) -> float:
@@ -552,7 +576,9 @@ def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:
     hbm_bytes = layout = cache = gathered = 0.0
     count = in_layers = 0
     timed: list[tuple[float, OpCost]] = []
+    per_layer: dict[int | None, list[float]] = {}  # seconds, HBM floor bytes, compute floor
     for op in costs.ops:
+        part = per_layer.setdefault(op.layer, [0.0, 0.0, 0.0])
         if op.collective:
             t = device.collective_seconds(
                 value(op.wire), group=op.group, all_to_all=op.kind.startswith("all_to_all")
@@ -572,12 +598,16 @@ def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:
             compute += work
             if op.kind in ("matmul", "experts"):
                 compute_floor += work
+                part[2] += work
             hbm_bytes += moved
-            layout += value(op.weight_bytes) + value(op.cache_bytes) + experts
+            held = value(op.weight_bytes) + value(op.cache_bytes) + experts
+            layout += held
+            part[1] += held
             cache += value(op.cache_bytes)
             if op.kind == "gather":
                 gathered += value(op.weight_bytes)
         seconds += t
+        part[0] += t
         timed.append((t, op))
     dense = costs.global_weight_bytes - costs.global_expert_bytes
     physical = (dense + costs.global_expert_bytes * touched) / costs.world_size
@@ -596,6 +626,7 @@ def step_time(costs: StepCosts, device: Device, scenario: Scenario) -> StepTime:
         physical / rate,
         compute_floor,
         timed,
+        {layer: LayerTime(t, held / rate, work) for layer, (t, held, work) in per_layer.items()},
     )
 
 

@@ -114,6 +114,14 @@ def test_one_layer_of_tiny_costs_what_its_weights_and_rows_say(tiny):
     assert kinds.count("all_gather(tp)") >= 1 and "all_to_all(ep)" in kinds
     predicted = step_time(costs, DEVICES["950dt"], Scenario("decode", 1, 1))
     assert predicted.seconds >= predicted.layout_floor >= predicted.physical_floor > 0
+    # per layer: the layer and what is outside the layers add up to the step and its floors
+    assert set(predicted.layers) == {None, 0}
+    parts = predicted.layers.values()
+    assert sum(p.seconds for p in parts) == pytest.approx(predicted.seconds)
+    assert sum(p.layout_floor for p in parts) == pytest.approx(predicted.layout_floor)
+    assert sum(p.compute_floor for p in parts) == pytest.approx(predicted.compute_floor)
+    layer = predicted.layers[0]
+    assert layer.seconds >= max(layer.layout_floor, layer.compute_floor) > 0
     # at one row, the routed experts touch K of E: the held experts' bytes at that fraction
     (experts,) = [op for op in costs.ops if op.kind == "experts"]
     assert costs.touched(1) == pytest.approx(cfg.n_activated_experts / cfg.n_routed_experts)
@@ -363,3 +371,18 @@ def test_the_npu_lowering_is_costed_with_torch_npus_ops(plan_once):
         assert sympy.simplify(op.flops - 2 * x_bytes * n) == 0
     quant = [op for name, op in ops.items() if name.startswith("npu_quant_matmul")]
     assert quant and all(op.kind == "matmul" and op.operand == "fp8" for op in quant)
+
+
+def test_the_tools_plot_draws_each_layer_against_its_floors(tiny, load_tool, tmp_path, capsys):
+    """`step_time.py --plot`: the records carry each layer's time and floors, which the plot
+    draws, one panel per scenario."""
+    tool = load_tool("step_time")
+    _, costs = tiny
+    records = [tool.report(costs, "950dt", s, 0) for s in tool.scenarios(2)]
+    capsys.readouterr()
+    layers = {r["layer"]: r for r in records[0]["layers"]}
+    assert set(layers) == {None, 0}
+    assert layers[0]["seconds"] >= layers[0]["layout_floor"] > 0
+    path = tmp_path / "layers.png"
+    tool.plot_layers({"sp": records, "sp npugraph_ex": records}, path, "tiny-swa")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
