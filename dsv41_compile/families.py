@@ -1,13 +1,17 @@
 """The model families the backend knows, each with its `core.adapter.ModelAdapter`.
 
-A family registers its adapter with `register_adapter`, the built-in one included
-(`dsv41_compile.deepseek_v41` registers DeepSeek V4.1 when the package is imported). Generic
-code reaches a family only through this registry, never by importing it."""
+A family is a plug-in: a distribution declares its adapter in the entry-point group
+`dsv41_compile.families` (the built-in DeepSeek V4.1 family in this package's pyproject.toml:
+`deepseek_v41 = "dsv41_compile.deepseek_v41.adapter:DEEPSEEK_V41"`), and the registry loads
+every declared family the first time it is asked (`adapters`, `list_families`,
+`register_adapter`). `register_adapter` also adds a family at run time (a test's, a script's).
+Generic code reaches a family only through this registry, never by importing it."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from importlib.metadata import entry_points
 from typing import TypeVar
 
 from dsv41_compile.core.adapter import ModelAdapter
@@ -19,6 +23,8 @@ __all__ = [
     "adapter_for",
     "adapters",
     "layouts",
+    "list_families",
+    "load_entry_points",
     "options_for",
     "register_adapter",
     "unregister_adapter",
@@ -27,23 +33,70 @@ __all__ = [
 REGISTRY: Registry[ModelAdapter] = Registry("model family")
 """The registered families by name (`ModelAdapter.name`)."""
 
+ENTRY_POINTS = "dsv41_compile.families"
+"""The entry-point group a distribution declares its model families in: each entry a
+`ModelAdapter` instance."""
+
+_DECLARED: list[ModelAdapter] = []
+"""The families the entry points declare, loaded once per process (`load_entry_points`)."""
+_SCANNED: list[bool] = [False]
+_UNREGISTERED: set[str] = set()
+"""Declared families a caller took out (`unregister_adapter`): not put back."""
+
 _Adapter = TypeVar("_Adapter", bound=ModelAdapter)
 
 
+def load_entry_points() -> None:
+    """Register every family declared in the entry-point group `dsv41_compile.families` (read
+    once per process, in the order the environment lists them) that is not registered: one
+    registered by hand under its name is left as it is, one a caller unregistered stays out."""
+    if not _SCANNED[0]:
+        for point in entry_points(group=ENTRY_POINTS):
+            try:
+                adapter = point.load()
+            except Exception as error:
+                raise ValueError(
+                    f"the model family {point.name!r} declared in the entry points "
+                    f"{ENTRY_POINTS!r} ({point.value}) failed to load: {error}. Reinstall the "
+                    "distribution that declares it, or uninstall it"
+                ) from error
+            if not isinstance(adapter, ModelAdapter):
+                raise ValueError(
+                    f"the entry point {point.name!r} in {ENTRY_POINTS!r} ({point.value}) is a "
+                    f"{type(adapter).__name__}, not a ModelAdapter instance"
+                )
+            _DECLARED.append(adapter)
+        _SCANNED[0] = True
+    for adapter in _DECLARED:
+        if adapter.name not in REGISTRY and adapter.name not in _UNREGISTERED:
+            REGISTRY.add(adapter.name, adapter)
+
+
 def register_adapter(adapter: _Adapter) -> _Adapter:
-    """Add a model family; it is asked before the ones registered earlier. A family of the
-    same name must be unregistered first (a ValueError otherwise)."""
+    """Add a model family; it is asked before the ones registered earlier (the declared
+    families are loaded first). A family of the same name must be unregistered first (a
+    ValueError otherwise)."""
+    load_entry_points()
     REGISTRY.add(adapter.name, adapter)
+    _UNREGISTERED.discard(adapter.name)
     return adapter
 
 
 def unregister_adapter(adapter: ModelAdapter) -> None:
     REGISTRY.remove(adapter.name)
+    _UNREGISTERED.add(adapter.name)
 
 
 def adapters() -> list[ModelAdapter]:
     """The registered families, the latest first (the order `adapter_for` asks them in)."""
+    load_entry_points()
     return list(reversed(REGISTRY.values()))
+
+
+def list_families() -> list[str]:
+    """The names of the families the backend knows, declared and registered, in the order
+    `adapter_for` asks them."""
+    return [adapter.name for adapter in adapters()]
 
 
 def layouts() -> tuple[str, ...]:
