@@ -245,7 +245,7 @@ def test_op_without_a_rule_names_node_op_placements_and_source_line():
         "no sharding rule for node mystery (dsv41_test.mystery.default) in module blocks.1 "
         f"at {__file__}:{line}: block.forward = lambda h: "
         "forward(torch.ops.dsv41_test.mystery(h)) with input placements (S(0)); add a "
-        "rule for it (dsv41_compile/spmd/rules.py, or the model adapter's `rules`: "
+        "rule for it (dsv41_compile/spmd/rules/, or the model adapter's `rules`: "
         'docs/architecture.md, "Adding an op rule") or change the model so this op sees '
         "replicated inputs"
     )

@@ -105,13 +105,16 @@ def test_lint_names_a_generic_module_that_imports_the_family(tmp_path):
     # spmd sits above nothing of the family in the layers: only the family contract forbids it
     tree = _copy(tmp_path)
     at = _plant(
-        tree / "dsv41_compile/spmd/rules.py",
+        tree / "dsv41_compile/spmd/rules/registry.py",
         "from dsv41_compile.deepseek_v41.plan import deepseek_v41_plan",
     )
     broken = _run(LINT_IMPORTS, tree, "--no-cache")
     assert broken.returncode == 1
     assert "generic code imports no model family" in broken.stdout
-    assert f"dsv41_compile.spmd.rules -> dsv41_compile.deepseek_v41.plan (l.{at})" in broken.stdout
+    assert (
+        f"dsv41_compile.spmd.rules.registry -> dsv41_compile.deepseek_v41.plan (l.{at})"
+        in broken.stdout
+    )
 
 
 def test_the_type_check_names_a_type_error_and_passes_without_it(tmp_path):

@@ -1,6 +1,6 @@
 """What a sharding rule answers: the placement each tensor input of an op must have and the
 placement of each output (`Strategy`), and the signature of a rule (`RuleFn`). The rules
-themselves live with the passes (`spmd.rules`, DTensor's through `spmd.dtensor_adapter`) and
+themselves live with the passes (`spmd.rules`, DTensor's through `spmd.rules.dtensor`) and
 with the model families (`ModelAdapter.rules`)."""
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ from dsv41_compile.deepseek_v41.model.validate import check_batch_shapes
 from dsv41_compile.deepseek_v41.options import DeepseekV41Options
 from dsv41_compile.deepseek_v41.plan import deepseek_v41_plan
 from dsv41_compile.devices import timed_choice
-from dsv41_compile.moe.rules import routed_experts_rule
 from dsv41_compile.options import BackendOptions
+from dsv41_compile.spmd.rules.routed_experts import routed_experts_rule
 from dsv41_compile.spmd.vocab import head_choice
 
 __all__ = ["DEEPSEEK_V41", "DeepseekV41Adapter", "family_options"]

@@ -38,7 +38,6 @@ from dsv41_compile.core.meta import (
 )
 from dsv41_compile.core.placements import ExpertShard, format_placement
 from dsv41_compile.core.symbols import is_token_count
-from dsv41_compile.spmd import token_ops  # noqa: F401  (registers the token-dim rules)
 from dsv41_compile.spmd.rules import reads_an_unsplit_dim, rule_answers, strategy_for
 
 __all__ = ["annotate", "exit_placement", "partial_goes_to"]

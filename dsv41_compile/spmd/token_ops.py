@@ -1,4 +1,5 @@
-"""The ops along the token dim of token shards: their rules and their per-rank forms.
+"""The ops along the token dim of token shards: their per-rank forms (their rules:
+`spmd.rules.token_ops`).
 
 A token shard is rank r's `Tl = ceil(T/tp)` rows `[r*Tl, (r+1)*Tl)` of the token dim, padded
 at the global tail (`spmd.transitions`). An op that works row by row runs on the shard as it
@@ -50,23 +51,27 @@ of every partial over the tokens, and the ops above.
 
 from __future__ import annotations
 
-import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
-from torch import Tensor
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate
 from torch.fx import Graph, GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import Argument
 
 from dsv41_compile.core.errors import as_node
 from dsv41_compile.core.meta import GLOBAL_VAL, IN, OUT, REAL_ROWS, tensor_inputs
-from dsv41_compile.core.strategy import Strategy
 from dsv41_compile.core.torch_private import custom_op_overload
-from dsv41_compile.spmd.rules import EXACT_SUMS, is_token_shard, rule
+from dsv41_compile.spmd.rules.registry import is_token_shard
+from dsv41_compile.spmd.token_dims import (
+    KEYED,
+    TOKENS,
+    global_value,
+    reduced_dims,
+    roll_dims,
+    shift_tokens,
+)
 from dsv41_compile.spmd.transitions import (
     TokenSizes,
     edge_rows,
@@ -75,250 +80,69 @@ from dsv41_compile.spmd.transitions import (
     totals_before,
 )
 
-__all__ = ["localize_token_ops", "shift_tokens"]
+__all__ = ["localize_token_ops", "shift_tokens"]  # shift_tokens: `spmd.token_dims`
 
 aten = torch.ops.aten
-_TOKENS = Shard(0)
-
-
-@torch.library.custom_op("dsv41_sp::shift_tokens", mutates_args=())
-def shift_tokens(x: Tensor, shift: int, outside: Tensor) -> Tensor:
-    """`x` moved by `shift` rows along dim 0, row t getting row t - shift; the |shift| rows
-    with no source get `outside`'s, in order (`shift` > 0: the first rows; < 0: the last).
-    The compiler's form of a shift written as a slice and a cat or a pad (`token_shifts`);
-    `localize` replaces it."""
-    T, k = x.shape[0], abs(shift)
-    if shift > 0:
-        return torch.cat([outside, x])[:T]
-    return torch.cat([x, outside])[k : k + T]
-
-
-@shift_tokens.register_fake
-def _(x: Tensor, shift: int, outside: Tensor) -> Tensor:
-    return torch.empty_like(x)
-
-
-def _global(node: Node) -> Tensor:
-    return cast(Tensor, node.meta.get(GLOBAL_VAL, node.meta.get("val")))
-
-
-def _reduced_dims(node: Node) -> list[int]:
-    """The dims a reduction reduces (all for the `.default` overloads)."""
-    ndim = _global(as_node(node.args[0], "a token op's argument")).dim()
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    if node.target is aten.mean.default or dims in (None, []):
-        return list(range(ndim))
-    listed = [dims] if isinstance(dims, int) else cast(Sequence[int], dims)
-    return sorted(d % ndim for d in listed)
-
-
-@rule(aten.mean.dim, aten.mean.default)
-def _mean(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    # The mean over the token dim is the sum of the real rows divided by T: a partial sum
-    # (DTensor's average of the shards' means is wrong for uneven shards).
-    (x,) = given
-    if not is_token_shard(
-        as_node(node.args[0], "a token op's argument"), x
-    ) or 0 not in _reduced_dims(node):
-        return None
-    if node.meta["val"].dtype not in EXACT_SUMS:
-        return None
-    return Strategy(inputs=(x,), outputs=(Partial(),))
-
-
-@rule(aten.cumsum.default)
-def _cumsum(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    # A scan of the shard plus the totals of the shards before it.
-    (x,) = given
-    dim = cast(int, node.args[1]) % _global(as_node(node.args[0], "a token op's argument")).dim()
-    if not is_token_shard(as_node(node.args[0], "a token op's argument"), x) or dim != 0:
-        return None
-    if node.meta["val"].dtype not in EXACT_SUMS:
-        return None
-    return Strategy(inputs=(x,), outputs=(x,))
-
-
-@rule(aten.roll.default)
-def _roll(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    (x,) = given
-    if is_token_shard(as_node(node.args[0], "a token op's argument"), x) and 0 in _roll_dims(node):
-        return Strategy(inputs=(x,), outputs=(x,))
-    return None
-
-
-@rule(custom_op_overload(shift_tokens))
-def _shift(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    x, _ = given
-    if is_token_shard(as_node(node.args[0], "a token op's argument"), x):
-        return Strategy(inputs=(x, Replicate()), outputs=(x,))
-    return None
-
-
-@rule(aten.cat.default)
-def _cat(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    # Token shards concatenated along the token dim are not a token shard of the result:
-    # gather them. (DTensor's rule keeps them sharded and calls the result replicated.)
-    tensors = cast(Sequence[Node], node.args[0])
-    dim = cast(int, node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
-    dim %= max(_global(tensors[0]).dim(), 1)
-    if any(
-        is_token_shard(t, p) and isinstance(p, Shard) and p.dim == dim
-        for t, p in zip(tensors, given)
-    ):
-        return Strategy(inputs=tuple(Replicate() for _ in given), outputs=(Replicate(),))
-    return _replicated_pieces_split(tensors, given)
-
-
-@rule(aten.stack.default)
-def _stack(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    dim = cast(int, node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
-    if dim % node.meta["val"].dim() == 0:  # a new dim before the tokens: DTensor's rule
-        return None
-    return _replicated_pieces_split(cast(Sequence[Node], node.args[0]), given)
-
-
-def _replicated_pieces_split(
-    tensors: Sequence[Node], given: Sequence[Placement]
-) -> Strategy | None:
-    """Replicated pieces next to token shards, joined along another dim than the tokens (cat,
-    stack): every piece a token shard, a replicated one by a local slice. DTensor's rules answer
-    (R, S(0)) -> S(0) with no redistribution, which would join a whole piece to a shard."""
-    shards = {p for t, p in zip(tensors, given) if is_token_shard(t, p)}
-    if len(shards) == 1 and set(given) == {*shards, Replicate()}:
-        (shard,) = shards
-        return Strategy(inputs=(shard,) * len(given), outputs=(shard,))
-    return None
-
-
-_KEYED = (
-    aten.index_add.default,
-    aten.scatter_add.default,
-    aten.scatter_reduce.two,
-    aten.index_reduce.default,
-)
-"""Reductions keyed by an index (`out[index[t]] (+)= source[t]`): along the tokens, a
-reduction of each rank's rows into the whole output."""
-
-_KEYED_PARTIALS = {"sum": "sum", "amax": "max", "amin": "min"}
-"""A keyed reduction whose per-rank results combine by an all-reduce: their partial."""
-
-
-def _keyed_reduction(node: Node) -> str | None:
-    """The partial a keyed reduction's per-rank results make ("sum", "max", "min"), or None:
-    a mean or a product (the ranks' results do not combine), or `include_self=False` (a rank
-    whose rows miss an output row leaves `self`'s value there, where the op would not)."""
-    if node.target in (aten.index_add.default, aten.scatter_add.default):
-        return "sum"
-    if node.target not in _KEYED:
-        return None
-    reduce = cast(str, node.args[4] if len(node.args) > 4 else node.kwargs["reduce"])
-    include_self = node.args[5] if len(node.args) > 5 else node.kwargs.get("include_self", True)
-    return _KEYED_PARTIALS.get(reduce) if include_self else None
-
-
-@rule(*_KEYED)
-def _keyed(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    # Each rank reduces its own tokens' rows into the whole output: a partial of the output,
-    # all-reduced (the rows of the batch never move). A sum starts from `self` on one rank
-    # (R -> P: zeros elsewhere); a max or a min from `self` on every rank.
-    self_, index, source = given
-    dim = cast(int, node.args[1])
-    x, idx, src = (as_node(node.args[i], "a keyed reduction's argument") for i in (0, 2, 3))
-    if dim % max(_global(x).dim(), 1) != 0 or is_token_shard(x, self_):
-        return None
-    if not (is_token_shard(idx, index) and is_token_shard(src, source)):
-        return None
-    reduce = _keyed_reduction(node)
-    if reduce is None or (reduce == "sum" and node.meta["val"].dtype not in EXACT_SUMS):
-        return None
-    start = Partial() if reduce == "sum" else Replicate()
-    return Strategy(inputs=(start, _TOKENS, _TOKENS), outputs=(Partial(reduce),))
-
-
-def _one_index(node: Node) -> Node | None:
-    """The index tensor of an `index` / `index_put` along dim 0 alone, of an integer dtype (a
-    bool mask selects rows the data decides), or None."""
-    indices = cast(Sequence[Node | None], node.args[1])
-    if len(indices) != 1 or indices[0] is None:
-        return None
-    dtype = _global(indices[0]).dtype
-    return None if dtype is torch.bool or dtype.is_floating_point else indices[0]
-
-
-@rule(aten.index.Tensor)
-def _rows_at(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    index = _one_index(node)
-    if index is None or len(given) != 2:
-        return None
-    x = as_node(node.args[0], "an index's value")
-    self_, at = given
-    # A replicated value's rows at the tokens' indices (`per_request_DT[slot_T]`): each rank
-    # reads the rows of its own tokens, as an embedding does; the result is a token shard.
-    if self_ == Replicate() and is_token_shard(index, at):
-        return Strategy(inputs=(Replicate(), _TOKENS), outputs=(_TOKENS,))
-    # One token's row at a replicated index (`x_TD[top_1]`, `x_TD[-1]`): each rank gives the
-    # row if it holds it and zeros if not, a partial sum of one row (not a gather of T rows).
-    # More rows are gathered: in a graph Dynamo traced at a static T, an index of T0 rows
-    # made from T (`torch.arange(T)`) is a number that cannot be told from K.
-    if not is_token_shard(x, self_) or at != Replicate():
-        return None
-    one = statically_known_true(math.prod(_global(index).shape) == 1)
-    if not one or node.meta["val"].dtype not in EXACT_SUMS:
-        return None
-    return Strategy(inputs=(_TOKENS, Replicate()), outputs=(Partial(),))
-
-
-@rule(aten.index_put.default, aten.index_copy.default)
-def _write_rows_at(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    # Rows written at replicated token indices (`x_TD[top] = v`, `x.index_copy(0, top, v)`):
-    # each rank writes the rows it holds; the others' writes land in a scratch row. The token
-    # shard stays a token shard.
-    x = as_node(node.args[0], "a write's value")
-    if node.target is aten.index_copy.default:
-        dim = cast(int, node.args[1]) % max(_global(x).dim(), 1)
-        index = as_node(node.args[2], "an index_copy's index") if dim == 0 else None
-    else:
-        index = _one_index(node)
-    if index is None or len(given) != 3 or not is_token_shard(x, given[0]):
-        return None
-    if tuple(given[1:]) != (Replicate(), Replicate()):
-        return None
-    return Strategy(inputs=(_TOKENS, Replicate(), Replicate()), outputs=(_TOKENS,))
-
-
-def _roll_dims(node: Node) -> list[int]:
-    ndim = _global(as_node(node.args[0], "a token op's argument")).dim()
-    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
-    return [d % ndim for d in cast(Sequence[int], dims)]
 
 
 # -- per-rank forms ---------------------------------------------------------------------------
 
 
 def localize_token_ops(gm: GraphModule, sizes: TokenSizes) -> None:
-    """Rewrite the ops along the token dim into their per-rank forms (the module docstring)."""
+    """Rewrite the ops along the token dim into their per-rank forms (the module docstring):
+    each op by its form in `_FORMS`; any other op whose output is a partial over the tokens
+    gets its padding rows masked."""
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        out = node.meta.get(OUT)
-        if node.target is aten.index.Tensor and node.meta.get(IN) == (_TOKENS, Replicate()):
-            _rows_held(graph, node, sizes)  # a partial of rows, not of a reduction
-            continue
-        if node.target in (aten.mean.dim, aten.mean.default) and isinstance(out, Partial):
-            node = _mean_as_sum(graph, node, sizes)
-        if type(out) is Partial:
-            _mask_padding(graph, node, out, sizes)
-        elif node.target is aten.cumsum.default and out == _TOKENS:
-            _scan(graph, node, sizes)
-        elif node.target is aten.roll.default and 0 in _roll_dims(node):
-            _roll_tokens(graph, node, out, sizes)
-        elif node.target is custom_op_overload(shift_tokens):
-            _shift_tokens(graph, node, sizes)
-        elif node.target is aten.index.Tensor and node.meta.get(IN) == (Replicate(), _TOKENS):
-            _index_real_rows(graph, node, sizes)
-        elif node.target in _WRITES and node.meta.get(IN, (None,))[0] == _TOKENS:
-            _write_rows_held(graph, node, sizes)
+        if node.op == "call_function":
+            form = _FORMS.get(node.target, _masked)
+            form(graph, node, node.meta.get(OUT), sizes)
+
+
+Form = Callable[[Graph, Node, Placement | None, TokenSizes], object]
+"""An op's per-rank form: rewrites `node` (placed `out`) in `graph`; what it returns is not
+used (`_masked`: whether it masked)."""
+
+
+def _masked(graph: Graph, node: Node, out: Placement | None, sizes: TokenSizes) -> bool:
+    """A partial over the tokens: its padding rows masked (any op's form, first)."""
+    if type(out) is Partial:
+        _mask_padding(graph, node, out, sizes)
+        return True
+    return False
+
+
+def _index_form(graph: Graph, node: Node, out: Placement | None, sizes: TokenSizes) -> None:
+    placed = node.meta.get(IN)
+    if placed == (TOKENS, Replicate()):
+        _rows_held(graph, node, sizes)  # a partial of rows, not of a reduction
+    elif not _masked(graph, node, out, sizes) and placed == (Replicate(), TOKENS):
+        _index_real_rows(graph, node, sizes)
+
+
+def _mean_form(graph: Graph, node: Node, out: Placement | None, sizes: TokenSizes) -> None:
+    if isinstance(out, Partial):
+        _masked(graph, _mean_as_sum(graph, node, sizes), out, sizes)
+
+
+def _cumsum_form(graph: Graph, node: Node, out: Placement | None, sizes: TokenSizes) -> None:
+    if not _masked(graph, node, out, sizes) and out == TOKENS:
+        _scan(graph, node, sizes)
+
+
+def _roll_form(graph: Graph, node: Node, out: Placement | None, sizes: TokenSizes) -> None:
+    if not _masked(graph, node, out, sizes) and 0 in roll_dims(node):
+        _roll_tokens(graph, node, out, sizes)
+
+
+def _shift_form(graph: Graph, node: Node, out: Placement | None, sizes: TokenSizes) -> None:
+    if not _masked(graph, node, out, sizes):
+        _shift_tokens(graph, node, sizes)
+
+
+def _write_form(graph: Graph, node: Node, out: Placement | None, sizes: TokenSizes) -> None:
+    if not _masked(graph, node, out, sizes) and node.meta.get(IN, (None,))[0] == TOKENS:
+        _write_rows_held(graph, node, sizes)
 
 
 def _identity(reduce_op: str, dtype: torch.dtype) -> bool | int | float:
@@ -337,13 +161,13 @@ def _real_rows(
     graph: Graph, x: Node, fill: bool | int | float, sizes: TokenSizes, site: Node
 ) -> Node:
     """`x` (a token shard) with its padding rows set to `fill`."""
-    ndim = _global(x).dim()
+    ndim = global_value(x).dim()
     mask = sizes.row_mask(graph)
     shaped = graph.call_function(aten.view.default, (mask, [-1] + [1] * (ndim - 1)))
     kept = graph.call_function(aten.where.ScalarOther, (shaped, x, fill))
     why = "padding rows out of an op across the tokens (their identity in it)"
     mark_inserted([shaped, kept], why, site)
-    kept.meta[OUT] = _TOKENS
+    kept.meta[OUT] = TOKENS
     kept.meta[REAL_ROWS] = True
     return kept
 
@@ -352,12 +176,12 @@ def _mask_padding(graph: Graph, node: Node, out: Partial, sizes: TokenSizes) -> 
     """A partial over the tokens reads the real rows only: its token-sharded inputs' padding
     rows are the identity of its reduction (they are whatever the ops before left there)."""
     for producer, need in zip(tensor_inputs(node), node.meta.get(IN, ())):
-        if need != _TOKENS or not is_token_shard(producer, need):
+        if need != TOKENS or not is_token_shard(producer, need):
             continue
         with graph.inserting_before(node):
-            dtype = _global(producer).dtype
+            dtype = global_value(producer).dtype
             # a keyed reduction's index: any row of the output (the source row is the identity)
-            keyed = node.target in _KEYED and producer is node.args[2]
+            keyed = node.target in KEYED and producer is node.args[2]
             fill = 0 if keyed else _identity(out.reduce_op, dtype)
             kept = _real_rows(graph, producer, fill, sizes, node)
         node.replace_input_with(producer, kept)
@@ -387,12 +211,12 @@ def _rows_held(graph: Graph, node: Node, sizes: TokenSizes) -> None:
     """`x[index]` of a token shard at replicated token indices: the rows this rank holds,
     zeros for the others (a partial sum: one rank holds each row)."""
     x, (index,) = node.args[0], cast(Sequence[Node], node.args[1])
-    ndim = _global(as_node(x, "an index's value")).dim()
+    ndim = global_value(as_node(x, "an index's value")).dim()
     with graph.inserting_before(node):
         local, mine, added = _held(graph, index, sizes)
         safe = graph.call_function(aten.where.ScalarOther, (mine, local, 0))
         rows = graph.call_function(aten.index.Tensor, (x, [safe]))
-        shape = list(_global(index).shape) + [1] * (ndim - 1)
+        shape = list(global_value(index).shape) + [1] * (ndim - 1)
         held = graph.call_function(aten.view.default, (mine, shape))
         out = graph.call_function(aten.where.ScalarOther, (held, rows, 0))
     added += [safe, rows, held, out]
@@ -400,9 +224,6 @@ def _rows_held(graph: Graph, node: Node, sizes: TokenSizes) -> None:
     out.meta.update({IN: node.meta[IN], OUT: Partial(), GLOBAL_VAL: node.meta[GLOBAL_VAL]})
     node.replace_all_uses_with(out)
     graph.erase_node(node)
-
-
-_WRITES = (aten.index_put.default, aten.index_copy.default)
 
 
 def _write_rows_held(graph: Graph, node: Node, sizes: TokenSizes) -> None:
@@ -416,7 +237,7 @@ def _write_rows_held(graph: Graph, node: Node, sizes: TokenSizes) -> None:
         x, indices, values, *rest = node.args
         (index,) = cast(Sequence[Node], indices)
     index = as_node(index, "a write's index")
-    ndim = _global(as_node(x, "an index_put's value")).dim()
+    ndim = global_value(as_node(x, "an index_put's value")).dim()
     with graph.inserting_before(node):
         local, mine, added = _held(graph, index, sizes)
         at = graph.call_function(aten.where.ScalarOther, (mine, local, sizes.Tl))
@@ -426,7 +247,7 @@ def _write_rows_held(graph: Graph, node: Node, sizes: TokenSizes) -> None:
         out = graph.call_function(aten.slice.Tensor, (written, 0, 0, sizes.Tl))
     added += [at, padded, written, out]
     mark_inserted(added, f"{node.name}: the rows this rank holds written", node)
-    out.meta.update({IN: node.meta[IN], OUT: _TOKENS, GLOBAL_VAL: node.meta[GLOBAL_VAL]})
+    out.meta.update({IN: node.meta[IN], OUT: TOKENS, GLOBAL_VAL: node.meta[GLOBAL_VAL]})
     node.replace_all_uses_with(out)
     graph.erase_node(node)
 
@@ -435,10 +256,10 @@ def _mean_as_sum(graph: Graph, node: Node, sizes: TokenSizes) -> Node:
     """`mean(x, dims)` over the token dim -> `sum(x, dims) / (T * the other reduced sizes)`:
     each rank's share of the mean, summed by the AllReduce."""
     x = as_node(node.args[0], "a token op's argument")
-    dims = _reduced_dims(node)
+    dims = reduced_dims(node)
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     count: Node = sizes.T
-    shape = _global(x).shape
+    shape = global_value(x).shape
     others = 1
     for d in dims:
         if d != 0:
@@ -481,7 +302,7 @@ def _scan(graph: Graph, node: Node, sizes: TokenSizes) -> None:
         total = graph.call_function(aten.sum.dim_IntList, (kept, [0], True), kwargs)
     node.replace_input_with(x, kept)
     with graph.inserting_before(node.next):
-        exchanged = totals_before(graph, total, _global(node).dim(), sizes)
+        exchanged = totals_before(graph, total, global_value(node).dim(), sizes)
         scanned = graph.call_function(aten.add.Tensor, (node, exchanged[-1]))
     why = _reason(
         node,
@@ -509,12 +330,12 @@ def _roll_tokens(graph: Graph, node: Node, out: Placement | None, sizes: TokenSi
     x, shifts, dims = (
         as_node(node.args[0], "a token op's argument"),
         list(cast(Sequence[int], node.args[1])),
-        _roll_dims(node),
+        roll_dims(node),
     )
     k = shifts[dims.index(0)]
     rest = [(s, d) for s, d in zip(shifts, dims) if d != 0]
     with graph.inserting_before(node):
-        if out == _TOKENS:
+        if out == TOKENS:
             nodes = _rolled_shard(graph, x, k, sizes, node)
         else:
             nodes = _rolled_rows(graph, x, k, sizes)
@@ -592,7 +413,7 @@ def _shifted_shard(
         over = g.call_function(aten.ge.Scalar, (past, 0))
         at = g.call_function(aten.clamp.default, (past, 0, n - 1))
         tail = g.call_function(aten.index_select.default, (outside, 0, at))
-        ndim = _global(x).dim()
+        ndim = global_value(x).dim()
         shaped = g.call_function(aten.view.default, (over, [-1] + [1] * (ndim - 1)))
         fixed = g.call_function(aten.where.self, (shaped, tail, rows))
         nodes = [joined, end, rows, past, over, at, tail, shaped, fixed]
@@ -614,3 +435,16 @@ def _shift_tokens(graph: Graph, node: Node, sizes: TokenSizes) -> None:
     node.replace_all_uses_with(nodes[-1])
     _move_placement(node, nodes[-1])
     graph.erase_node(node)
+
+
+_FORMS: dict[object, Form] = {
+    aten.index.Tensor: _index_form,
+    aten.mean.dim: _mean_form,
+    aten.mean.default: _mean_form,
+    aten.cumsum.default: _cumsum_form,
+    aten.roll.default: _roll_form,
+    custom_op_overload(shift_tokens): _shift_form,
+    aten.index_put.default: _write_form,
+    aten.index_copy.default: _write_form,
+}
+"""The per-rank form of each op along the token dim, by op (`localize_token_ops`)."""

@@ -36,7 +36,7 @@ from dsv41_compile.core.meta import OUT
 from dsv41_compile.core.symbols import is_token_count
 from dsv41_compile.core.torch_private import custom_op_overload
 from dsv41_compile.spmd.annotate import annotate
-from dsv41_compile.spmd.token_ops import shift_tokens
+from dsv41_compile.spmd.token_dims import shift_tokens
 
 __all__ = ["token_shifts"]
 

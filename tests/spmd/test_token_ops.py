@@ -24,7 +24,7 @@ from dsv41_compile.core.errors import InternalError
 from dsv41_compile.core.hooks import Hooks, installed
 from dsv41_compile.core.meta import IN, OUT, REAL_ROWS, RULE
 from dsv41_compile.report.dump import graph_text
-from dsv41_compile.spmd.token_ops import shift_tokens
+from dsv41_compile.spmd.token_dims import shift_tokens
 from dsv41_compile.testing.fake_rank import compile_model_on_fake_rank
 from dsv41_compile.testing.toy import ToyLM, toy_family
 from dsv41_compile.verify import verify

@@ -10,8 +10,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import dsv41_compile.deepseek_v41.model.ops  # noqa: F401  (registers dsv41::routed_experts)
 from dsv41_compile.core.placements import format_placement
-from dsv41_compile.spmd import dtensor_adapter
-from dsv41_compile.spmd.dtensor_adapter import PlacedTensor, propagate
+from dsv41_compile.spmd.rules import dtensor as dtensor_adapter
+from dsv41_compile.spmd.rules.dtensor import PlacedTensor, propagate
 from dsv41_compile.testing.torch_shims import fake_process_group
 
 aten = torch.ops.aten

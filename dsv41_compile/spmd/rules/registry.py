@@ -1,7 +1,7 @@
 """The rule registry: which placements an op's inputs must have and which its outputs get.
 
 Order of lookup for a node:
-1. the model adapter's rules (its routed-experts op: `moe.rules`; its other custom ops), then
+1. the model adapter's rules (its routed-experts op: `spmd.rules.routed_experts`; its other custom ops), then
    ours (token-preserving views, the vocab-sharded lookup; the ops along the token dim:
    `spmd.token_ops`), registered with `@rule(op)`; a rule may return None to pass the node on;
 2. every tensor input replicated -> every output replicated: a deterministic op of replicated
@@ -34,7 +34,6 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.fx import Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import Argument
 
 from dsv41_compile.core.context import CompileContext
@@ -44,12 +43,15 @@ from dsv41_compile.core.registry import Registry
 from dsv41_compile.core.strategy import RuleFn, Strategy
 from dsv41_compile.core.symbols import PLANNING_TOKENS, hint, hint_shape, is_token_count
 from dsv41_compile.core.torch_private import OpOverload, sym_hint
-from dsv41_compile.spmd.dtensor_adapter import PlacedTensor, propagate
+from dsv41_compile.spmd.rules.dtensor import PlacedTensor, propagate
 
 __all__ = [
     "EXACT_SUMS",
     "RULES",
     "RuleAnswers",
+    "RuleTable",
+    "reads_an_unsplit_dim",
+    "register_table",
     "is_token_shard",
     "rule",
     "rule_answers",
@@ -62,7 +64,8 @@ RULES: Registry[RuleFn] = Registry("sharding rule")
 
 
 def rule(*ops: object) -> Callable[[RuleFn], RuleFn]:
-    """Register the decorated function as the rule of `ops` (one rule per op)."""
+    """Register the decorated function as the rule of `ops` (one rule per op): a rule of
+    one's own, added at run time (docs/architecture.md, "Adding an op rule")."""
 
     def register(fn: RuleFn) -> RuleFn:
         for op in ops:
@@ -70,6 +73,27 @@ def rule(*ops: object) -> Callable[[RuleFn], RuleFn]:
         return fn
 
     return register
+
+
+class RuleTable(dict[object, RuleFn]):
+    """A module's rules by op, collected by `@table.rule(op)` and added to `RULES` where the
+    package registers its rule modules (`spmd.rules`), not as a side effect of an import."""
+
+    def rule(self, *ops: object) -> Callable[[RuleFn], RuleFn]:
+        def collect(fn: RuleFn) -> RuleFn:
+            for op in ops:
+                if op in self:
+                    raise ValueError(f"{op} has a rule in this table already")
+                self[op] = fn
+            return fn
+
+        return collect
+
+
+def register_table(table: RuleTable) -> None:
+    """Add a module's rules to `RULES` (one rule per op across every table)."""
+    for op, fn in table.items():
+        RULES.add(op, fn)
 
 
 EXACT_SUMS = (torch.float32, torch.float64, torch.int32, torch.int64)
@@ -96,23 +120,6 @@ def _outputs(node: Node, placement: Placement) -> tuple[Placement | None, ...]:
     return (placement if isinstance(val, torch.Tensor) else None,)
 
 
-@rule(
-    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default
-)
-def _view(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    # A view that keeps dim 0 and reshapes only the trailing dims keeps a token shard. DTensor's
-    # view rule sees a token count of 1 (a specialised decode graph) as a singleton dim and
-    # would refuse; everything else goes to DTensor.
-    source, out = node.args[0].meta["val"], node.meta["val"]
-    if (
-        given[0] == Shard(0)
-        and out.dim() >= 1
-        and statically_known_true(source.shape[0] == out.shape[0])
-    ):
-        return Strategy(inputs=(Shard(0),), outputs=(Shard(0),))
-    return None
-
-
 def reads_an_unsplit_dim(node: Node, placement: Placement) -> bool:
     """`node` is `sym_size.int` of a dim its tensor, placed `placement`, is not split along:
     the same size on every rank."""
@@ -122,29 +129,9 @@ def reads_an_unsplit_dim(node: Node, placement: Placement) -> bool:
     return node.args[1] % ndim != placement.dim % ndim
 
 
-@rule(torch.ops.aten.sym_size.int)
-def _size(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    # annotate refuses a read along the split dim
-    (placement,) = given
-    if reads_an_unsplit_dim(node, placement):
-        return Strategy(inputs=(placement,), outputs=(None,))
-    return None
-
-
-@rule(torch.ops.aten.embedding.default)
-def _embedding(node: Node, given: Sequence[Placement]) -> Strategy | None:
-    # Vocab-sharded rows: each rank looks up the ids in its own row range and leaves zeros for
-    # the rest (localize writes the masking), so the output is a partial sum. DTensor's own rule
-    # encodes the masking in a MaskPartial placement of the ids; ours keeps the ids replicated.
-    weight, ids = given
-    if weight == Shard(0) and ids == Replicate():
-        return Strategy(inputs=(Shard(0), Replicate()), outputs=(Partial(),))
-    return None
-
-
 @dataclass(frozen=True)
 class RuleAnswers:
-    """DTensor's answers asked in one compile, by question (`dtensor_adapter.propagate`'s
+    """DTensor's answers asked in one compile, by question (`rules.dtensor.propagate`'s
     memo): the layers of a kind ask the same ones."""
 
     by_question: dict[object, Strategy | Exception] = field(default_factory=dict)
@@ -215,7 +202,7 @@ def strategy_for(
                 return gathered
         raise NotImplementedError(
             f"no sharding rule for {describe(node)} with input placements ({placements}); add a "
-            "rule for it (dsv41_compile/spmd/rules.py, or the model adapter's `rules`: "
+            "rule for it (dsv41_compile/spmd/rules/, or the model adapter's `rules`: "
             'docs/architecture.md, "Adding an op rule") or change the model so this op sees '
             "replicated inputs"
         ) from None
@@ -238,7 +225,7 @@ def strategy_for(
     if gathered is None:
         raise NotImplementedError(
             f"{why}, at {describe(node)} with input placements ({placements}); give the op a "
-            "rule (dsv41_compile/spmd/rules.py or the model adapter's `rules`: "
+            "rule (dsv41_compile/spmd/rules/ or the model adapter's `rules`: "
             'docs/architecture.md, "Adding an op rule")'
         )
     return gathered

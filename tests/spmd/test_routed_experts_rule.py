@@ -1,4 +1,4 @@
-"""The sharding rule of a routed-experts op (`moe.rules`), here DeepSeek V4.1's."""
+"""The sharding rule of a routed-experts op (`spmd.rules.routed_experts`), here DeepSeek V4.1's."""
 
 from __future__ import annotations
 
