@@ -19,6 +19,10 @@ torch_npu's ops in place of the model's (the routed experts' FP4 weights decoded
 then a grouped matmul; the FP8 linears as MXFP8 quantised matmuls), costed against the eager
 plan's floors.
 
+With a DSpark model (`--preset flash-dspark`), the drafter's own program in each verify
+scenario is costed too and shown apart (`sp drafter`: `dspark_block_size` rows per request,
+the requests spread as the verify call's; `planning.plan_rank(program="drafter")`).
+
     .venv/bin/python tools/step_time.py --preset flash --tp 4 --ep 8 --device 950dt
 
 `--layouts 8x4,8x1,16x4,32x8,8x4/8x1` compares layouts instead: each `WORLDxTP` planned with
@@ -70,14 +74,31 @@ def scenarios(dp: int) -> list[Scenario]:
     ]
 
 
+def drafter_scenarios(dp: int, block: int) -> list[Scenario]:
+    """The DSpark drafter's call in each verify scenario: `block` rows per request (its draft
+    block), the requests spread as the verify call's."""
+    return [
+        Scenario(f"{name} drafter", math.ceil(requests / dp) * block, requests * block)
+        for name, requests, _ in REQUESTS
+        if name.startswith("verify")
+    ]
+
+
 def plan_costs(
-    cfg: ModelConfig, options: dict[str, Any], *, world_size: int, context: int
+    cfg: ModelConfig,
+    options: dict[str, Any],
+    *,
+    world_size: int,
+    context: int,
+    program: str = "backbone",
 ) -> tuple[StepCosts, float]:
-    """Rank 0's step costs and the seconds planning took."""
+    """Rank 0's step costs of `program` ("backbone", or DSpark's "drafter") and the seconds
+    planning took."""
     began = time.perf_counter()
     gm, ctx, _ = plan_rank(
         cfg, options, world_size=world_size, requests=[Request(0, [1], 0)], max_len=context,
-        progress=f"planning tp={options.get('tp')} {options.get('lowering', 'eager')}",
+        program=program,
+        progress=f"planning {program} tp={options.get('tp')} {options.get('lowering', 'eager')}",
     )  # fmt: skip
     return step_costs(gm, ctx), time.perf_counter() - began
 
@@ -347,6 +368,16 @@ def main() -> None:
             report(costs, args.device, scenario, args.top, floors)
             for scenario in scenarios(args.world // args.tp)
         ]
+    drafted: list[tuple[Scenario, dict[str, Any]]] = []
+    if cfg.num_nextn_predict_layers:  # a DSpark model: its drafter's call in each verify step
+        print(f"planning rank 0 of {args.preset} (sp drafter) on meta tensors ...", flush=True)
+        costs, seconds = plan_costs(
+            cfg, configs["sp"], world_size=args.world, context=args.context, program="drafter"
+        )
+        print(f"sp drafter: planned in {seconds:.0f} s")
+        for scenario in drafter_scenarios(args.world // args.tp, cfg.dspark_block_size):
+            drafted.append((scenario, report(costs, args.device, scenario, args.top)))
+        results["sp drafter"] = [record for _, record in drafted]
     low, high = (latency_label(latency) for latency in LATENCIES)
     print(
         f"\n| scenario | config | predicted, {low} | predicted, {high} | layout floor (HBM) | "
@@ -356,15 +387,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for i, scenario in enumerate(scenarios(args.world // args.tp)):
         for name in configs:
-            r = results[name][i]
-            over = r["over_floor"]
-            print(
-                f"| {scenario.name} | {name} | {r['seconds'][low] * 1e3:.2f} ms | "
-                f"{r['seconds'][high] * 1e3:.2f} ms | {r['layout_floor'] * 1e3:.2f} ms | "
-                f"{r['compute_floor'] * 1e3:.2f} ms | {over[low]:.2f}x / {over[high]:.2f}x | "
-                f"{r['physical_floor'] * 1e3:.2f} ms | {r['hbm_bytes'] / 1e9:.1f} GB | "
-                f"{r['collectives_per_layer']:.2f} |"
-            )
+            print(_row(scenario.name, name, results[name][i]))
+    for scenario, record in drafted:  # shown apart: the drafter's own program
+        print(_row(scenario.name, "sp drafter", record))
     if args.json:
         args.json.write_text(json.dumps({"configs": configs, "scenarios": results}, indent=2))
     if args.plot:
@@ -380,7 +405,7 @@ def plot_layers(results: dict[str, list[dict[str, Any]]], path: Path, title: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [name for name in results if name.startswith("sp")]
+    names = [name for name in results if name.startswith("sp") and name != "sp drafter"]
     scenarios_ = results[names[0]]
     fig, axes = plt.subplots(len(scenarios_), 1, figsize=(10, 3 * len(scenarios_)), squeeze=False)
     for i, (ax,) in enumerate(axes):
@@ -399,6 +424,19 @@ def plot_layers(results: dict[str, list[dict[str, Any]]], path: Path, title: str
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _row(scenario: str, config: str, r: dict[str, Any]) -> str:
+    """A row of the tool's table (its header in `main`)."""
+    low, high = (latency_label(latency) for latency in LATENCIES)
+    over = r["over_floor"]
+    return (
+        f"| {scenario} | {config} | {r['seconds'][low] * 1e3:.2f} ms | "
+        f"{r['seconds'][high] * 1e3:.2f} ms | {r['layout_floor'] * 1e3:.2f} ms | "
+        f"{r['compute_floor'] * 1e3:.2f} ms | {over[low]:.2f}x / {over[high]:.2f}x | "
+        f"{r['physical_floor'] * 1e3:.2f} ms | {r['hbm_bytes'] / 1e9:.1f} GB | "
+        f"{r['collectives_per_layer']:.2f} |"
+    )
 
 
 def _option(item: str) -> tuple[str, Any]:

@@ -295,6 +295,11 @@ def test_the_tools_scenarios_spread_the_requests_over_the_dp_groups(load_tool):
         ("verify-16x6", 48, 96),
         ("prefill-2x2048", 2048, 4096),
     ]
+    # a DSpark model's drafter in each verify step: its block of 5 rows per request
+    assert [(s.name, s.rows, s.world_rows) for s in tool.drafter_scenarios(2, 5)] == [
+        ("verify-6 drafter", 5, 5),
+        ("verify-16x6 drafter", 40, 80),
+    ]
 
 
 def test_the_tools_layouts_and_splits_and_the_errors_that_name_the_form(load_tool):
