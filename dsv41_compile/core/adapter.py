@@ -193,6 +193,14 @@ class ModelAdapter(abc.ABC):
     tp_divides: str = ""
     """What tp must divide in this family, in its own words, for the messages of the passes
     (DeepSeek V4.1: "n_heads and o_groups"); empty: the size of the sharded dim."""
+    cache_inputs: tuple[str, ...] = ()
+    """Prefixes of the input names (Dynamo's sources, `ctx.input_sources`) of the model's
+    cache: tensors `[slots, ...]` of one slot per request and a scratch one, which the reports
+    count as the cache (`report.accounting`, `report.step_time`; DeepSeek V4.1: `"cache."`)."""
+
+    def is_cache(self, source: str) -> bool:
+        """Whether the input named `source` is part of the model's cache (`cache_inputs`)."""
+        return source.startswith(self.cache_inputs) if self.cache_inputs else False
 
     @abc.abstractmethod
     def matches(self, param_fqns: Iterable[str], inputs: Iterable[str]) -> bool:

@@ -309,6 +309,7 @@ class DeepseekV41Adapter(ModelAdapter):
         name="FP8",
     )
     tp_divides = "n_heads and o_groups"
+    cache_inputs = ("cache.",)
 
     def matches(self, param_fqns: Iterable[str], inputs: Iterable[str]) -> bool:
         """By the structure of its parameters: decoder layers `layers.N`, each with its

@@ -90,8 +90,8 @@ class Cost:
 @dataclass(frozen=True)
 class RankInput:
     """A tensor input of a planned rank's program: a parameter (`param`, its fqn, and how the
-    rank holds it, `shard`: None where whole) or a cache tensor (`source`: `cache.<name>`,
-    dim 0 its slots), or another input."""
+    rank holds it, `shard`: None where whole) or a cache tensor (its `source` one the family's
+    adapter calls a cache input, `ModelAdapter.is_cache`; dim 0 its slots), or another input."""
 
     node: Node
     value: torch.Tensor
@@ -99,11 +99,13 @@ class RankInput:
     param: str | None = None
     shard: ParamShard | None = None
     source: str = ""
+    of_cache: bool = False
+    """The family's adapter calls `source` a cache input."""
 
     @property
     def cache(self) -> bool:
         """A cache tensor, `[slots, ...]`: one slot per request and a scratch one."""
-        return self.param is None and self.source.startswith("cache.") and self.value.dim() >= 2
+        return self.param is None and self.of_cache and self.value.dim() >= 2
 
 
 def rank_inputs(gm: GraphModule, ctx: CompileContext) -> list[RankInput]:
@@ -119,7 +121,8 @@ def rank_inputs(gm: GraphModule, ctx: CompileContext) -> list[RankInput]:
         param = ctx.param_fqns.get(node.name)
         shard = ctx.signature.param_shards.get(index) if param is not None else None
         source = ctx.input_sources.get(node.name, "")
-        found.append(RankInput(node, value, size, param, shard, source))
+        of_cache = ctx.adapter.is_cache(source)
+        found.append(RankInput(node, value, size, param, shard, source, of_cache))
     return found
 
 

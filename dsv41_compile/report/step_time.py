@@ -358,7 +358,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
     """The costs of the rewritten per-rank graph `gm` (see the module docstring)."""
     names = sizes_in_t(gm, ctx)
     weights = set(ctx.param_fqns)
-    caches = {n for n, s in ctx.input_sources.items() if s.startswith("cache.")}
+    caches = {n for n, s in ctx.input_sources.items() if ctx.adapter.is_cache(s)}
     origin: dict[Node, Node] = {}  # a view -> the placeholder or node it aliases
     paid: set[Node] = set()  # weights read already
     ops: list[OpCost] = []
