@@ -1,5 +1,6 @@
-"""The README documents the options once, in two tables (the generic options, DeepSeek V4.1's
-own): each table names exactly its class's fields, in order, and lists each default first."""
+"""The options are documented once, in two tables of docs/reference.md (the generic options,
+DeepSeek V4.1's own): each table names exactly its class's fields, in order, and lists each
+default first."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import pytest
 from dsv41_compile.deepseek_v41.options import DeepseekV41Options
 from dsv41_compile.options import BackendOptions
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
 
 
 def _tables() -> list[list[tuple[str, str]]]:
-    """The README's option tables, each as (option, its first listed value) per row."""
-    section = README.read_text().split("## Options", 1)[1].split("\n## ", 1)[0]
+    """The option tables, each as (option, its first listed value) per row."""
+    section = REFERENCE.read_text().split("## Options", 1)[1].split("\n## ", 1)[0]
     tables: list[list[tuple[str, str]]] = []
     rows: list[tuple[str, str]] | None = None
     for line in section.splitlines():

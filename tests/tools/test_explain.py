@@ -1,4 +1,4 @@
-"""tools/explain.py as the README's table of tools runs it: the plan's table, the collectives
+"""tools/explain.py as docs/reference.md's table of tools runs it: the plan's table, the collectives
 per region, the choices and one layer's rewritten graph; `--dump-dir` writes rank 0's dump."""
 
 from __future__ import annotations
