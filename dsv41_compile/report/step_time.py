@@ -392,6 +392,23 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
             total += size
         return total + weight, weight, cache
 
+    def experts_op(
+        node: Node,
+        read: sympy.Expr,
+        val: torch.Tensor,
+        operand: str,
+        expert_bytes: sympy.Expr,
+        per_row: sympy.Expr,
+    ) -> OpCost:
+        """An op of a rank's stacked experts: their bytes read at the touched fraction, its
+        FLOPs per assignment received."""
+        layer = ctx.adapter.innermost_site(module_paths(node)).layer
+        flops = in_t(node_flops(node, ctx), names, node)
+        return OpCost(
+            node.name, layer, "experts", read, nbytes(val), flops, operand=operand,
+            expert_bytes=expert_bytes, assignment_flops=per_row,
+        )  # fmt: skip
+
     pointwise = {n for n in gm.graph.nodes if n.op == "call_function" and _is_pointwise(n)}
     returned = _returned(gm)
 
@@ -430,19 +447,7 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
             expert_bytes = sum((nbytes(root(w).meta["val"]) for w in stack), zero)
             paid.update(root(w) for w in stack)
             read, _, _ = reads(node, [a for a in inputs if root(a) not in {root(w) for w in stack}])
-            ops.append(
-                OpCost(
-                    node.name,
-                    layer,
-                    "experts",
-                    read,
-                    nbytes(val),
-                    in_t(node_flops(node, ctx), names, node),
-                    operand=_operand(inputs, 1),
-                    expert_bytes=expert_bytes,
-                    assignment_flops=per_row,
-                )
-            )
+            ops.append(experts_op(node, read, val, _operand(inputs, 1), expert_bytes, per_row))
             continue
         spec = ctx.adapter.routed_experts_op(node.target)
         if spec is not None:
@@ -458,19 +463,9 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
             for w in stacked:
                 paid.add(root(w))
             read, _, _ = reads(node, [a for a in inputs if a not in stacked])
-            ops.append(
-                OpCost(
-                    node.name,
-                    layer,
-                    "experts",
-                    read,
-                    nbytes(val),
-                    in_t(node_flops(node, ctx), names, node),
-                    operand=_operand(stacked, spec.inputs_per_element),
-                    expert_bytes=expert_bytes,
-                    assignment_flops=assignment_flops(node, ctx),
-                )
-            )
+            operand = _operand(stacked, spec.inputs_per_element)
+            per_row = assignment_flops(node, ctx)
+            ops.append(experts_op(node, read, val, operand, expert_bytes, per_row))
             continue
         if node.target in _GATHERS:
             read, weight, cache = reads(node, inputs[1:])
