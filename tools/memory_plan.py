@@ -180,7 +180,7 @@ def main() -> None:
         "MoE calls make from the expert weights per call (repeatable)",
     )  # fmt: skip
     args = parser.parse_args()
-    print(provenance(), flush=True)  # the docs/benchmarks.md block's header
+    print(provenance(kind="Counted"), flush=True)  # the docs/benchmarks.md block's header
     overrides: dict[str, Any] = {"weight_format": args.weight_format}
     if args.weight_format == "released":  # as `from_hf` reads a checkpoint (step_time.py too)
         overrides.update(numerics="official", dtype="bfloat16")

@@ -33,9 +33,11 @@ def _memory_gib() -> str:
     return f"{pages * size / 2**30:.0f} GiB"
 
 
-def provenance(argv: list[str] | None = None) -> str:
+def provenance(argv: list[str] | None = None, *, kind: str = "Measured") -> str:
     """`- Measured: <date>, commit <sha>` / `- Machine: ...` / `- Command: ...` for the running
-    tool (`argv`: its command line, `sys.argv` by default)."""
+    tool (`argv`: its command line, `sys.argv` by default). `kind` says what the figures are
+    (docs/benchmarks.md): "Measured" (ran and timed here), "Counted" (bytes read from planned
+    graphs), "Predicted" (the step-time model's price on a device not here)."""
     argv = list(sys.argv if argv is None else argv)
     root = Path(__file__).resolve().parents[2]
     script = Path(argv[0]).resolve()
@@ -43,7 +45,7 @@ def provenance(argv: list[str] | None = None) -> str:
     gpu = "a GPU" if torch.cuda.is_available() else "no GPU"
     return "\n".join(
         [
-            f"- Measured: {datetime.date.today().isoformat()}, commit `{_commit(root)}`",
+            f"- {kind}: {datetime.date.today().isoformat()}, commit `{_commit(root)}`",
             f"- Machine: {os.cpu_count()}-core CPU, {_memory_gib()}, {gpu}, torch "
             f"{torch.__version__}",
             f"- Command: `.venv/bin/python {' '.join([shown, *argv[1:]])}`",
