@@ -409,10 +409,15 @@ def plot_layers(results: dict[str, list[dict[str, Any]]], path: Path, title: str
     scenarios_ = results[names[0]]
     fig, axes = plt.subplots(len(scenarios_), 1, figsize=(10, 3 * len(scenarios_)), squeeze=False)
     for i, (ax,) in enumerate(axes):
-        floors = [r for r in results["sp"][i]["layers"] if r["layer"] is not None]
+
+        def in_order(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            # the decoder layers by index (a record per layer, in graph order of first use)
+            return sorted((r for r in records if r["layer"] is not None), key=lambda r: r["layer"])
+
+        floors = in_order(results["sp"][i]["layers"])
         x = [r["layer"] for r in floors]
         for name in names:
-            layers = [r for r in results[name][i]["layers"] if r["layer"] is not None]
+            layers = in_order(results[name][i]["layers"])
             ax.plot(x, [r["seconds"] * 1e3 for r in layers], marker=".", label=f"{name}")
         ax.plot(x, [r["layout_floor"] * 1e3 for r in floors], "k--", label="layout floor (HBM)")
         ax.plot(x, [r["compute_floor"] * 1e3 for r in floors], "k:", label="compute floor")
