@@ -119,6 +119,13 @@ def adapter_for(
                     f"choose one of {adapter.layouts}"
                 )
             return adapter
+    if not known:
+        raise ValueError(
+            "dsv41_sp knows no model family: no distribution declares one in the entry-point "
+            f"group {ENTRY_POINTS!r} and none was registered. Install the package (`pip install "
+            "-e .` in a source tree: its pyproject.toml declares DeepSeek V4.1) or register "
+            "an adapter with dsv41_compile.families.register_adapter"
+        )
     families = ", ".join(f"{a.name} (inputs {', '.join(a.token_inputs)}, ...)" for a in known)
     raise ValueError(
         f"dsv41_sp does not know this graph: its inputs are {sorted(set(names))}. The model "

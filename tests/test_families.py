@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 PLUGIN = """\
 from dsv41_compile.testing.toy import ToyAdapter
 
@@ -74,3 +76,19 @@ def test_the_built_in_family_is_declared_not_imported():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["False", "['deepseek_v41'] True"]
+
+
+def test_no_family_known_says_how_to_get_one(monkeypatch):
+    """Without the package's entry points (a source tree on the path, never installed) and
+    with nothing registered, the error says to install the package or register an adapter."""
+    from dsv41_compile import families
+
+    monkeypatch.setattr(families, "adapters", lambda: [])
+    with pytest.raises(ValueError) as info:
+        families.adapter_for(["w"], ["x"])
+    assert str(info.value) == (
+        "dsv41_sp knows no model family: no distribution declares one in the entry-point group "
+        "'dsv41_compile.families' and none was registered. Install the package (`pip install "
+        "-e .` in a source tree: its pyproject.toml declares DeepSeek V4.1) or register an "
+        "adapter with dsv41_compile.families.register_adapter"
+    )
