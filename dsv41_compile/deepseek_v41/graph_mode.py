@@ -45,6 +45,7 @@ from torch.fx import Proxy
 from dsv41_compile.core.emitter import cast
 from dsv41_compile.deepseek_v41.model.ops import clamped_swiglu, engram_dequantize
 from dsv41_compile.targets.npu_dtypes import DTYPE_CODES, E2M1, E4M3, E8M0, NPU_DTYPES
+from dsv41_compile.targets.npu_passes import ge_refuses_mx_a8w4
 
 __all__ = [
     "act_quant_dequant_mx",
@@ -333,13 +334,17 @@ def routed_experts_fp4_grouped(
     """`dsv41::routed_experts_fp4`. Under the official numerics (`fp8_hidden`) with an input
     of FP8 codes decoded -- the experts' input quantised (`act_quant_dequant_mx`, or FP8 rows
     the EP dispatch moved, `fp8_decode_rows_mx`) -- the grouped matmul takes the codes and the
-    FP4 weights as they are (`_a8w4_experts`). Otherwise each of the rank's experts' weights is
+    FP4 weights as they are (`_a8w4_experts`) -- unless torchair's GE would refuse that form
+    (`targets.npu_passes.ge_refuses_mx_a8w4`: a device other than a 950, one local expert,
+    K = 64), where torchair keeps the decoded form below. Otherwise each of the rank's experts' weights is
     decoded from its FP4 bytes (e2m1 pairs, low nibble first, an e8m0 scale per 32 along a row:
     `npu_anti_mx_quant`) to the activation dtype for the call, then the grouped matmuls of
     `routed_experts_grouped`: the grouped matmul has no MX form with a bf16 input, and
     quantising the input would change the numerics."""
     rows = _e4m3_rows(emit, x.node) if fp8_hidden else None
-    if rows is not None:
+    groups, _, half_k = w1.node.meta["val"].shape  # [E, I, D/2]: two e2m1 codes a byte
+    ks = (2 * half_k, 2 * w2.node.meta["val"].shape[2])
+    if rows is not None and ge_refuses_mx_a8w4(groups, ks) is None:
         codes, pairs, out_code = rows
         return _a8w4_experts(
             emit, val, codes, pairs, topk_idx, topk_weight, (w1, s1), (w2, s2), (w3, s3),

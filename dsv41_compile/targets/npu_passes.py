@@ -42,7 +42,10 @@ from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -78,11 +81,62 @@ DROPPED = (
 )
 
 
+@dataclass(frozen=True)
+class Lowered:
+    """What a family's rewrite may ask of the compile it rewrites for (`lowering_now`): the
+    lowering and the device the program is meant for (`BackendOptions.device_model`)."""
+
+    target: str
+    device: str
+
+
+_LOWERED: ContextVar[Lowered | None] = ContextVar("dsv41_lowered", default=None)
+
+
+def lowering_now() -> Lowered | None:
+    """The lowering and device of the rewrite running now; None outside the NPU passes."""
+    return _LOWERED.get()
+
+
+@contextmanager
+def _lowering(ctx: CompileContext) -> Iterator[None]:
+    device = ctx.options.device_model(ctx.mesh.device_type).name
+    token = _LOWERED.set(Lowered(ctx.target, device))
+    try:
+        yield
+    finally:
+        _LOWERED.reset(token)
+
+
+GE_MX_A8W4_DEVICES = ("950dt", "950pr")
+"""The devices whose GE graphs take `npu_grouped_matmul` in its MX A8W4 form (FP8 rows, FP4
+weights as released): torchair's converter (torch-npu 2.13.0) maps that form on the 950's
+architecture only."""
+
+
+def ge_refuses_mx_a8w4(groups: int, ks: Sequence[int]) -> str | None:
+    """Why torchair's GE converter of the MX A8W4 grouped matmul would refuse it here, or None:
+    another device than a 950, or (its own refusals) one group of weights, or a contraction of
+    64 (K = 64: the packed weight's 32 rows). Only for `lowering="torchair"`; npugraph_ex runs
+    torch_npu's kernels, which take these."""
+    lowered = lowering_now()
+    if lowered is None or lowered.target != "torchair":
+        return None
+    if lowered.device not in GE_MX_A8W4_DEVICES:
+        return f"torchair's GE maps the MX A8W4 grouped matmul on {GE_MX_A8W4_DEVICES} only"
+    if groups == 1:
+        return "torchair's GE refuses the MX A8W4 grouped matmul of one group of weights"
+    if 64 in ks:
+        return "torchair's GE refuses the MX A8W4 grouped matmul with K = 64"
+    return None
+
+
 def graph_mode(gm: GraphModule, *, ctx: CompileContext) -> None:
     # Local values for every node (expert_parallel's nodes have none yet): the rewrites read
     # shapes and dtypes.
     propagate_local_values(gm, ctx)
-    rewrite_for_graph_mode(gm, ctx.adapter.graph_mode_rewrites)
+    with _lowering(ctx):
+        rewrite_for_graph_mode(gm, ctx.adapter.graph_mode_rewrites)
     prepare_fp4_weights(gm, ctx)
 
 
@@ -97,7 +151,8 @@ def npu_ops(gm: GraphModule, *, ctx: CompileContext) -> None:
     gaps = {op: _REWRITES[op] for op in NPU_KERNEL_GAPS}
     rewrites = {**gaps, **ctx.adapter.graph_mode_rewrites}
     why = "npugraph_ex: {op} as ops torch_npu has NPU kernels for"
-    rewrite_for_graph_mode(gm, rewrites, aten_rewrites=False, why=why)
+    with _lowering(ctx):
+        rewrite_for_graph_mode(gm, rewrites, aten_rewrites=False, why=why)
     prepare_fp4_weights(gm, ctx)
 
 

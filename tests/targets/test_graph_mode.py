@@ -14,6 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from dsv41_compile.deepseek_v41.adapter import DeepseekV41Adapter
 from dsv41_compile.deepseek_v41.model.numerics import act_quant
 from dsv41_compile.deepseek_v41.model.quant import quantize_fp4, quantize_fp8
+from dsv41_compile.targets import npu_passes
 from dsv41_compile.targets.npu_dtypes import DTYPE_CODES, E2M1, E4M3, E8M0
 from dsv41_compile.targets.npu_passes import rewrite_for_graph_mode
 from dsv41_compile.testing.graphs import rewritten_for_graph_mode
@@ -316,6 +317,46 @@ def test_official_routed_experts_are_a8w4_grouped_matmuls_of_the_fp4_weights(idx
     actual, expected = gm(x, idx, w, *weights), _official_experts(x, idx, w, *weights)
     assert actual.shape == expected.shape == (T, 64)
     assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize(
+    ("lowered", "experts", "dim", "form"),
+    [
+        (None, 4, 64, "a8w4"),  # npugraph_ex's kernels take every shape
+        (("torchair", "950dt"), 4, 128, "a8w4"),
+        (("torchair", "950pr"), 4, 128, "a8w4"),
+        (("torchair", "a3"), 4, 128, "decoded"),  # GE maps the MX form on a 950 only
+        (("torchair", "950dt"), 4, 64, "decoded"),  # GE refuses K = 64
+        (("torchair", "950dt"), 1, 128, "decoded"),  # GE refuses one group of weights
+    ],
+)
+def test_torchair_keeps_the_decoded_experts_where_ge_refuses_the_a8w4_form(
+    lowered, experts, dim, form
+):
+    """torchair hands GE the MX A8W4 grouped matmul only where torch-npu 2.13.0's converter takes
+    it (`targets.npu_passes.ge_refuses_mx_a8w4`); elsewhere the experts' FP4 weights are decoded
+    per call, as before the A8W4 form. Both forms compute the single-device op's values."""
+    weights = _fp4_experts(E=experts, D=dim)
+    idx = torch.tensor([[0, experts - 1], [experts - 1, 0], [0, -1]], dtype=torch.int64)
+    x = (randn(3, dim) * 4).to(torch.bfloat16)
+    w = torch.rand(3, 2, generator=g)
+    token = npu_passes._LOWERED.set(None if lowered is None else npu_passes.Lowered(*lowered))
+    try:
+        gm = symbolic_rewritten(_official_experts, x, idx, w, *weights)
+    finally:
+        npu_passes._LOWERED.reset(token)
+    grouped = gm.graph.find_nodes(
+        op="call_function", target=torch.ops.npu.npu_grouped_matmul.default
+    )
+    decodes = gm.graph.find_nodes(
+        op="call_function", target=torch.ops.npu.npu_anti_mx_quant.default
+    )
+    fp4_decodes = [n for n in decodes if n.kwargs["src_type"] == E2M1]
+    if form == "a8w4":
+        assert [n.kwargs.get("weight_dtype") for n in grouped] == [E2M1] * 3 and not fp4_decodes
+    else:
+        assert len(fp4_decodes) == 3 and all(n.kwargs.get("weight_dtype") is None for n in grouped)
+    assert torch.equal(gm(x, idx, w, *weights), _official_experts(x, idx, w, *weights))
 
 
 def test_a8w4_stand_in_reads_the_fp4_values_themselves():
