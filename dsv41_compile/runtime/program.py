@@ -8,7 +8,7 @@ what its dumps show -- and is the same on every rank (the host compile cache sto
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +71,7 @@ class ShardedProgram:
         on_ep_stats: Callable[[list[torch.Tensor], int], None] | None = None,
         check_inputs: dist.ProcessGroup | None = None,
         weights: dict[int, torch.Tensor] | None = None,
-        check_batch: Callable[[dict[str, Any]], None] | None = None,
+        check_batch: Callable[[Mapping[str, Any]], None] | None = None,
     ) -> None:
         self.compiled, self.spec, self.signature = compiled, spec, spec.signature
         self.tp, self.tp_rank, self.rank, self.device_type = tp, tp_rank, rank, device_type
@@ -84,6 +84,8 @@ class ShardedProgram:
         self.check_batch = check_batch
         """The family's check of a call's inputs (`ModelAdapter.check_inputs`: the model's own
         messages), before anything of the call runs."""
+        self._named = {name: i for i, name in self.signature.inputs}
+        """Input name -> position, for the family's check (a view of each call's arguments)."""
         self._taken = sorted({*self.signature.param_shards, *self.signature.prepared})
         """The parameters taken by `local_shard`: sharded, or prepared."""
         self._prepared = set(self.signature.prepared)
@@ -147,7 +149,7 @@ class ShardedProgram:
 
     def _call(self, args: list[Any]) -> Any:
         if self.check_batch is not None:
-            self.check_batch({name: args[i] for i, name in self.signature.inputs})
+            self.check_batch(_Named(args, self._named))
         if self.check_inputs is not None:
             indices, names = zip(*self.signature.token_positions)
             check_same_inputs(
@@ -180,6 +182,23 @@ class ShardedProgram:
         if self.on_ep_stats is not None:
             self.on_ep_stats(self.ep_stats, self.ep_tokens)
         return type(outputs)(outputs[:-n_stats])
+
+
+class _Named(Mapping[str, Any]):
+    """A call's arguments by input name, read where they are: the check before each call
+    reads a few of them, not a copy of every input (a model's cache is hundreds)."""
+
+    def __init__(self, args: list[Any], positions: dict[str, int]) -> None:
+        self._args, self._positions = args, positions
+
+    def __getitem__(self, name: str) -> Any:
+        return self._args[self._positions[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._positions)
+
+    def __len__(self) -> int:
+        return len(self._positions)
 
 
 def _prepared(name: str, tensor: torch.Tensor) -> torch.Tensor:
