@@ -257,12 +257,17 @@ def test_an_official_fp8_linear_is_one_mxfp8_quant_matmul():
         weight = torch.ops.dsv41.fp8_weight(codes, scale, torch.bfloat16)
         return torch.nn.functional.linear(torch.ops.dsv41.act_quant_dequant(x), weight)
 
-    gm = symbolic_rewritten(linear, x, codes, scale)
+    _one_quant_matmul(linear, x, codes, scale)
+
+
+def _one_quant_matmul(linear, *args):
+    """`linear` rewritten: one MXFP8 quant matmul, no bf16 mm, no decode; its values."""
+    gm = symbolic_rewritten(linear, *args)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.npu.npu_quant_matmul.default) == 1
     assert aten.mm.default not in targets
     assert torch.ops.npu.npu_anti_mx_quant.default not in targets
-    assert torch.equal(gm(x, codes, scale), linear(x, codes, scale))
+    assert torch.equal(gm(*args), linear(*args))
 
 
 def _fp4_experts(E=4, D=64, I=32):
@@ -395,9 +400,4 @@ def test_fp8_rows_rearranged_whole_blocks_at_a_time_still_make_one_quant_matmul(
         weight = torch.ops.dsv41.fp8_weight(codes, scale, torch.bfloat16)
         return torch.nn.functional.linear(kept, weight)
 
-    gm = symbolic_rewritten(linear, x, codes, scale)
-    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.npu.npu_quant_matmul.default) == 1
-    assert aten.mm.default not in targets
-    assert torch.ops.npu.npu_anti_mx_quant.default not in targets
-    assert torch.equal(gm(x, codes, scale), linear(x, codes, scale))
+    _one_quant_matmul(linear, x, codes, scale)
