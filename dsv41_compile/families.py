@@ -10,6 +10,7 @@ Generic code reaches a family only through this registry, never by importing it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from importlib.metadata import entry_points
 from typing import TypeVar
@@ -37,37 +38,40 @@ ENTRY_POINTS = "dsv41_compile.families"
 """The entry-point group a distribution declares its model families in: each entry a
 `ModelAdapter` instance."""
 
-_DECLARED: list[ModelAdapter] = []
-"""The families the entry points declare, loaded once per process (`load_entry_points`)."""
-_SCANNED: list[bool] = [False]
 _UNREGISTERED: set[str] = set()
 """Declared families a caller took out (`unregister_adapter`): not put back."""
 
 _Adapter = TypeVar("_Adapter", bound=ModelAdapter)
 
 
+@functools.cache
+def _declared() -> tuple[ModelAdapter, ...]:
+    """The families the entry points declare, in the order the environment lists them; loaded
+    once per process (a failure is not kept: the next question tries again)."""
+    found = []
+    for point in entry_points(group=ENTRY_POINTS):
+        try:
+            adapter = point.load()
+        except Exception as error:
+            raise ValueError(
+                f"the model family {point.name!r} declared in the entry points "
+                f"{ENTRY_POINTS!r} ({point.value}) failed to load: {error}. Reinstall the "
+                "distribution that declares it, or uninstall it"
+            ) from error
+        if not isinstance(adapter, ModelAdapter):
+            raise ValueError(
+                f"the entry point {point.name!r} in {ENTRY_POINTS!r} ({point.value}) is a "
+                f"{type(adapter).__name__}, not a ModelAdapter instance"
+            )
+        found.append(adapter)
+    return tuple(found)
+
+
 def load_entry_points() -> None:
-    """Register every family declared in the entry-point group `dsv41_compile.families` (read
-    once per process, in the order the environment lists them) that is not registered: one
-    registered by hand under its name is left as it is, one a caller unregistered stays out."""
-    if not _SCANNED[0]:
-        for point in entry_points(group=ENTRY_POINTS):
-            try:
-                adapter = point.load()
-            except Exception as error:
-                raise ValueError(
-                    f"the model family {point.name!r} declared in the entry points "
-                    f"{ENTRY_POINTS!r} ({point.value}) failed to load: {error}. Reinstall the "
-                    "distribution that declares it, or uninstall it"
-                ) from error
-            if not isinstance(adapter, ModelAdapter):
-                raise ValueError(
-                    f"the entry point {point.name!r} in {ENTRY_POINTS!r} ({point.value}) is a "
-                    f"{type(adapter).__name__}, not a ModelAdapter instance"
-                )
-            _DECLARED.append(adapter)
-        _SCANNED[0] = True
-    for adapter in _DECLARED:
+    """Register every family declared in the entry-point group `dsv41_compile.families` that is
+    not registered: one registered by hand under its name is left as it is, one a caller
+    unregistered stays out."""
+    for adapter in _declared():
         if adapter.name not in REGISTRY and adapter.name not in _UNREGISTERED:
             REGISTRY.add(adapter.name, adapter)
 
