@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from dsv41_compile.core.meta import module_paths
+from dsv41_compile.core.torch_private import OpOverload, op_short_name
 from dsv41_compile.deepseek_v41.model import ModelConfig
 from dsv41_compile.deepseek_v41.testing.batches import Request
 from dsv41_compile.planning import plan_rank
@@ -116,7 +117,8 @@ def decoded_per_call(gm: Any, ctx: Any) -> int:
                "npu_quant_matmul")  # fmt: skip
 
     def name(node: Any) -> str:
-        return str(node.target).split(".")[-2] if "." in str(node.target) else str(node.target)
+        target = node.target
+        return op_short_name(target) if isinstance(target, OpOverload) else str(target)
 
     def feeds_experts(node: Any) -> bool:
         """Whether `node`'s value reaches a grouped matmul or a routed-experts op (through
