@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterable
 from typing import TypeGuard
 
+import sympy
 import torch
 from torch.fx import Node
 
@@ -160,7 +161,8 @@ def metadata_key(value: object) -> object:
             value.device,
         )
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        return ("S", sym_expr(value))
+        canonical = _canonical(value)
+        return ("S", canonical) if isinstance(canonical, sympy.Basic) else canonical
     if isinstance(value, list | tuple):
         return (type(value).__name__, *(metadata_key(v) for v in value))
     if isinstance(value, dict):
@@ -174,4 +176,20 @@ _PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.
 
 
 def _exprs(sizes: Iterable[object]) -> tuple[object, ...]:
-    return tuple(sym_expr(s) if isinstance(s, torch.SymInt) else s for s in sizes)
+    return tuple(_canonical(s) if isinstance(s, torch.SymInt) else s for s in sizes)
+
+
+def _canonical(size: torch.SymInt | torch.SymFloat | torch.SymBool) -> object:
+    """`size`'s expression with what its shape env has learnt since it was made (a symbol
+    found equal to a number or to another symbol), a number as a plain one: two values of one
+    size made before and after a `torch._check`, or a size and the int it was found to be, key
+    alike."""
+    expr = sym_expr(size)
+    shape_env = getattr(size.node, "shape_env", None)
+    if shape_env is not None:
+        expr = shape_env.replace(expr)
+    if expr is sympy.true or expr is sympy.false:
+        return bool(expr)
+    if getattr(expr, "is_number", False):
+        return int(expr) if expr.is_integer else float(expr)
+    return expr
