@@ -98,7 +98,7 @@ def _build(captured: Captured) -> _Build:
 def _compile(captured: Captured, build: _Build, save: Callable[[Artifact], None]) -> Any:
     """The front porch's trace, the pipeline and the target, on this rank; `save` receives
     the result for the host's other ranks."""
-    traced = trace(captured)
+    traced = trace(captured, captured.adapter.decomposed(captured.options, build.target.lowering))
     ctx = _context(traced, captured, build)
     pass_manager(passes(build.target), write_graph=write_graph).run(traced.gm, ctx)
     for hooks in active():

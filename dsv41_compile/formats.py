@@ -7,20 +7,36 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["E2M1", "e2m1_values", "e8m0_powers"]
+__all__ = ["E2M1", "E2M1_PAIRS", "e2m1_table", "e2m1_values", "e8m0_powers"]
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The value of each 4-bit e2m1 code (bit 3 is the sign)."""
 
-_E2M1_PAIRS = torch.tensor([[E2M1[b & 0xF], E2M1[b >> 4]] for b in range(256)])
+E2M1_PAIRS = tuple((E2M1[b & 0xF], E2M1[b >> 4]) for b in range(256))
 """Byte -> the values of its low and high nibble: one lookup decodes two inputs."""
 
+_E2M1_PAIRS = torch.tensor(E2M1_PAIRS)
 
-def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+
+def e2m1_values(packed: torch.Tensor, *, fresh_table: bool = False) -> torch.Tensor:
     """The fp32 values of packed e2m1 pairs (int8 or uint8 `[..., n]`, element `2k` in the low
-    nibble of byte k): `[..., 2n]`. Unscaled; no checks (the callers check their shapes)."""
-    pairs = _E2M1_PAIRS.to(packed.device)[packed.view(torch.uint8).long()]
-    return pairs.flatten(-2)
+    nibble of byte k): `[..., 2n]`. Unscaled; no checks (the callers check their shapes).
+    `fresh_table`: the lookup table computed by this call from the codes' bits (`e2m1_table`),
+    for code an op's decomposition runs, which AOTAutograd traces on fake tensors, where a
+    tensor made before the trace cannot enter (`model.attention.sparse_attention_aten`)."""
+    table = e2m1_table(packed.device) if fresh_table else _E2M1_PAIRS.to(packed.device)
+    return table[packed.view(torch.uint8).long()].flatten(-2)
+
+
+def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:
+    """`E2M1_PAIRS` computed from the bits of each byte's two codes: sign (bit 3), exponent
+    (bits 2-1) and mantissa (bit 0); `m / 2` at exponent 0, else `(1 + m / 2) 2^(e - 1)`."""
+    byte = torch.arange(256, device=device)
+    codes = torch.stack((byte % 16, byte // 16), dim=-1)
+    mantissa, exponent = (codes % 2).float(), (codes % 8) // 2
+    normal = (1 + mantissa / 2) * torch.pow(2.0, (exponent - 1).float())
+    magnitude = torch.where(exponent == 0, mantissa / 2, normal)
+    return torch.where(codes >= 8, -magnitude, magnitude)
 
 
 def e8m0_powers(exponent: torch.Tensor) -> torch.Tensor:

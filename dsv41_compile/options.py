@@ -47,6 +47,9 @@ class Lowering:
     ACL graph"); such a lowering needs the padded EP dispatch with ep > 1 (the exact one reads
     the assignment counts on the host), and `ep_dispatch="auto"` picks the padded one for it.
     None: the graph runs op by op, the host in the loop."""
+    fused_ops: bool = False
+    """Whether it hands the model's fused ops (`ModelAdapter.fused_ops`) to fused kernels, as
+    the model's graph-mode rewrites say; otherwise they are traced as their ATen decompositions."""
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -170,8 +173,9 @@ class BackendOptions:
     (`runtime.host_cache`, under inductor's cache directory). False: every rank compiles."""
     family: FamilyOptions = field(default_factory=FamilyOptions)
     """The model family's own options, given in the same dict as the others (DeepSeek V4.1:
-    `attn_entry`, `attn_exit`, `embedding`, `head`, `engram`, `shared_expert`): `GivenOptions` until the backend knows
-    the family, then an instance of its class (`ModelAdapter.options`)."""
+    `attn_entry`, `attn_exit`, `embedding`, `head`, `engram`, `shared_expert`, `npu_attention`):
+    `GivenOptions` until the backend knows the family, then an instance of its class
+    (`ModelAdapter.options`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or self.tp < 1:

@@ -400,7 +400,7 @@ def test_a_familys_own_option_is_its_own():
             "unknown dsv41_sp option(s) ['mlp']; 'mlp' is an option of the toy_lm model family, "
             f"not of deepseek_v41. The options are {GENERIC_OPTIONS}, and the deepseek_v41 model "
             "family's ['attn_entry', 'attn_exit', 'embedding', 'head', 'engram', "
-            "'shared_expert']",
+            "'shared_expert', 'npu_attention']",
         )
     assert_error(
         raised(lambda: compile_and_run({"tp": 4, "embedding": "tied"})),

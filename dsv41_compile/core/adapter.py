@@ -18,7 +18,7 @@ import torch
 
 from dsv41_compile.core.plan import ShardingPlan
 from dsv41_compile.core.torch_private import OpOverload
-from dsv41_compile.options import BackendOptions, FamilyOptions
+from dsv41_compile.options import BackendOptions, FamilyOptions, Lowering
 
 __all__ = [
     "PARTS",
@@ -187,6 +187,11 @@ class ModelAdapter(abc.ABC):
     """Sharding rules of the model's custom ops (`spmd.rules.RuleFn`), asked first."""
     graph_mode_rewrites: Mapping[OpOverload, GraphModeRewrite] = {}
     """How graph mode computes the model's custom ops from ops torchair converts."""
+    fused_ops: Mapping[OpOverload, Callable[..., Any]] = {}
+    """The model's ops a lowering with fused kernels (`Lowering.fused_ops`) hands to one, as
+    `graph_mode_rewrites` says, each with its decomposition (a function of the op's arguments,
+    in torch ops): a lowering without them traces the op as that decomposition (`decomposed`),
+    so that its program is the model's ATen and no sharding rule of the op is needed there."""
     activation_rows: ActivationRows | None = None
     """The model's activation quantisation, if it has one: collectives whose value it makes,
     or only feeds, move its quantised rows (`spmd.quantised_transport`)."""
@@ -197,6 +202,12 @@ class ModelAdapter(abc.ABC):
     """Prefixes of the input names (Dynamo's sources, `ctx.input_sources`) of the model's
     cache: tensors `[slots, ...]` of one slot per request and a scratch one, which the reports
     count as the cache (`report.accounting`, `report.step_time`; DeepSeek V4.1: `"cache."`)."""
+
+    def decomposed(self, options: BackendOptions, lowering: Lowering) -> dict[OpOverload, Any]:
+        """The fused ops traced as their decompositions for `lowering` under `options`: every
+        one where the lowering has no fused kernels, none where it has. A family may keep more
+        of them decomposed by its own options."""
+        return {} if lowering.fused_ops else dict(self.fused_ops)
 
     def is_cache(self, source: str) -> bool:
         """Whether the input named `source` is part of the model's cache (`cache_inputs`)."""

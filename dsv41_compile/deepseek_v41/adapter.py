@@ -37,12 +37,14 @@ from dsv41_compile.deepseek_v41.graph_mode import (
     fp8_weight_decoded,
     routed_experts_fp4_grouped,
     routed_experts_grouped,
+    sparse_attention_sfa,
 )
 from dsv41_compile.deepseek_v41.model import (
     DeepseekV41,
     ModelConfig,
     ops,  # noqa: F401  (registers the model's ops)
 )
+from dsv41_compile.deepseek_v41.model.attention import sparse_attention_aten
 from dsv41_compile.deepseek_v41.model.batches import Request, pack
 from dsv41_compile.deepseek_v41.model.checkpoint import read_weights
 from dsv41_compile.deepseek_v41.model.numerics import fp8_rows_width
@@ -52,7 +54,7 @@ from dsv41_compile.deepseek_v41.model.validate import check_batch_shapes
 from dsv41_compile.deepseek_v41.options import DeepseekV41Options
 from dsv41_compile.deepseek_v41.plan import deepseek_v41_plan
 from dsv41_compile.devices import timed_choice
-from dsv41_compile.options import BackendOptions
+from dsv41_compile.options import BackendOptions, Lowering
 from dsv41_compile.spmd.rules.routed_experts import routed_experts_rule
 from dsv41_compile.spmd.vocab import head_choice
 
@@ -69,6 +71,8 @@ ROUTED_EXPERTS_FP4 = RoutedExperts(
 )
 ENGRAM_LOOKUP = torch.ops.dsv41.engram_lookup.default
 FP8_WEIGHT = torch.ops.dsv41.fp8_weight.default
+SPARSE_ATTENTION = torch.ops.dsv41.sparse_attention.default
+_SINK_ARG = 6  # `sink_H`, among the op's tensor arguments
 ACT_QUANT = torch.ops.dsv41.act_quant_dequant.default
 
 
@@ -91,6 +95,24 @@ def fp8_weight_rule(node: Node, given: Sequence[Placement]) -> Strategy | None:
     if weight == scale and isinstance(weight, (Replicate, Shard)):
         return Strategy(inputs=(weight, scale), outputs=(weight,))
     return None
+
+
+def sparse_attention_rule(node: Node, given: Sequence[Placement]) -> Strategy | None:
+    """Each query attends to KV rows of any token of its request and to the cache: the KV rows,
+    the cache and the token inputs replicated; the queries split by heads (dim 1) with their
+    sinks (dim 0), the output as the queries, or everything replicated."""
+    q = given[0]
+    heads: Placement
+    sinks: Placement
+    if q == Shard(1):
+        heads, sinks = q, Shard(0)
+    elif q == Replicate():
+        heads = sinks = q
+    else:
+        return None
+    inputs: list[Placement] = [Replicate()] * len(given)
+    inputs[0], inputs[_SINK_ARG] = heads, sinks
+    return Strategy(inputs=tuple(inputs), outputs=(heads,))
 
 
 def _check_fp8_shards(plan: ShardingPlan, tp: int, params: Mapping[str, torch.Tensor]) -> None:
@@ -289,7 +311,9 @@ class DeepseekV41Adapter(ModelAdapter):
         FP8_WEIGHT: fp8_weight_rule,
         ACT_QUANT: act_quant_rule,
         ENGRAM_LOOKUP: engram_lookup_rule,
+        SPARSE_ATTENTION: sparse_attention_rule,
     }
+    fused_ops = {SPARSE_ATTENTION: sparse_attention_aten}
     graph_mode_rewrites = {
         ROUTED_EXPERTS.op: routed_experts_grouped,
         ROUTED_EXPERTS_FP4.op: routed_experts_fp4_grouped,
@@ -299,6 +323,7 @@ class DeepseekV41Adapter(ModelAdapter):
         torch.ops.dsv41.fp8_decode_rows.default: fp8_decode_rows_mx,
         torch.ops.aten.mm.default: fp8_matmul,
         ENGRAM_LOOKUP: engram_lookup_gathered,
+        SPARSE_ATTENTION: sparse_attention_sfa,
     }
     activation_rows = ActivationRows(
         quantize=ACT_QUANT,
@@ -310,6 +335,14 @@ class DeepseekV41Adapter(ModelAdapter):
     )
     tp_divides = "n_heads and o_groups"
     cache_inputs = ("cache.",)
+
+    def decomposed(self, options: BackendOptions, lowering: Lowering) -> dict[Any, Any]:
+        """The generic choice, and the attention as the model computes it wherever
+        `npu_attention="gathered"`."""
+        decomposed = super().decomposed(options, lowering)
+        if family_options(options).npu_attention == "gathered":
+            decomposed[SPARSE_ATTENTION] = sparse_attention_aten
+        return decomposed
 
     def matches(self, param_fqns: Iterable[str], inputs: Iterable[str]) -> bool:
         """By the structure of its parameters: decoder layers `layers.N`, each with its

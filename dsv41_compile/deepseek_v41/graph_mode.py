@@ -28,6 +28,12 @@ on CPU by `testing.torchair_standin.register_npu_ops`):
                                 codes of `npu_dynamic_mx_quant` as bytes, then its scales
     dsv41::fp8_decode_rows      those rows back to bf16 (`npu_anti_mx_quant`)
     dsv41::engram_lookup        the rows' bytes gathered, dequantised by the op's own formula
+    dsv41::sparse_attention     `npu_sparse_flash_attention` over one KV source per call --
+                                this call's rows, then every slot's window ring, then every
+                                slot's compressed entries, decoded to the queries' dtype -- with
+                                each query's window and picks as one index list into it
+                                (`sparse_attention_sfa`); with npu_attention="gathered" the
+                                model's own ATen (`ModelAdapter.decomposed`)
 
 The act quantisation is the official one except in a block whose largest magnitude is below
 1e-4: the official `act_quant` floors that magnitude at 1e-4 (scale 2^-22), the NPU op does not
@@ -37,18 +43,21 @@ The act quantisation is the official one except in a block whose largest magnitu
 from __future__ import annotations
 
 import operator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch.fx import Proxy
 
 from dsv41_compile.core.emitter import cast
+from dsv41_compile.deepseek_v41.model.numerics import KV_FP4_BLOCK
 from dsv41_compile.deepseek_v41.model.ops import clamped_swiglu, engram_dequantize
 from dsv41_compile.targets.npu_dtypes import DTYPE_CODES, E2M1, E4M3, E8M0, NPU_DTYPES
-from dsv41_compile.targets.npu_passes import ge_refuses_mx_a8w4
+from dsv41_compile.targets.npu_passes import ge_refuses_mx_a8w4, lowering_now
 
 __all__ = [
     "act_quant_dequant_mx",
+    "sparse_attention_sfa",
     "engram_lookup_gathered",
     "fp8_decode_rows_mx",
     "fp8_encode_rows_mx",
@@ -464,3 +473,180 @@ def _grouped(x: Proxy, weights: Proxy, counts: Proxy) -> Proxy:
 def grouped_matmul() -> Any:
     """torch_npu's `npu_grouped_matmul`."""
     return npu_op("npu_grouped_matmul")
+
+
+def sparse_attention_sfa(
+    emit,
+    val,
+    q,
+    kv,
+    ring,
+    slot,
+    positions,
+    start,
+    sink,
+    window,
+    ring_fp8,
+    blockwise,
+    compressed=None,
+    idx=None,
+    picked=None,
+    compressed_fp4=False,
+):
+    """`dsv41::sparse_attention` as one `npu_sparse_flash_attention` over one KV source
+    `[1, R, 1, d]` (BSND, one batch, one KV head; keys = values), each query's keys one list of
+    indices into it (docs/backend.md, "Attention on the NPU"):
+
+    - each query's list `[W + K]`: its window oldest first (this call's rows where the position
+      is this call's, else its request's ring as read before this call writes it), then its
+      compressed picks; the visible ones first, in that order, the rest -1 (the kernel stops at
+      the first -1; `sparse_mode=0`, no mask of its own);
+    - the source, one of two, by the rows the compile's workload states (`rows_per_step`,
+      `lowering_now().rows`; `_sfa_source`): where those rows' lists name more keys than the
+      caches hold, the caches as they are -- this call's T rows, then every slot's ring, then
+      every slot's compressed entries -- and no query's keys are gathered (a prefill);
+      otherwise each query's own keys gathered (`T x (W + K)` rows, fewer than the caches: a
+      decode step). Either decoded to the queries' dtype (FP8 rows by `npu_anti_mx_quant`,
+      FP4 rows by their e4m3 scales per 16);
+    - the per-head sink as `sinks` (in the softmax's denominator); scale `d^-0.5`;
+    - one query more than the call's (its list all -1, its output dropped), and with the keys
+      gathered one source row more: the kernel refuses an empty query or key, which a DP
+      group without tokens (T = 0) would hand it.
+
+    What it does not keep: the official numerics' blockwise bf16 rounding of the probabilities
+    (`model.attention.blockwise_sink_attention`): the kernel's softmax is its own."""
+    q_val = q.node.meta["val"]
+    d, dtype, device = int(q_val.shape[2]), q_val.dtype, q_val.device
+    window = int(window)
+    T = aten.sym_size.int(q, 0)
+    slots = int(ring.node.meta["val"].shape[0])
+    entries = 0 if compressed is None else int(compressed.node.meta["val"].shape[1])
+    n = window + (0 if idx is None else int(idx.node.meta["val"].shape[1]))
+
+    def arange(end: Any) -> Proxy:
+        return emit.call(aten.arange.default, end, dtype=torch.int64, device=device)
+
+    def decoded(rows: Proxy, cache: Proxy, lead: list[int], fp8: bool, fp4: bool) -> Proxy:
+        """`rows` of `cache` (leading dims `lead`, -1 for T) as `dtype` values."""
+        if fp8:
+            return fp8_decode_rows_mx(emit, SimpleNamespace(shape=[*lead, d], dtype=dtype), rows)
+        if fp4:
+            return fp4_rows_decoded(emit, rows, lead, d, dtype, device)
+        return cast(rows, cache.node.meta["val"].dtype, dtype)
+
+    back = aten.sub.Tensor(arange(window), window - 1)  # [W]: -(W-1) .. 0
+    key_pos = aten.add.Tensor(aten.unsqueeze.default(positions, 1), back)  # [T, W]
+    in_call = aten.ge.Tensor(key_pos, aten.unsqueeze.default(start, 1))
+    call_row = aten.clamp_min.default(
+        aten.add.Tensor(aten.unsqueeze.default(arange(T), 1), back), 0
+    )
+    ring_pos = aten.remainder.Scalar(aten.clamp_min.default(key_pos, 0), window)
+    slot_1 = aten.unsqueeze.default(slot, 1)
+    visible = aten.ge.Scalar(key_pos, 0)
+    if compressed is not None:
+        visible = aten.cat.default([visible, picked], 1)
+    lowered = lowering_now()
+    whole, why = _sfa_source(lowered.rows if lowered else 8, n, slots, window, entries)
+    if whole:  # the caches as they are: this call's rows, every ring, every compressed entry
+        parts = [cast(kv, kv.node.meta["val"].dtype, dtype)]
+        parts.append(
+            aten.view.default(decoded(ring, ring, [slots, window], ring_fp8, False), [-1, d])
+        )
+        ring_row = aten.add.Tensor(aten.add.Tensor(aten.mul.Scalar(slot_1, window), T), ring_pos)
+        index = aten.where.self(in_call, call_row, ring_row)
+        if compressed is not None:
+            rows = decoded(compressed, compressed, [slots, entries], False, compressed_fp4)
+            parts.append(aten.view.default(rows, [-1, d]))
+            first = aten.add.Tensor(aten.mul.Scalar(slot_1, entries), slots * window)
+            index = aten.cat.default([index, aten.add.Tensor(aten.add.Tensor(first, T), idx)], 1)
+        source = aten.cat.default(parts)
+    else:  # each query's keys gathered: row s of query t at t * n + s
+        ring_rows = aten.index.Tensor(ring, [slot_1, ring_pos])
+        ring_keys = decoded(ring_rows, ring, [-1, window], ring_fp8, False)
+        call_keys = aten.index.Tensor(cast(kv, kv.node.meta["val"].dtype, dtype), [call_row])
+        keys = aten.where.self(aten.unsqueeze.default(in_call, -1), call_keys, ring_keys)
+        if compressed is not None:
+            picked_rows = aten.index.Tensor(compressed, [slot_1, idx])
+            picks = decoded(picked_rows, compressed, [-1, n - window], False, compressed_fp4)
+            keys = aten.cat.default([keys, picks], 1)
+        # and a row of zeros no list names: the kernel refuses an empty key (T = 0)
+        source = aten.constant_pad_nd.default(aten.view.default(keys, [-1, d]), [0, 0, 0, 1])
+        index = aten.add.Tensor(aten.mul.Scalar(aten.unsqueeze.default(arange(T), 1), n), arange(n))
+    source = emit.named(source, "sfa_source", why)
+    # the visible keys first, in their order: tie-free keys (graph mode has no stable sort)
+    slot_n = arange(n)
+    key = aten.where.self(visible, slot_n, aten.add.Tensor(slot_n, n))
+    order = aten.sort.default(key, -1)[1]
+    index = aten.gather.default(index, 1, order)
+    visible = aten.gather.default(visible, 1, order)
+    none = emit.call(aten.scalar_tensor.default, -1, dtype=torch.int64, device=device)
+    index = aten._to_copy.default(aten.where.self(visible, index, none), dtype=torch.int32)
+    # one query more: the kernel refuses an empty one
+    query = aten.constant_pad_nd.default(q, [0, 0, 0, 0, 0, 1], 0.0)
+    index = aten.constant_pad_nd.default(index, [0, 0, 0, 1], -1)
+    key_value = aten.view.default(source, [1, -1, 1, d])
+    out = npu_op("npu_sparse_flash_attention")(
+        aten.unsqueeze.default(query, 0),
+        key_value,
+        key_value,
+        aten.view.default(index, [1, -1, 1, n]),
+        d**-0.5,
+        sparse_block_size=1,
+        layout_query="BSND",
+        layout_kv="BSND",
+        sparse_mode=0,
+        attention_mode=0,
+        sinks=sink,
+    )[0]
+    return aten.slice.Tensor(aten.select.int(out, 0, 0), 0, 0, T)
+
+
+def _sfa_source(rows: int, keys: int, slots: int, window: int, entries: int) -> tuple[bool, str]:
+    """Whether `sparse_attention_sfa` reads the caches as they are (True) or each query's keys
+    gathered, and why: the fewer rows to decode and copy, at `rows` queries of `keys` keys
+    against `slots` rings of `window` rows and `slots` x `entries` compressed entries."""
+    listed, held = rows * keys, slots * (window + entries)
+    whole = listed >= held
+    source = "the caches as they are" if whole else "each query's keys gathered"
+    return whole, (
+        f"npu_sparse_flash_attention's KV source: {source} ({rows} rows_per_step x {keys} "
+        f"keys = {listed:,} rows listed; the caches hold {held:,})"
+    )
+
+
+def fp4_rows_decoded(
+    emit, rows: Proxy, lead: list[int], d: int, dtype: torch.dtype, device: torch.device
+) -> Proxy:
+    """The compressed KV's FP4 rows (`model.numerics.fp4_rows`: d / 2 bytes of e2m1 pairs, low
+    nibble first, then d / 16 e4m3 scales) as `dtype` values, as the model decodes them: each
+    byte's two values looked up in a table of the 256 bytes (`formats.e2m1_table`, computed in
+    the graph from the codes' bits), times their block's scale, in fp32."""
+    half, blocks = d // 2, d // KV_FP4_BLOCK
+    packed = aten.slice.Tensor(rows, -1, 0, half)
+    scales = aten.view.dtype(aten.slice.Tensor(rows, -1, half, half + blocks), torch.float8_e4m3fn)
+    byte = emit.call(aten.arange.default, 256, dtype=torch.int64, device=device)
+    codes = aten.stack.default(
+        [aten.remainder.Scalar(byte, 16), aten.floor_divide.default(byte, 16)], -1
+    )
+    table = _e2m1_value(codes)  # [256, 2]
+    index = aten._to_copy.default(aten.view.dtype(packed, torch.uint8), dtype=torch.int64)
+    value = aten.view.default(aten.index.Tensor(table, [index]), [*lead, d])
+    scaled = aten.mul.Tensor(
+        aten.unflatten.int(value, -1, [blocks, KV_FP4_BLOCK]),
+        aten.unsqueeze.default(aten._to_copy.default(scales, dtype=torch.float32), -1),
+    )
+    return aten._to_copy.default(aten.flatten.using_ints(scaled, -2), dtype=dtype)
+
+
+def _e2m1_value(code: Proxy) -> Proxy:
+    """fp32 values of e2m1 codes (int, 0..15): exponent 0 is subnormal (m / 2), else
+    (1 + m / 2) * 2^(e - 1); bit 3 the sign (`formats.e2m1_table`)."""
+    magnitude = aten.remainder.Scalar(code, 8)
+    mantissa = aten._to_copy.default(aten.remainder.Scalar(magnitude, 2), dtype=torch.float32)
+    exponent = aten.floor_divide.default(magnitude, 2)
+    power = aten.pow.Scalar(
+        2.0, aten.sub.Scalar(aten._to_copy.default(exponent, dtype=torch.float32), 1.0)
+    )
+    normal = aten.mul.Tensor(aten.add.Scalar(aten.mul.Scalar(mantissa, 0.5), 1.0), power)
+    value = aten.where.self(aten.eq.Scalar(exponent, 0), aten.mul.Scalar(mantissa, 0.5), normal)
+    return aten.where.self(aten.ge.Scalar(code, 8), aten.neg.default(value), value)

@@ -19,6 +19,7 @@ _EMBEDDINGS = VOCAB_HOLDINGS
 _HEADS = ("auto", *VOCAB_HOLDINGS)
 _ENGRAM = ("auto", "replicated", "sharded", "host")
 _SHARED_EXPERTS = ("auto", "whole", "split")
+_NPU_ATTENTIONS = ("sparse_flash", "gathered")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +66,15 @@ class DeepseekV41Options(FamilyOptions):
     needs fp32 activations: a partial sum rounded to bf16 on each rank is not the
     single-device rounding."""
 
+    npu_attention: str = "sparse_flash"
+    """How the NPU lowerings (npugraph_ex, torchair) compute attention: "sparse_flash" (torch_npu's
+    `npu_sparse_flash_attention`: each query's window and compressed picks as one list of
+    indices into the layer's KV rows, read where they are; its softmax is the kernel's own,
+    within a bf16 rounding of the official numerics' blockwise one, not bit for bit) or
+    "gathered" (the model's own computation: each query's keys gathered, then two batched
+    matmuls; under the official numerics the official kernel's rounding, exactly). The other
+    lowerings always compute the model's own."""
+
     def __post_init__(self) -> None:
         check_choice("attn_entry", self.attn_entry, _ATTN_ENTRIES)
         check_choice("attn_exit", self.attn_exit, _ATTN_EXITS)
@@ -72,3 +82,4 @@ class DeepseekV41Options(FamilyOptions):
         check_choice("engram", self.engram, _ENGRAM)
         check_choice("head", self.head, _HEADS)
         check_choice("shared_expert", self.shared_expert, _SHARED_EXPERTS)
+        check_choice("npu_attention", self.npu_attention, _NPU_ATTENTIONS)

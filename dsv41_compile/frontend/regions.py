@@ -314,7 +314,11 @@ class RegionKinds:
         destroy_library(self.library)
 
 
-def trace_kinds_once(gm: GraphModule, renamed: dict[Any, Any] | None = None) -> RegionKinds:
+def trace_kinds_once(
+    gm: GraphModule,
+    renamed: dict[Any, Any] | None = None,
+    decompositions: dict[Any, Callable[..., Any]] | None = None,
+) -> RegionKinds:
     """Trace each kind of region in Dynamo's graph `gm` to ATen once and replace its calls by
     the kind's operator (`RegionKinds`). Calls of one region whose operands differ in shape,
     stride or dtype are kinds of their own. A call with an operand whose data matters (a
@@ -323,7 +327,8 @@ def trace_kinds_once(gm: GraphModule, renamed: dict[Any, Any] | None = None) -> 
 
     The operands are traced as Dynamo saw them (its example values), with the size symbols in
     `renamed` replaced (the backend's token count: Dynamo's backed symbol -> the unbacked one
-    AOTAutograd traces with, `frontend.tokens.generalized`)."""
+    AOTAutograd traces with, `frontend.tokens.generalized`); the ops of `decompositions` as
+    their decompositions (`frontend.trace.trace`)."""
     kinds = RegionKinds()
     traced: dict[tuple[Any, ...], Any] = {}
     for call in region_calls(gm):
@@ -337,7 +342,8 @@ def trace_kinds_once(gm: GraphModule, renamed: dict[Any, Any] | None = None) -> 
         except Unkeyed:
             continue  # an operand whose data matters: AOTAutograd traces this call itself
         if key not in traced:
-            traced[key] = _trace_kind(kinds, getattr(gm, cast(str, attr.target)), values)
+            body = getattr(gm, cast(str, attr.target))
+            traced[key] = _trace_kind(kinds, body, values, decompositions or {})
         op = traced[key]
         if op is None:
             continue
@@ -405,7 +411,12 @@ def _size(size: Any, renamed: dict[Any, Any]) -> Any:
     return size_of(sym_shape_env(size), expr)
 
 
-def _trace_kind(kinds: RegionKinds, body: GraphModule, values: list[Any]) -> Any:
+def _trace_kind(
+    kinds: RegionKinds,
+    body: GraphModule,
+    values: list[Any],
+    decompositions: dict[Any, Callable[..., Any]],
+) -> Any:
     """The operator of one kind: `body` traced to ATen on `values` (its first call's operands,
     Dynamo's fake values), or None when its outputs have data-dependent sizes of their own."""
     captured: list[GraphModule] = []
@@ -420,6 +431,7 @@ def _trace_kind(kinds: RegionKinds, body: GraphModule, values: list[Any]) -> Any
             values,
             fw_compiler=capture,
             inference_compiler=capture,
+            decompositions=decompositions,
             keep_inference_input_mutations=True,  # its cache writes: copy_ into its inputs
         )
     (traced,) = captured

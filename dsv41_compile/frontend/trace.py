@@ -14,7 +14,7 @@ whole step (`meta_kernels`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -73,19 +73,28 @@ class Traced:
         return self.runtime
 
 
-def trace(captured: Captured) -> Traced:
-    """The flat ATen inference graph of `captured` (the module docstring)."""
+def trace(
+    captured: Captured, decompositions: Mapping[Any, Callable[..., Any]] | None = None
+) -> Traced:
+    """The flat ATen inference graph of `captured` (the module docstring), the ops of
+    `decompositions` traced as their decompositions (the model's fused ops a lowering without
+    fused kernels computes as ATen: `ModelAdapter.decomposed`)."""
+    decompositions = dict(decompositions or {})
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     with size_oblivious_meta():
         gm, example_inputs = generalized(captured)
         trace_regions_with_meta(gm)  # each layer kind's ATen nodes with their module paths
         seconds["generalize"] = time.perf_counter() - start
-        kinds = trace_kinds_once(gm, renamed_symbols(captured.example_inputs, example_inputs))
+        kinds = trace_kinds_once(
+            gm, renamed_symbols(captured.example_inputs, example_inputs), decompositions
+        )
         seconds["kinds"] = time.perf_counter() - start - sum(seconds.values())
         try:
             deferred = _Deferred()
-            aten_gm, aten_inputs, runtime = _aot(gm, example_inputs, captured, deferred)
+            aten_gm, aten_inputs, runtime = _aot(
+                gm, example_inputs, captured, deferred, decompositions
+            )
             seconds["aot"] = time.perf_counter() - start - sum(seconds.values())
             _check_token_count(gm, aten_inputs, captured)
             kinds.attach(aten_gm)
@@ -97,7 +106,11 @@ def trace(captured: Captured) -> Traced:
 
 
 def _aot(
-    gm: GraphModule, example_inputs: list[Any], captured: Captured, deferred: _Deferred
+    gm: GraphModule,
+    example_inputs: list[Any],
+    captured: Captured,
+    deferred: _Deferred,
+    decompositions: dict[Any, Callable[..., Any]],
 ) -> tuple[GraphModule, list[Any], Callable[..., Any]]:
     """AOTAutograd's inference graph of `gm`, its inputs, and its runtime wrapper (which will
     call `deferred`)."""
@@ -113,6 +126,7 @@ def _aot(
             example_inputs,
             fw_compiler=take,
             inference_compiler=take,
+            decompositions=decompositions,
             keep_inference_input_mutations=True,  # the cache writes stay in the graph
         )
     except GuardOnDataDependentSymNode as error:

@@ -48,6 +48,7 @@ from dsv41_compile.report.comm import collective_bytes
 __all__ = [
     "NPU_GROUPED_MATMUL",
     "NPU_QUANT_MATMUL",
+    "NPU_SPARSE_FLASH_ATTENTION",
     "PARTS",
     "Cost",
     "RankInput",
@@ -253,17 +254,19 @@ def per_layer_formulas(costs: list[Cost]) -> dict[str, str]:
 
 NPU_GROUPED_MATMUL = "npu.npu_grouped_matmul.default"
 NPU_QUANT_MATMUL = "npu.npu_quant_matmul.default"
+NPU_SPARSE_FLASH_ATTENTION = "npu.npu_sparse_flash_attention.default"
 """torch_npu's matmuls the NPU lowerings emit, by name (torch_npu registers them): the grouped
-matmul of the routed experts (one output, `split_item=3`) and the MXFP8 quantised matmul of the
-FP8 linears (`deepseek_v41/graph_mode.py`)."""
+matmul of the routed experts (one output, `split_item=3`), the MXFP8 quantised matmul of the
+FP8 linears and the sparse flash attention (its output first of three;
+`deepseek_v41/graph_mode.py`)."""
 
 
 def node_flops(node: Node, ctx: CompileContext) -> sympy.Expr:
     """The FLOPs of a matmul-like node (`mm`, `addmm`, `bmm`, `baddbmm`, a routed-experts op,
-    torch_npu's grouped and quantised matmuls), in the graph's own symbols (see the module
+    torch_npu's grouped and quantised matmuls and its sparse flash attention), in the graph's own symbols (see the module
     docstring). A grouped matmul's rows are all its input's, each through one group."""
     val = node.meta["val"]
-    shape = [symbolic_size(s) for s in (val[0] if isinstance(val, list) else val).shape]
+    shape = [symbolic_size(s) for s in (val[0] if isinstance(val, (list, tuple)) else val).shape]
     spec = ctx.adapter.routed_experts_op(node.target)
     if spec is not None:
         x, topk_idx = node.args[:2]
@@ -280,6 +283,11 @@ def node_flops(node: Node, ctx: CompileContext) -> sympy.Expr:
         x, w = (cast(list, node.args[i])[0] for i in (0, 1))
         r, k = (symbolic_size(s) for s in x.meta["val"].shape)
         return 2 * r * k * symbolic_size(w.meta["val"].shape[2])
+    if str(node.target) == NPU_SPARSE_FLASH_ATTENTION:  # q [B, S1, N1, D], index [.., K]
+        # q k^T and p v of every query head over its whole index list (the kernel stops at
+        # the first -1: an upper bound, the visible keys' count being data)
+        keys = symbolic_size(node.args[3].meta["val"].shape[-1])
+        return 4 * shape[0] * shape[1] * shape[2] * shape[3] * keys
     if str(node.target) == NPU_QUANT_MATMUL:  # x1 [M, K] @ x2 [K, N]
         k = symbolic_size(node.args[0].meta["val"].shape[1])
         return 2 * shape[0] * shape[1] * k

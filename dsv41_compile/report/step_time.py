@@ -14,6 +14,11 @@ The model, a roofline per kernel of the program as lowered (not of an ideal one)
     pointwise op reads it, or the graph returns it;
   - a gather (`index`, `index_select`, `gather`, `embedding`) reads the rows it selects (its
     output's bytes) and its index, not its whole source;
+  - torch_npu's sparse flash attention reads its operands once (its queries, its KV source,
+    the index lists) and computes `4 D` FLOPs per query head and listed key: the rows the lists
+    name are taken to be read from device memory once, the kernel keeping a row for the
+    queries that name it (an assumption: each query reading its rows anew would add its
+    `T x keys x D` bytes);
   - each weight is read once per step, by its first reader;
   - an EP layer costs what its busiest rank does (an EP step waits for it): its routed-experts
     op -- or torch_npu's grouped matmul of the rank's stacked experts -- reads the experts the
@@ -65,6 +70,7 @@ from dsv41_compile.devices import Device
 from dsv41_compile.report.accounting import (
     NPU_GROUPED_MATMUL,
     NPU_QUANT_MATMUL,
+    NPU_SPARSE_FLASH_ATTENTION,
     assignment_flops,
     ep_layer_of,
     in_t,
@@ -123,7 +129,7 @@ _GATHERS = {
 _FREE = {torch.ops._c10d_functional.wait_tensor.default, aten.sym_size.int, aten.sym_numel.default}
 """Nodes that are no kernel: a collective's wait (the collective is costed), size reads."""
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-_NPU_MATMULS = (NPU_GROUPED_MATMUL, NPU_QUANT_MATMUL)  # costed as matmuls, by name
+_NPU_MATMULS = (NPU_GROUPED_MATMUL, NPU_QUANT_MATMUL, NPU_SPARSE_FLASH_ATTENTION)  # by name
 
 
 @dataclass(frozen=True)
@@ -434,6 +440,8 @@ def step_costs(gm: GraphModule, ctx: CompileContext) -> StepCosts:
             continue
         if str(node.target) == NPU_GROUPED_MATMUL:
             (val,) = val  # the grouped matmul's one output, in a list
+        elif str(node.target) == NPU_SPARSE_FLASH_ATTENTION:
+            val = val[0]  # the attention; its softmax statistics are not asked for (empty)
         if not isinstance(val, torch.Tensor):  # a size, a scalar read on the host
             continue
         stack = _expert_stack(node, root, weights)

@@ -55,13 +55,15 @@ for _target in (
     Target(Lowering("eager"), _eager),
     Target(Lowering("inductor", auto_for=("cpu", "cuda")), _inductor),
     Target(
-        Lowering("torchair", whole_graph="torchair's GE graphs"),
+        Lowering("torchair", whole_graph="torchair's GE graphs", fused_ops=True),
         lower_torchair,
         passes=(Pass("graph_mode", graph_mode),),
         available=import_torchair,
     ),
     Target(
-        Lowering("npugraph_ex", auto_for=("npu",), whole_graph="a captured ACL graph"),
+        Lowering(
+            "npugraph_ex", auto_for=("npu",), whole_graph="a captured ACL graph", fused_ops=True
+        ),
         lower_npugraph_ex,
         passes=(Pass("npu_ops", npu_ops), Pass("capture_check", capture_check)),
         available=import_npugraph_ex,

@@ -84,10 +84,12 @@ DROPPED = (
 @dataclass(frozen=True)
 class Lowered:
     """What a family's rewrite may ask of the compile it rewrites for (`lowering_now`): the
-    lowering and the device the program is meant for (`BackendOptions.device_model`)."""
+    lowering, the device the program is meant for (`BackendOptions.device_model`) and the rows
+    per step its workload states (`BackendOptions.rows_per_step`)."""
 
     target: str
     device: str
+    rows: int = 8
 
 
 _LOWERED: ContextVar[Lowered | None] = ContextVar("dsv41_lowered", default=None)
@@ -101,7 +103,7 @@ def lowering_now() -> Lowered | None:
 @contextmanager
 def _lowering(ctx: CompileContext) -> Iterator[None]:
     device = ctx.options.device_model(ctx.mesh.device_type).name
-    token = _LOWERED.set(Lowered(ctx.target, device))
+    token = _LOWERED.set(Lowered(ctx.target, device, ctx.options.rows_per_step))
     try:
         yield
     finally:

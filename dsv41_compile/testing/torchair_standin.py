@@ -180,6 +180,15 @@ QUANT_MATMUL_SCHEMA = (
     "int? x2_dtype=None, int? pertoken_scale_dtype=None, int? scale_dtype=None, "
     "int[]? group_sizes=None, Tensor? y_scale=None) -> Tensor"
 )
+SPARSE_FLASH_ATTENTION_SCHEMA = (
+    "npu_sparse_flash_attention(Tensor query, Tensor key, Tensor? value, Tensor sparse_indices, "
+    "float scale_value, *, Tensor? block_table=None, Tensor? actual_seq_lengths_query=None, "
+    "Tensor? actual_seq_lengths_kv=None, Tensor? query_rope=None, Tensor? key_rope=None, "
+    'int sparse_block_size=1, str layout_query="BSND", str layout_kv="BSND", int sparse_mode=3, '
+    "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, "
+    "int attention_mode=0, bool return_softmax_lse=False, Tensor? sinks=None) "
+    "-> (Tensor, Tensor, Tensor)"
+)
 _LIBRARY: list[Library] = []
 A8W4_WEIGHT_FACTOR = 1.0
 """What the A8W4 form's FP4 weights are multiplied by (`_a8w4_matmul`): 1, the documented
@@ -209,6 +218,7 @@ def register_npu_ops() -> None:
       -> `output_dtype` [M, N]. The NPU kernel accumulates in fp32 in its own order; this one
       decodes both operands to `output_dtype` (exact: a code times a power of two) and
       multiplies there, as the eager program multiplies the decoded values.
+    - `npu_sparse_flash_attention` (`_sparse_flash_attention_cpu`).
 
     No-op when the ops exist."""
     if hasattr(torch.ops.npu, "npu_grouped_matmul"):  # torch_npu's, or already defined
@@ -221,6 +231,12 @@ def register_npu_ops() -> None:
         (MX_QUANT_SCHEMA, "npu_dynamic_mx_quant", _mx_quant_cpu, _mx_quant_fake),
         (ANTI_MX_QUANT_SCHEMA, "npu_anti_mx_quant", _anti_mx_quant_cpu, _anti_mx_quant_fake),
         (QUANT_MATMUL_SCHEMA, "npu_quant_matmul", _quant_matmul_cpu, _quant_matmul_fake),
+        (
+            SPARSE_FLASH_ATTENTION_SCHEMA,
+            "npu_sparse_flash_attention",
+            _sparse_flash_attention_cpu,
+            _sparse_flash_attention_fake,
+        ),
     ):
         library.define(schema)
         library.impl(name, cpu, "CPU")
@@ -470,3 +486,92 @@ def _grouped_matmul_fake(
     )
     dtype = NPU_DTYPES[rest["output_dtype"]] if a8w4 else x.dtype
     return [x.new_empty((x.shape[0], weight.shape[2]), dtype=dtype)]
+
+
+SFA_FORM = {
+    "layout_query": "BSND",
+    "layout_kv": "BSND",
+    "sparse_mode": 0,
+    "sparse_block_size": 1,
+    "attention_mode": 0,
+    "return_softmax_lse": False,
+    "block_table": None,
+    "query_rope": None,
+    "key_rope": None,
+    "actual_seq_lengths_query": None,
+    "actual_seq_lengths_kv": None,
+}
+"""The one form of `npu_sparse_flash_attention` the stand-in implements (what
+`deepseek_v41.graph_mode.sparse_attention_sfa` hands it)."""
+
+
+SFA_SINKS = True
+"""Whether the stand-in's softmax takes the sinks (the golden's reading). A test sets False to
+show the comparisons tell."""
+
+SFA_DEFAULTS = {**SFA_FORM, "sparse_mode": 3}
+"""The schema's defaults of the keywords `SFA_FORM` names (the dispatcher passes a kernel only
+the keywords that differ from them)."""
+
+
+def _sparse_flash_attention_fake(query, key, value, sparse_indices, scale_value, **given):
+    """torch_npu's meta function for the BSND form (its checks included: an empty query,
+    key or index list is refused), after the stand-in's check of the form."""
+    form = {**SFA_DEFAULTS, **given}
+    wrong = {k: form[k] for k in SFA_FORM if form[k] is not SFA_FORM[k]}
+    wrong = {k: v for k, v in wrong.items() if v != SFA_FORM[k]}
+    if wrong:
+        raise ValueError(
+            f"the CPU stand-in of npu_sparse_flash_attention implements {SFA_FORM}; got "
+            f"{wrong}: extend testing/torchair_standin.py with the documented semantics of "
+            "that form"
+        )
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        message = f"Input {name} should not be empty."
+        torch._check(x is not None and x.numel() > 0, lambda: message)  # noqa: B023
+    torch._check(sparse_indices.numel() > 0, lambda: "Input sparse_indices should not be empty.")
+    torch._check(query.dim() == 4, lambda: "BSND: the query is 4-D")
+    empty = query.new_empty([0], dtype=torch.float32)
+    return query.new_empty(query.shape), empty, empty.clone()
+
+
+def _sparse_flash_attention_cpu(query, key, value, sparse_indices, scale_value, **form):
+    """`npu_sparse_flash_attention`, written from op-plugin's CPU golden
+    (test_npu_sparse_flash_attention.py, `cpu_sparse_flash_attention`) for the form `SFA_FORM`:
+    per batch b, query s and KV head n2 (the query heads in groups of N1 / N2 per KV head), the
+    KV rows `sparse_indices[b, s, n2]` names, up to the first -1 (blocks of one row); in fp32,
+    `softmax(q k^T * scale_value)` with the sinks in the denominator (`exp(sink - m)` added to
+    the sum, m the largest of the logits and the sink), times the values; the query's dtype.
+
+    Readings where the golden is silent or narrower:
+    - `attention_mode=0` takes the whole head width as one part, no rope split (the golden's
+      mode 2 splits off `query_rope` / `key_rope` and its values are the key's first part);
+    - the values are `value` (the golden's are a copy of the key: V4.1 passes the key itself);
+    - a query whose list starts with -1 attends to nothing: with sinks its output is 0 (the
+      sink takes all the weight), without them 0 as well (the golden has no such query).
+    Its softmax and products are exact fp32 here; the kernel's own tiling and rounding (the
+    golden is checked against it at rtol 0.005) are not modelled."""
+    _sparse_flash_attention_fake(query, key, value, sparse_indices, scale_value, **form)
+    sinks = form.get("sinks") if SFA_SINKS else None
+    B, S1, N1, D = query.shape
+    N2 = key.shape[2]
+    index = sparse_indices.long()  # [B, S1, N2, K]
+    valid = torch.cumprod((index >= 0).int(), dim=-1).bool()  # up to the first -1
+    safe = index.clamp(min=0)
+    batch = torch.arange(B)[:, None, None, None]
+    heads = torch.arange(N2)[None, None, :, None]
+    k = key[batch, safe, heads].float()  # [B, S1, N2, K, D]
+    v = value[batch, safe, heads].float()
+    q = query.float().unflatten(2, (N2, N1 // N2))  # [B, S1, N2, G, D]
+    logits = torch.einsum("bsngd,bsnkd->bsngk", q, k) * scale_value
+    logits = logits.masked_fill(~valid[:, :, :, None, :], float("-inf"))
+    if sinks is None:
+        sink = torch.full(logits.shape[:-1], float("-inf"))
+    else:
+        sink = sinks.float().unflatten(0, (N2, N1 // N2)).expand(logits.shape[:-1])
+    top = torch.maximum(logits.amax(-1), sink).clamp(min=-3e38)  # no key, no sink: -inf
+    weights = torch.exp(logits - top[..., None])
+    total = weights.sum(-1) + torch.exp(sink - top)
+    out = torch.einsum("bsngk,bsnkd->bsngd", weights, v) / total.clamp(min=1e-38)[..., None]
+    empty = query.new_empty([0], dtype=torch.float32)
+    return out.flatten(2, 3).to(query.dtype), empty, empty.clone()

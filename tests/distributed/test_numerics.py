@@ -26,7 +26,7 @@ Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPo
   single-device reference is loaded from all of it (`load_checkpoint`);
 - one window-only layer (tiny-swa's), the replicated baseline, ep=8 padded, as handed to
   torchair (graph-mode rewrites and torchair's AOT step, run eagerly:
-  `testing.torchair_standin`);
+  `testing.torchair_standin`; the attention one `npu_sparse_flash_attention`);
 - one window-only layer, the seed layout exactly (sp, the input gathered, the wo_b partial
   reduce-scattered, ep=8 exact with one row per assignment), inductor, vocab-sharded embedding: a cold compile cache
   shared by the 8 ranks (the session's);
@@ -37,9 +37,10 @@ Sinkhorn iterations, on the session's pool of 8 ranks (`testing.multirank.RankPo
   npugraph_ex (the model's rewrites to torch_npu's kernels: the FP8 linears as MXFP8 quantised
   matmuls, the FP8 rows of the quantised transport made and read by torch_npu's MX ops,
   `deepseek_v41/graph_mode.py`; npugraph_ex's AOT step, each call captured, replayed or, past
-  `capture_tokens`, uncaptured: `testing.npugraph_ex_standin`);
+  `capture_tokens`, uncaptured: `testing.npugraph_ex_standin`; `npu_attention="gathered"`:
+  the official rounding of the probabilities, which the fused kernel does not keep);
 - on one rank: the five every-mode layers as released (the official numerics) as handed to
-  torchair.
+  torchair (`npu_attention="gathered"`, as above).
 These call the model with `mark_token_dim`; tests/distributed/test_front_door.py calls it the
 other ways. The EP runs also check the seed's assignment counts and the traffic each
 rank records in comm.json. The every-mode run states 4096 rows per step, at which
@@ -175,7 +176,13 @@ RUNS = {
             ep_rows="per_assignment",
             attn_exit="all_to_all",
             lowering=lowering,
-            **({"capture_tokens": 8} if lowering == "npugraph_ex" else {}),
+            # the model's own attention (its blockwise bf16 rounding, exactly): the fused
+            # kernel's softmax is its own (tests/targets/test_sparse_attention.py)
+            **(
+                {"capture_tokens": 8, "npu_attention": "gathered"}
+                if lowering == "npugraph_ex"
+                else {}
+            ),
         )
         for dispatch, lowering in (("exact", "eager"), ("padded", "npugraph_ex"))
     },
@@ -193,7 +200,8 @@ ONE_RANK_TORCHAIR = CaseSpec(
     preset="tiny",
     # the released model: its every attention mode through graph mode's MX ops
     overrides=(*SINKHORN_3, *EVERY_MODE_5, *AS_RELEASED),
-    options=(("tp", 1), ("lowering", "torchair")),
+    # the model's own attention: the official rounding exactly (see the npugraph_ex run)
+    options=(("tp", 1), ("lowering", "torchair"), ("npu_attention", "gathered")),
     npu_standin=True,
 )
 
@@ -338,6 +346,17 @@ def test_every_op_torchair_would_see_has_a_converter(name, torchair_registry):
     tool, registry = torchair_registry
     for result in results_of(name):
         assert tool.unsupported(result["npu_ops"], registry) == {}
+
+
+def test_the_torchair_run_attends_through_sparse_flash_attention():
+    """The fp32 run as handed to torchair (its logits at fp32's bound, above): its one layer's
+    attention is one `npu_sparse_flash_attention` over the layer's KV rows, the queries' keys
+    never gathered (tests/targets/test_sparse_attention.py checks the rewrite op by op)."""
+    for name in TORCHAIR_RUNS:
+        for result in results_of(name):
+            ops = result["npu_ops"]
+            assert ops["torch.ops.npu.npu_sparse_flash_attention.default"] == 1, ops
+            assert not [op for op in ops if op.startswith("torch.ops.dsv41.")], ops
 
 
 def test_graph_mode_runs_the_released_formats_through_torch_npus_mx_ops():

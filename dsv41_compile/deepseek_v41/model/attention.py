@@ -156,6 +156,76 @@ def write_window(
     ring.index_put_((slot_T, torch.where(kept_T, positions_T % rows, 0)), kv_Td)
 
 
+def sparse_attention_aten(
+    q_THd: Tensor,
+    kv_Td: Tensor,
+    ring: Tensor,
+    cache_slot_T: Tensor,
+    positions_T: Tensor,
+    start_T: Tensor,
+    sink_H: Tensor,
+    window: int,
+    ring_fp8: bool,
+    blockwise: bool,
+    compressed: Tensor | None = None,
+    idx_TK: Tensor | None = None,
+    picked_TK: Tensor | None = None,
+    compressed_fp4: bool = False,
+) -> Tensor:
+    """The sink attention of each query over its keys, gathered: its window (`window_keys`:
+    this call's rows `kv_Td`, the older ones from the `ring` as read before this call writes
+    it; FP8 rows with `ring_fp8`) then, in a compressed layer, its picks `idx_TK` of the
+    `compressed` cache (after this call's writes; FP4 rows with `compressed_fp4`), those not
+    `picked_TK` invisible; `blockwise`: the official kernel's rounding
+    (`blockwise_sink_attention`). The queries' dtype, [T, H, d].
+
+    `dsv41::sparse_attention` is this as one op: the lowerings with fused kernels hand it to
+    one that reads the keys where they are (`graph_mode.sparse_attention_sfa`); the others
+    compute it as written here (`ModelAdapter.fused_ops`)."""
+    keys_TSd, visible_TS = window_keys(
+        ring, window, kv_Td, cache_slot_T, positions_T, start_T, window, fp8=ring_fp8
+    )
+    if compressed is not None:
+        assert idx_TK is not None and picked_TK is not None, "a compressed layer's picks"
+        ckv_TKd = compressed[cache_slot_T[:, None], idx_TK]
+        if compressed_fp4:
+            ckv_TKd = from_fp4_rows(ckv_TKd)
+        keys_TSd = torch.cat((keys_TSd, ckv_TKd), dim=1)
+        visible_TS = torch.cat((visible_TS, picked_TK), dim=1)
+    attend = blockwise_sink_attention if blockwise else sink_attention
+    return attend(q_THd, keys_TSd, visible_TS, sink_H)
+
+
+sparse_attention = torch.library.custom_op("dsv41::sparse_attention", mutates_args=())(
+    sparse_attention_aten
+)
+
+
+@sparse_attention.register_fake
+def _(
+    q_THd,
+    kv_Td,
+    ring,
+    cache_slot_T,
+    positions_T,
+    start_T,
+    sink_H,
+    window,
+    ring_fp8,
+    blockwise,
+    compressed=None,
+    idx_TK=None,
+    picked_TK=None,
+    compressed_fp4=False,
+):
+    torch._check(kv_Td.shape[0] == q_THd.shape[0], lambda: "one KV row per query")
+    torch._check(sink_H.shape[0] == q_THd.shape[1], lambda: "one sink per head")
+    # the ring holds `window` rows: under dynamic=True its size is a symbol of Dynamo's, which
+    # this makes the config's number (a layer region would otherwise take it as an operand)
+    torch._check(ring.shape[1] == window, lambda: "the ring holds `window` rows")
+    return q_THd.new_empty(q_THd.shape)
+
+
 def compressed_visible(positions_T: Tensor, n_entries: int, ratio: int) -> Tensor:
     """[T, C] mask: entry c (positions `[c*ratio, (c+1)*ratio)`) is visible to the token at
     position t iff `c < (t+1) // ratio`, i.e. once complete; ratio 1 sees its own entry."""
@@ -428,7 +498,7 @@ class Attention(nn.Module):
         kv_Td, kv_rows_Td = self.window_kv(gemm_x_TD, positions_T)
 
         # Read, then write: a token's window takes this call's rows from kv_Td and the older
-        # ones from the ring, which this call then overwrites.
+        # ones from the ring, which this call then overwrites (after the attention).
         # The ring's length from the config, not from the cache: under dynamic=True Dynamo
         # makes the cache's sizes (and its max_len) symbols, which the token count's
         # generalisation must not meet in a pad.
@@ -438,27 +508,32 @@ class Attention(nn.Module):
             positions_T,  # a padding row: nothing of it is cached
             kv.lengths[cache_slot_T.clamp(max=kv.num_slots - 1)],
         )
-        keys_TSd, visible_TS = window_keys(
-            ring,
-            rows,
+        made: tuple[Tensor, ...] = ()
+        ckv_cache = idx_TK = picked_TK = None
+        if self.role.mode != "swa":
+            ckv_cache, idx_TK, picked_TK, made = self.compressed_keys(
+                x_TD, gemm_q_TQ, positions_T, cache_slot_T, kv, topk, candidates_TC
+            )
+        # one op (`sparse_attention`): a lowering with a fused kernel reads the keys where they
+        # are; the others compute it as written (`sparse_attention_aten`)
+        o_THd = torch.ops.dsv41.sparse_attention(
+            q_THd,
             kv_Td,
+            ring,
             cache_slot_T,
             positions_T,
             start_T,
-            self.window,
-            fp8=rounding.window_kv,
+            self.attn_sink,
+            rows,
+            rounding.window_kv,
+            rounding.probabilities,
+            ckv_cache,
+            idx_TK,
+            picked_TK,
+            rounding.compressed_kv,
         )
         write_window(ring, rows, kv_rows_Td, cache_slot_T, positions_T)
-
-        made: tuple[Tensor, ...] = ()
-        if self.role.mode != "swa":
-            ckv_TKd, picked_TK, made = self.compressed_keys(
-                x_TD, gemm_q_TQ, positions_T, cache_slot_T, kv, topk, candidates_TC
-            )
-            keys_TSd = torch.cat((keys_TSd, ckv_TKd), dim=1)
-            visible_TS = torch.cat((visible_TS, picked_TK), dim=1)
-
-        return self.attend(q_THd, keys_TSd, visible_TS, positions_T), made
+        return self.project(o_THd, positions_T), made
 
     def queries(self, gemm_x_TD: Tensor, positions_T: Tensor) -> tuple[Tensor, Tensor]:
         """The input of `wq_b` (FP8-quantised under the official numerics) and the rotated
@@ -483,10 +558,14 @@ class Attention(nn.Module):
     ) -> Tensor:
         """The sink attention of the queries over their keys, un-rotated, through `wo_a` and
         `wo_b`: the layer's output [T, D]."""
-        T, H, d, G = q_THd.shape[0], self.n_heads, self.head_dim, self.o_groups
+        attend = blockwise_sink_attention if self.rounding.probabilities else sink_attention
+        return self.project(attend(q_THd, keys_TSd, visible_TS, self.attn_sink), positions_T)
+
+    def project(self, o_THd: Tensor, positions_T: Tensor) -> Tensor:
+        """The attention's output [T, H, d], un-rotated, through `wo_a` and `wo_b`: the layer's
+        output [T, D]."""
+        T, H, d, G = o_THd.shape[0], self.n_heads, self.head_dim, self.o_groups
         rounding = self.rounding
-        attend = blockwise_sink_attention if rounding.probabilities else sink_attention
-        o_THd = attend(q_THd, keys_TSd, visible_TS, self.attn_sink)
         o_THd = apply_rope(o_THd, positions_T, self.rope_inv_freq, inverse=True)
 
         wo_a_GOK = weight_of(self.wo_a, o_THd.dtype).view(G, self.o_lora_rank, -1)
@@ -509,10 +588,10 @@ class Attention(nn.Module):
         kv: LayerCache,
         topk: tuple[Tensor, Tensor] | None,
         candidates_TC: Tensor | None,
-    ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
-        """The compressed entries this layer attends to ([T, K, d]), which are real ([T, K]),
-        and what it makes for later layers (`forward`). `q_TQ` is the input of the indexer's
-        `wq_b`."""
+    ) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, ...]]:
+        """The compressed cache after this call's writes, the entries each token attends to in
+        it (`idx_TK`, which are real: `picked_TK`), and what it makes for later layers
+        (`forward`). `q_TQ` is the input of the indexer's `wq_b`."""
         role, inv_freq, rounding = self.role, self.rope_inv_freq, self.rounding
         ckv_cache, index_k_cache = kv.compressed, kv.index_k
         assert ckv_cache is not None and index_k_cache is not None, "a compressed layer's cache"
@@ -558,7 +637,4 @@ class Attention(nn.Module):
                 made = (idx_TK, picked_TK, candidates_TC)
             else:
                 made = (idx_TK, picked_TK)
-        ckv_TKd = ckv_cache[cache_slot_T[:, None], idx_TK]
-        if rounding.compressed_kv:
-            ckv_TKd = from_fp4_rows(ckv_TKd)
-        return ckv_TKd, picked_TK, made
+        return ckv_cache, idx_TK, picked_TK, made

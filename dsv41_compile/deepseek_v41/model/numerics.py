@@ -199,8 +199,9 @@ def fp4_quant(x: Tensor, block: int, scale_format: str) -> tuple[Tensor, Tensor]
     return codes[..., 0::2] | codes[..., 1::2] << 4, byte_B.view(_SCALE_DTYPES[scale_format])
 
 
-def _fp4_values(packed: Tensor, s_B: Tensor) -> Tensor:
-    values_BK = e2m1_values(packed).unflatten(-1, (s_B.shape[-1], -1)) * s_B[..., None]
+def _fp4_values(packed: Tensor, s_B: Tensor, *, fresh_table: bool = False) -> Tensor:
+    values = e2m1_values(packed, fresh_table=fresh_table)
+    values_BK = values.unflatten(-1, (s_B.shape[-1], -1)) * s_B[..., None]
     return values_BK.flatten(-2).to(torch.bfloat16)
 
 
@@ -282,4 +283,5 @@ def from_fp4_rows(rows: Tensor) -> Tensor:
     """bf16 `[..., n]` from `fp4_rows` (`[..., n / 2 + n / 16]`)."""
     n = rows.shape[-1] * 2 * KV_FP4_BLOCK // (KV_FP4_BLOCK + 2)
     packed, scales = rows.split((n // 2, n // KV_FP4_BLOCK), dim=-1)
-    return _fp4_values(packed, scales.view(torch.float8_e4m3fn).float())
+    # its table made here: the decode is traced inside `attention.sparse_attention_aten`
+    return _fp4_values(packed, scales.view(torch.float8_e4m3fn).float(), fresh_table=True)
