@@ -202,22 +202,7 @@ sparse_attention = torch.library.custom_op("dsv41::sparse_attention", mutates_ar
 
 
 @sparse_attention.register_fake
-def _(
-    q_THd,
-    kv_Td,
-    ring,
-    cache_slot_T,
-    positions_T,
-    start_T,
-    sink_H,
-    window,
-    ring_fp8,
-    blockwise,
-    compressed=None,
-    idx_TK=None,
-    picked_TK=None,
-    compressed_fp4=False,
-):
+def _(q_THd, kv_Td, ring, cache_slot_T, positions_T, start_T, sink_H, window, *flags, **picks):
     torch._check(kv_Td.shape[0] == q_THd.shape[0], lambda: "one KV row per query")
     torch._check(sink_H.shape[0] == q_THd.shape[1], lambda: "one sink per head")
     # the ring holds `window` rows: under dynamic=True its size is a symbol of Dynamo's, which
