@@ -43,7 +43,6 @@ The act quantisation is the official one except in a block whose largest magnitu
 from __future__ import annotations
 
 import operator
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -52,8 +51,9 @@ from torch.fx import Proxy
 from dsv41_compile.core.emitter import cast
 from dsv41_compile.deepseek_v41.model.numerics import KV_FP4_BLOCK
 from dsv41_compile.deepseek_v41.model.ops import clamped_swiglu, engram_dequantize
+from dsv41_compile.formats import e2m1_table
 from dsv41_compile.targets.npu_dtypes import DTYPE_CODES, E2M1, E4M3, E8M0, NPU_DTYPES
-from dsv41_compile.targets.npu_passes import ge_refuses_mx_a8w4, lowering_now
+from dsv41_compile.targets.npu_passes import Lowered, ge_refuses_mx_a8w4, lowering_now
 
 __all__ = [
     "act_quant_dequant_mx",
@@ -169,14 +169,19 @@ def fp8_encode_rows_mx(emit, val, x):
 def fp8_decode_rows_mx(emit, val, rows):
     """`dsv41::fp8_decode_rows`: bytes `[..., n + n / 32]` back to bf16 `[..., n]`."""
     shape = list(val.shape)
-    n = shape[-1]
+    return _fp8_rows_decoded(rows, _view_lead(shape), shape[-1], val.dtype)
+
+
+def _fp8_rows_decoded(rows: Proxy, lead: list[int], n: int, dtype: torch.dtype) -> Proxy:
+    """FP8 rows `[*lead, n + n / 32]` (leading dims `lead`, -1 for T) as `dtype` `[*lead, n]`:
+    the e4m3 codes with their e8m0 scales in pairs (`npu_anti_mx_quant`)."""
     codes = aten.view.dtype(aten.slice.Tensor(rows, -1, 0, n), torch.float8_e4m3fn)
     scales = aten.slice.Tensor(rows, -1, n, n + n // 32)
     if (n // 32) % 2:
         scales = aten.constant_pad_nd.default(scales, [0, 1], 0)
-    pairs = aten.reshape.default(scales, [*_view_lead(shape), -(-n // 64), 2])
+    pairs = aten.reshape.default(scales, [*lead, -(-n // 64), 2])
     return npu_op("npu_anti_mx_quant")(
-        codes, pairs, axis=-1, dst_type=DTYPE_CODES[val.dtype], src_type=E4M3
+        codes, pairs, axis=-1, dst_type=DTYPE_CODES[dtype], src_type=E4M3
     )
 
 
@@ -526,10 +531,13 @@ def sparse_attention_sfa(
     def arange(end: Any) -> Proxy:
         return emit.call(aten.arange.default, end, dtype=torch.int64, device=device)
 
+    tokens, slot_n = arange(T), arange(n)
+    kv_rows = cast(kv, kv.node.meta["val"].dtype, dtype)
+
     def decoded(rows: Proxy, cache: Proxy, lead: list[int], fp8: bool, fp4: bool) -> Proxy:
         """`rows` of `cache` (leading dims `lead`, -1 for T) as `dtype` values."""
         if fp8:
-            return fp8_decode_rows_mx(emit, SimpleNamespace(shape=[*lead, d], dtype=dtype), rows)
+            return _fp8_rows_decoded(rows, lead, d, dtype)
         if fp4:
             return fp4_rows_decoded(emit, rows, lead, d, dtype, device)
         return cast(rows, cache.node.meta["val"].dtype, dtype)
@@ -537,33 +545,31 @@ def sparse_attention_sfa(
     back = aten.sub.Tensor(arange(window), window - 1)  # [W]: -(W-1) .. 0
     key_pos = aten.add.Tensor(aten.unsqueeze.default(positions, 1), back)  # [T, W]
     in_call = aten.ge.Tensor(key_pos, aten.unsqueeze.default(start, 1))
-    call_row = aten.clamp_min.default(
-        aten.add.Tensor(aten.unsqueeze.default(arange(T), 1), back), 0
-    )
+    call_row = aten.clamp_min.default(aten.add.Tensor(aten.unsqueeze.default(tokens, 1), back), 0)
     ring_pos = aten.remainder.Scalar(aten.clamp_min.default(key_pos, 0), window)
     slot_1 = aten.unsqueeze.default(slot, 1)
     visible = aten.ge.Scalar(key_pos, 0)
     if compressed is not None:
         visible = aten.cat.default([visible, picked], 1)
-    lowered = lowering_now()
-    whole, why = _sfa_source(lowered.rows if lowered else 8, n, slots, window, entries)
+    rows = (lowering_now() or Lowered("", "")).rows  # outside a compile: the default workload
+    whole, why = _sfa_source(rows, n, slots, window, entries)
     if whole:  # the caches as they are: this call's rows, every ring, every compressed entry
-        parts = [cast(kv, kv.node.meta["val"].dtype, dtype)]
+        parts = [kv_rows]
         parts.append(
             aten.view.default(decoded(ring, ring, [slots, window], ring_fp8, False), [-1, d])
         )
         ring_row = aten.add.Tensor(aten.add.Tensor(aten.mul.Scalar(slot_1, window), T), ring_pos)
         index = aten.where.self(in_call, call_row, ring_row)
         if compressed is not None:
-            rows = decoded(compressed, compressed, [slots, entries], False, compressed_fp4)
-            parts.append(aten.view.default(rows, [-1, d]))
+            entry_rows = decoded(compressed, compressed, [slots, entries], False, compressed_fp4)
+            parts.append(aten.view.default(entry_rows, [-1, d]))
             first = aten.add.Tensor(aten.mul.Scalar(slot_1, entries), slots * window)
             index = aten.cat.default([index, aten.add.Tensor(aten.add.Tensor(first, T), idx)], 1)
         source = aten.cat.default(parts)
     else:  # each query's keys gathered: row s of query t at t * n + s
         ring_rows = aten.index.Tensor(ring, [slot_1, ring_pos])
         ring_keys = decoded(ring_rows, ring, [-1, window], ring_fp8, False)
-        call_keys = aten.index.Tensor(cast(kv, kv.node.meta["val"].dtype, dtype), [call_row])
+        call_keys = aten.index.Tensor(kv_rows, [call_row])
         keys = aten.where.self(aten.unsqueeze.default(in_call, -1), call_keys, ring_keys)
         if compressed is not None:
             picked_rows = aten.index.Tensor(compressed, [slot_1, idx])
@@ -571,10 +577,9 @@ def sparse_attention_sfa(
             keys = aten.cat.default([keys, picks], 1)
         # and a row of zeros no list names: the kernel refuses an empty key (T = 0)
         source = aten.constant_pad_nd.default(aten.view.default(keys, [-1, d]), [0, 0, 0, 1])
-        index = aten.add.Tensor(aten.mul.Scalar(aten.unsqueeze.default(arange(T), 1), n), arange(n))
+        index = aten.add.Tensor(aten.mul.Scalar(aten.unsqueeze.default(tokens, 1), n), slot_n)
     source = emit.named(source, "sfa_source", why)
     # the visible keys first, in their order: tie-free keys (graph mode has no stable sort)
-    slot_n = arange(n)
     key = aten.where.self(visible, slot_n, aten.add.Tensor(slot_n, n))
     order = aten.sort.default(key, -1)[1]
     index = aten.gather.default(index, 1, order)
@@ -624,11 +629,7 @@ def fp4_rows_decoded(
     half, blocks = d // 2, d // KV_FP4_BLOCK
     packed = aten.slice.Tensor(rows, -1, 0, half)
     scales = aten.view.dtype(aten.slice.Tensor(rows, -1, half, half + blocks), torch.float8_e4m3fn)
-    byte = emit.call(aten.arange.default, 256, dtype=torch.int64, device=device)
-    codes = aten.stack.default(
-        [aten.remainder.Scalar(byte, 16), aten.floor_divide.default(byte, 16)], -1
-    )
-    table = _e2m1_value(codes)  # [256, 2]
+    table = e2m1_table(emit.call(aten.arange.default, 256, dtype=torch.int64, device=device))
     index = aten._to_copy.default(aten.view.dtype(packed, torch.uint8), dtype=torch.int64)
     value = aten.view.default(aten.index.Tensor(table, [index]), [*lead, d])
     scaled = aten.mul.Tensor(
@@ -636,17 +637,3 @@ def fp4_rows_decoded(
         aten.unsqueeze.default(aten._to_copy.default(scales, dtype=torch.float32), -1),
     )
     return aten._to_copy.default(aten.flatten.using_ints(scaled, -2), dtype=dtype)
-
-
-def _e2m1_value(code: Proxy) -> Proxy:
-    """fp32 values of e2m1 codes (int, 0..15): exponent 0 is subnormal (m / 2), else
-    (1 + m / 2) * 2^(e - 1); bit 3 the sign (`formats.e2m1_table`)."""
-    magnitude = aten.remainder.Scalar(code, 8)
-    mantissa = aten._to_copy.default(aten.remainder.Scalar(magnitude, 2), dtype=torch.float32)
-    exponent = aten.floor_divide.default(magnitude, 2)
-    power = aten.pow.Scalar(
-        2.0, aten.sub.Scalar(aten._to_copy.default(exponent, dtype=torch.float32), 1.0)
-    )
-    normal = aten.mul.Tensor(aten.add.Scalar(aten.mul.Scalar(mantissa, 0.5), 1.0), power)
-    value = aten.where.self(aten.eq.Scalar(exponent, 0), aten.mul.Scalar(mantissa, 0.5), normal)
-    return aten.where.self(aten.ge.Scalar(code, 8), aten.neg.default(value), value)

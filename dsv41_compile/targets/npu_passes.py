@@ -60,6 +60,7 @@ from dsv41_compile.core.torch_private import (
     detect_fake_mode,
     enable_python_dispatcher,
 )
+from dsv41_compile.options import BackendOptions
 from dsv41_compile.runtime.program import PREPARATIONS
 from dsv41_compile.targets.npu_dtypes import E2M1
 
@@ -89,7 +90,7 @@ class Lowered:
 
     target: str
     device: str
-    rows: int = 8
+    rows: int = BackendOptions.rows_per_step
 
 
 _LOWERED: ContextVar[Lowered | None] = ContextVar("dsv41_lowered", default=None)
